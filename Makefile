@@ -1,0 +1,30 @@
+# `make demo` and `make test` set everything up on a fresh machine, then run.
+# torch is pinned and installed before the project so pip never resolves a newer
+# (CUDA, several GB) build.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]' $(TORCH)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/hyperoffload inspect --workload tiny-llama --mode train
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

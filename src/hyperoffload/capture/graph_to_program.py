@@ -1,0 +1,200 @@
+"""Convert a traced ``torch.fx`` graph (from ``make_fx`` in fake mode) into a Program.
+
+Storage identity comes from the fake tensors the trace left in ``node.meta["val"]``:
+two values alias when their tensors share a storage. This follows what the
+kernels really do (a view, an in-place result, an ``_unsafe_view`` of a fresh
+tensor) rather than what a schema claims, which is what makes the lifetime
+analysis agree with a real run byte for byte.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+
+from hyperoffload.capture.tags import KIND_KEY, PHASE_KEY
+from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
+from hyperoffload.op_rules import OpCall, count_flops
+
+
+class CaptureError(ValueError):
+    """A step could not be captured or converted; the message names the cause and the fix."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_nodes(args: Any) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(args, found.append)
+    return found
+
+
+@dataclass
+class _Builder:
+    """Mutable scratch state of one conversion; the result is immutable."""
+
+    records: list[dict] = field(default_factory=list)
+    storage_owner: dict[int, int] = field(default_factory=dict)
+    node_values: dict[str, int] = field(default_factory=dict)
+    tuple_values: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def add(self, name: str, tensor: torch.Tensor, kind: ValueKind | None, tag: ValueKind | None = None) -> int:
+        vid = len(self.records)
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        owner = self.storage_owner.setdefault(key, vid)
+        self.records.append(dict(
+            id=vid, name=name, shape=tuple(int(s) for s in tensor.shape), dtype=_dtype_name(tensor.dtype),
+            nbytes=tensor.numel() * tensor.element_size(), storage=owner,
+            alloc_bytes=int(storage.nbytes()) if owner == vid else 0, kind=kind, tag=tag))
+        return vid
+
+    def value_of(self, node: torch.fx.Node, user: torch.fx.Node) -> int:
+        vid = self.node_values.get(node.name)
+        if vid is None:
+            raise CaptureError(f"{user.name} ({user.target}) takes {node.name}, which is not a tensor the "
+                               f"capture tracks; steps must pass tensors between ops")
+        return vid
+
+
+def program_from_graph(gm: torch.fx.GraphModule, input_kinds: Sequence[ValueKind], *, name: str, mode: str,
+                       input_names: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Program:
+    """Build a Program from ``gm``; ``input_kinds`` gives the kind of each placeholder in order and
+    ``input_names`` readable names for them (default: the placeholder names)."""
+    b = _Builder()
+    inputs: list[int] = []
+    constants: list[int] = []
+    ops: list[Op] = []
+    op_phase: list[Phase] = []
+    outputs: list[int] = []
+    reads: dict[int, set[Phase]] = {}
+    phase = Phase.FORWARD
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(input_kinds):
+        raise CaptureError(f"graph has {len(placeholders)} inputs but {len(input_kinds)} kinds were given")
+    if input_names is not None and len(input_names) != len(input_kinds):
+        raise CaptureError(f"{len(input_names)} input names given for {len(input_kinds)} inputs")
+    kinds = iter(input_kinds)
+    names = iter(input_names or [n.name for n in placeholders])
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            kind = next(kinds)
+            if not isinstance(val, torch.Tensor):
+                raise CaptureError(f"step input {node.name} is {type(val).__name__}; only tensors can be inputs")
+            vid = b.add(next(names), val, kind)
+            b.node_values[node.name] = vid
+            inputs.append(vid)
+        elif node.op == "get_attr":
+            tensor = getattr(gm, node.target)
+            if isinstance(tensor, torch.Tensor):
+                vid = b.add(node.name, val if isinstance(val, torch.Tensor) else tensor, ValueKind.INPUT)
+                b.node_values[node.name] = vid
+                constants.append(vid)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            parent, index = node.args
+            vid = b.tuple_values.get(parent.name, {}).get(index)
+            if vid is not None:
+                b.node_values[node.name] = vid
+        elif node.op == "call_function":
+            ops.append(_convert_op(b, node, len(ops), phase, reads))
+            op_phase.append(phase)
+        elif node.op == "output":
+            for n in _tensor_nodes(node.args):
+                outputs.append(b.value_of(n, node))
+        else:
+            raise CaptureError(f"unsupported fx node {node.name} ({node.op}); capture expects a flat aten graph")
+        if PHASE_KEY in node.meta:
+            phase = node.meta[PHASE_KEY]
+    values = _finalise_kinds(b.records, reads)
+    return Program(name=name, mode=mode, values=values, ops=tuple(ops), inputs=tuple(inputs),
+                   outputs=tuple(dict.fromkeys(outputs)), constants=tuple(constants), graph=gm,
+                   node_values=MappingProxyType(dict(b.node_values)), meta=MappingProxyType(dict(meta or {})))
+
+
+def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, reads: dict[int, set[Phase]]) -> Op:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        raise CaptureError(f"op {node.name} calls {target!r}, which is not an aten operator; "
+                           f"capture supports graphs of aten operators only")
+    input_ids = list(dict.fromkeys(b.value_of(n, node) for n in _tensor_nodes((node.args, node.kwargs))))
+    for v in input_ids:
+        reads.setdefault(b.records[v]["storage"], set()).add(phase)
+    schema = target._schema
+    mutated: list[int] = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        arg = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+        mutated.extend(b.value_of(n, node) for n in _tensor_nodes(arg))
+
+    val = node.meta.get("val")
+    out_tensors: list[torch.Tensor] = []
+    if isinstance(val, torch.Tensor):
+        vid = b.add(node.name, val, None, node.meta.get(KIND_KEY))
+        b.node_values[node.name] = vid
+        output_ids = [vid]
+        out_tensors = [val]
+    else:
+        output_ids = []
+        if isinstance(val, (tuple, list)):
+            slots: dict[int, int] = {}
+            for i, item in enumerate(val):
+                if isinstance(item, torch.Tensor):
+                    slots[i] = b.add(f"{node.name}.{i}", item, None)
+                    output_ids.append(slots[i])
+                    out_tensors.append(item)
+            b.tuple_values[node.name] = slots
+    for v in output_ids:
+        b.records[v]["phase"] = phase
+
+    input_storages = {b.records[v]["storage"] for v in input_ids}
+    only_aliases = all(b.records[v]["storage"] in input_storages for v in output_ids)
+    example = lambda n: n.meta.get("val")  # noqa: E731
+    call = OpCall(
+        target=f"{target.namespace}.{target._opname}",
+        args=tuple(torch.fx.node.map_arg(node.args, example)),
+        kwargs=dict(torch.fx.node.map_arg(node.kwargs, example)),
+        inputs=tuple(example(n) for n in dict.fromkeys(_tensor_nodes((node.args, node.kwargs)))),
+        outputs=tuple(out_tensors),
+        argument_names=tuple(a.name for a in schema.arguments),
+    )
+    if only_aliases and not mutated:
+        flops = bytes_read = bytes_written = 0
+    else:
+        flops = count_flops(call)
+        bytes_read = sum(b.records[v]["nbytes"] for v in input_ids)
+        bytes_written = sum(b.records[v]["nbytes"] for v in output_ids)
+    return Op(id=op_id, name=node.name, target=str(target), inputs=tuple(input_ids), outputs=tuple(output_ids),
+              mutates=tuple(dict.fromkeys(mutated)), phase=phase, flops=int(flops), bytes_read=bytes_read,
+              bytes_written=bytes_written)
+
+
+def _finalise_kinds(records: list[dict], reads: dict[int, set[Phase]]) -> tuple[Value, ...]:
+    """Give each produced storage its kind; aliases take their storage's kind."""
+    tagged = {r["storage"]: r["tag"] for r in records if r.get("tag") is not None}
+    owner_kind: dict[int, ValueKind] = {}
+    for r in records:
+        if r["id"] != r["storage"]:
+            continue
+        if r["kind"] is not None:
+            owner_kind[r["id"]] = r["kind"]
+        elif r["id"] in tagged:
+            owner_kind[r["id"]] = tagged[r["id"]]
+        elif r.get("phase") == Phase.FORWARD and Phase.BACKWARD in reads.get(r["id"], ()):
+            owner_kind[r["id"]] = ValueKind.ACTIVATION
+        else:
+            owner_kind[r["id"]] = ValueKind.TEMPORARY
+    return tuple(
+        Value(id=r["id"], name=r["name"], shape=r["shape"], dtype=r["dtype"], nbytes=r["nbytes"],
+              kind=owner_kind[r["storage"]], storage=r["storage"], alloc_bytes=r["alloc_bytes"])
+        for r in records)

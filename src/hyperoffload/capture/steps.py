@@ -1,0 +1,253 @@
+"""Capture a training or inference step of an ``nn.Module`` as a Program.
+
+Each capture builds a plain step function over a flat list of tensors, traces it
+with ``make_fx`` in fake mode (so no memory is allocated by tracing, and models
+built under ``fake_build`` never allocate any), and converts the graph. The
+returned ``Captured`` also holds the step function, so a test or a user can run
+the same step eagerly and compare.
+
+Steps:
+
+* train: forward, loss, ``torch.autograd.grad``, then an in-place AdamW update of
+  every trainable parameter (moments in float32; an optional float32 master copy).
+  Gradients are freed after their update, as a compiled step would.
+* prefill: a forward pass under ``no_grad`` returning the model output.
+* decode: one new token per sequence against a KV cache passed in as input and
+  updated in place (models that implement ``new_cache`` and take ``cache`` and
+  ``start`` in ``forward``, like the built-in LLaMA).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hyperoffload.capture.graph_to_program import CaptureError, program_from_graph
+from hyperoffload.capture.tags import mark_phase, tag_values
+from hyperoffload.ir import Phase, Program, ValueKind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdamW:
+    """AdamW hyper-parameters (PyTorch's defaults, decoupled weight decay)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    master_weights: bool = False
+    """Keep a float32 master copy of each low-precision parameter and update that."""
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """A captured step: the Program, example inputs in ``program.inputs`` order, and the eager step.
+
+    ``step(*inputs)`` runs the same computation eagerly (mutating optimizer state,
+    parameters and KV caches in place, as the graph does). For a fake capture the
+    inputs are fake tensors and can only be inspected.
+    """
+
+    program: Program
+    inputs: tuple[torch.Tensor, ...]
+    step: Callable[..., Any] = field(repr=False)
+    capture_s: float = 0.0
+    """Wall time the trace and conversion took (seconds)."""
+
+
+def lm_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
+    """Default loss: cross-entropy of logits against integer targets, MSE against float targets,
+    or the mean of the output when there is no target. Logits are read from ``output.logits``,
+    ``output[0]`` or ``output`` itself, and cast to float32 first."""
+    if hasattr(output, "logits"):
+        output = output.logits
+    elif isinstance(output, (tuple, list)):
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise CaptureError(f"the model returned {type(output).__name__}; pass loss_fn= to turn it into a loss")
+    if target is None:
+        return output.float().mean()
+    if target.dtype in (torch.int64, torch.int32):
+        return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+    return F.mse_loss(output.float(), target.float())
+
+
+def adamw_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                 exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+                 masters: Sequence[torch.Tensor] | None, step: torch.Tensor, cfg: AdamW) -> None:
+    """One AdamW step in place. ``step`` is a float32 scalar tensor, so one graph serves every step."""
+    beta1, beta2 = cfg.betas
+    step.add_(1)
+    step_size = cfg.lr / (1 - torch.pow(beta1, step))
+    bias_correction2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        if grad is None:
+            continue  # as torch.optim does for parameters that got no gradient
+        exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
+        weights = masters[i] if masters is not None else param
+        grad = grad.to(exp_avg.dtype)
+        weights.mul_(1 - cfg.lr * cfg.weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
+        update = (exp_avg / denom).mul_(step_size)
+        weights.sub_(update.to(weights.dtype))
+        if masters is not None:
+            param.copy_(weights)
+
+
+def _split_state(model: nn.Module):
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    buffers = list(model.named_buffers())
+    return trainable, frozen, buffers
+
+
+def _trace(step: Callable, flat: Sequence[torch.Tensor], kinds: Sequence[ValueKind], input_names: Sequence[str], *,
+           name: str, mode: str, meta: dict) -> Captured:
+    start = time.perf_counter()
+    try:
+        gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
+    except CaptureError:
+        raise
+    except Exception as error:  # tracing runs arbitrary model code; report it as a capture problem
+        raise CaptureError(
+            f"tracing the {mode} step of {name} failed: {type(error).__name__}: {error}. The model must run "
+            f"on the example inputs with static shapes and no data-dependent Python control flow") from error
+    program = program_from_graph(gm, kinds, name=name, mode=mode, input_names=input_names, meta=meta)
+    return Captured(program=program, inputs=tuple(flat), step=step, capture_s=time.perf_counter() - start)
+
+
+def _batch(args: Any, kwargs: dict | None) -> tuple[list[torch.Tensor], Any, list[Any]]:
+    leaves, spec = tree_flatten((tuple(args) if isinstance(args, (tuple, list)) else (args,), dict(kwargs or {})))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    return tensors, spec, leaves
+
+
+def _batch_names(count: int) -> list[str]:
+    return ["batch"] if count == 1 else [f"batch.{i}" for i in range(count)]
+
+
+def _rebuild(spec, leaves: list[Any], tensors: Sequence[torch.Tensor]):
+    it = iter(tensors)
+    return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def capture_train_step(model: nn.Module, args: Any, target: torch.Tensor | None = None, *,
+                       kwargs: dict | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss,
+                       optimizer: AdamW = AdamW(), name: str | None = None, meta: dict | None = None) -> Captured:
+    """Capture forward, loss, backward and an AdamW update of ``model`` on one batch.
+
+    ``args``/``kwargs`` are the model's example inputs, ``target`` what ``loss_fn(output, target)``
+    compares against. Optimizer state starts at zero (the first step); its tensors are inputs of the
+    Program, so the same graph runs every later step.
+    """
+    trainable, frozen, buffers = _split_state(model)
+    if not trainable:
+        raise CaptureError("the model has no parameters with requires_grad=True; nothing to train")
+    batch, spec, leaves = _batch(args, kwargs)
+    targets = [target] if target is not None else []
+    moment_dtype = torch.float32
+    exp_avgs = [torch.zeros_like(p, dtype=moment_dtype) for _, p in trainable]
+    exp_avg_sqs = [torch.zeros_like(p, dtype=moment_dtype) for _, p in trainable]
+    masters = [p.detach().to(torch.float32, copy=True) for _, p in trainable] if optimizer.master_weights else []
+    step_count = torch.zeros((), dtype=torch.float32, device=trainable[0][1].device)
+    groups = [[p.detach() for _, p in trainable], [p.detach() for _, p in frozen], [b for _, b in buffers],
+              exp_avgs, exp_avg_sqs, masters, [step_count], batch, targets]
+    kinds = [ValueKind.PARAMETER] * (len(trainable) + len(frozen) + len(buffers)) + [ValueKind.OPTIMIZER_STATE] * (
+        2 * len(trainable) + len(masters) + 1) + [ValueKind.INPUT] * (len(batch) + len(targets))
+    sizes = [len(g) for g in groups]
+    names = [n for n, _ in trainable] + [n for n, _ in frozen] + [n for n, _ in buffers]
+
+    def step(*flat: torch.Tensor) -> torch.Tensor:
+        parts, at = [], 0
+        for size in sizes:
+            parts.append(list(flat[at:at + size]))
+            at += size
+        params, frozen_t, buffers_t, m, v, w, (count,), batch_t, target_t = parts
+        call_args, call_kwargs = _rebuild(spec, leaves, batch_t)
+        with torch.enable_grad():
+            leaves_t = [p.detach().requires_grad_() for p in params]
+            state = dict(zip(names, [*leaves_t, *frozen_t, *buffers_t]))
+            output = functional_call(model, state, call_args, call_kwargs)
+            loss = loss_fn(output, target_t[0] if target_t else None)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise CaptureError("loss_fn must return a single-element tensor")
+            mark_phase(Phase.BACKWARD)
+            grads = torch.autograd.grad(loss, leaves_t, allow_unused=True)
+        tag_values(grads, ValueKind.GRADIENT)
+        mark_phase(Phase.OPTIMIZER)
+        with torch.no_grad():
+            adamw_update(params, grads, m, v, w or None, count, optimizer)
+        return loss.detach()
+
+    flat = [t for g in groups for t in g]
+    trained = [n for n, _ in trainable]
+    input_names = [*names, *(f"exp_avg:{n}" for n in trained), *(f"exp_avg_sq:{n}" for n in trained),
+                   *(f"master:{n}" for n in trained[:len(masters)]), "adamw_step",
+                   *_batch_names(len(batch)), *(["target"] if targets else [])]
+    info = {"mode": "train", "optimizer": "adamw", "master_weights": optimizer.master_weights, **(meta or {})}
+    return _trace(step, flat, kinds, input_names, name=name or type(model).__name__, mode="train", meta=info)
+
+
+def capture_prefill_step(model: nn.Module, args: Any, *, kwargs: dict | None = None, name: str | None = None,
+                         meta: dict | None = None) -> Captured:
+    """Capture one forward pass of ``model`` without gradients (the prefill of inference)."""
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    batch, spec, leaves = _batch(args, kwargs)
+    names = [n for n, _ in params] + [n for n, _ in buffers]
+    n_state = len(names)
+
+    def step(*flat: torch.Tensor):
+        call_args, call_kwargs = _rebuild(spec, leaves, flat[n_state:])
+        with torch.no_grad():
+            output = functional_call(model, dict(zip(names, flat[:n_state])), call_args, call_kwargs)
+        return output.logits if hasattr(output, "logits") else output
+
+    flat = [p.detach() for _, p in params] + [b for _, b in buffers] + batch
+    kinds = [ValueKind.PARAMETER] * n_state + [ValueKind.INPUT] * len(batch)
+    return _trace(step, flat, kinds, [*names, *_batch_names(len(batch))], name=name or type(model).__name__,
+                  mode="prefill",
+                  meta={"mode": "prefill", **(meta or {})})
+
+
+def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *, name: str | None = None,
+                        meta: dict | None = None) -> Captured:
+    """Capture one decode step: ``tokens`` (batch, 1) at position ``context`` of a KV cache that
+    holds ``context`` earlier tokens. The cache (from ``model.new_cache(batch, context + 1)``) is an
+    input of the step and is written in place."""
+    if not hasattr(model, "new_cache"):
+        raise CaptureError(f"{type(model).__name__} does not provide new_cache(batch, context); decode capture "
+                           f"needs a model that takes its KV cache as an input (the built-in workloads do)")
+    if context < 0:
+        raise CaptureError(f"context must be >= 0 tokens, got {context}")
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    names = [n for n, _ in params] + [n for n, _ in buffers]
+    n_state = len(names)
+    cache = model.new_cache(tokens.shape[0], context + tokens.shape[1])
+    cache_flat, cache_spec = tree_flatten(cache)
+    start = torch.full((1,), context, dtype=torch.int64, device=tokens.device)
+
+    def step(*flat: torch.Tensor):
+        state = dict(zip(names, flat[:n_state]))
+        cache_t = tree_unflatten(list(flat[n_state:n_state + len(cache_flat)]), cache_spec)
+        tokens_t, start_t = flat[n_state + len(cache_flat):]
+        with torch.no_grad():
+            return functional_call(model, state, (tokens_t,), {"cache": cache_t, "start": start_t})
+
+    flat = [p.detach() for _, p in params] + [b for _, b in buffers] + cache_flat + [tokens, start]
+    kinds = [ValueKind.PARAMETER] * n_state + [ValueKind.KV_CACHE] * len(cache_flat) + [ValueKind.INPUT] * 2
+    input_names = [*names, *(f"kv_cache.{i}" for i in range(len(cache_flat))), "tokens", "start"]
+    return _trace(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
+                  meta={"mode": "decode", "context": context, **(meta or {})})

@@ -1,0 +1,109 @@
+"""The ``hyperoffload`` command line. It maps flags onto library calls and prints results.
+
+User errors (unknown names, impossible sizes, models that do not trace) print one
+clear line on stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from hyperoffload.capture import CaptureError
+from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload
+
+EXIT_USER_ERROR = 2
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _positive(text) if text.strip() not in ("0", "+0") else 0
+    return value
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", required=True, metavar="NAME", help=f"one of: {', '.join(WORKLOADS)}")
+    parser.add_argument("--mode", required=True, choices=MODES, help="which step to capture")
+    parser.add_argument("--batch", type=_positive, help="sequences per step (default: the workload's)")
+    parser.add_argument("--seq", type=_positive, help="tokens per sequence for train and prefill")
+    parser.add_argument("--context", type=_non_negative, help="tokens already in the KV cache for decode")
+    parser.add_argument("--master-weights", action="store_true",
+                        help="train with a float32 master copy of the weights")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyperoffload",
+        description="Plan, simulate and run offloading of a training or inference step to remote memory.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="capture a step and show its sizes and no-offload peak")
+    _add_step_arguments(inspect)
+    inspect.add_argument("--top", type=_positive, default=10, help="how many of the largest peak values to list")
+    commands.add_parser("workloads", help="list the built-in workloads")
+    return parser
+
+
+def _capture(args: argparse.Namespace, console: Console):
+    workload = get_workload(args.workload)
+    with console.status(f"Capturing the {args.mode} step of {workload.name} on fake tensors..."):
+        return capture_workload(workload, args.mode, batch=args.batch, seq=args.seq, context=args.context,
+                                master_weights=args.master_weights)
+
+
+def _inspect(args: argparse.Namespace, out: Console, err: Console) -> None:
+    from hyperoffload.report.inspect import inspect_step, inspect_tables
+
+    figures = inspect_step(_capture(args, err), top=args.top)
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        out.print(inspect_tables(figures))
+
+
+def _workloads(args: argparse.Namespace, out: Console, err: Console) -> None:
+    from rich.table import Table
+
+    table = Table(title="Built-in workloads", title_justify="left")
+    for column in ("name", "layers", "hidden", "dtype", "default step", "description", "source"):
+        table.add_column(column)
+    for w in WORKLOADS.values():
+        table.add_row(w.name, str(w.config.layers), str(w.config.hidden), str(w.dtype).removeprefix("torch."),
+                      f"batch {w.batch}, seq {w.seq}, context {w.context}", w.description, w.source)
+    out.print(table)
+
+
+COMMANDS = {"inspect": _inspect, "workloads": _workloads}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out, err = Console(), Console(stderr=True)
+    try:
+        COMMANDS[args.command](args, out, err)
+    except (UnknownWorkload, CaptureError, ValueError) as error:
+        err.print(f"[red]error:[/red] {error}", highlight=False)
+        return EXIT_USER_ERROR
+    return 0
+
+
+def main_entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_entry()

@@ -1,0 +1,217 @@
+"""The project's IR: a captured step as an immutable list of ops over values.
+
+A ``Program`` is what every pass reads. Values are tensors; ops are the aten calls
+of the captured ``torch.fx`` graph in a valid execution order. Memory belongs to
+*storages*: a value either owns its storage (``storage == id``) or aliases the
+storage of another value (views, in-place results). Only owners carry
+``alloc_bytes``; live-byte accounting sums owners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+
+class ValueKind(str, Enum):
+    """What a tensor is for. Decides what a plan may do with it."""
+
+    PARAMETER = "parameter"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATION = "activation"
+    """Produced in the forward pass and read again in the backward pass (saved for backward)."""
+    KV_CACHE = "kv_cache"
+    INPUT = "input"
+    """A step input that is neither model state nor KV cache (tokens, targets, positions)."""
+    TEMPORARY = "temporary"
+    """Any other intermediate."""
+
+
+class Phase(str, Enum):
+    """Which part of the step an op belongs to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Value:
+    """One tensor of the step."""
+
+    id: int
+    """Index in ``Program.values``."""
+    name: str
+    """The fx node name that produced it (or the placeholder's name)."""
+    shape: tuple[int, ...]
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``."""
+    nbytes: int
+    """Bytes of this tensor's elements (numel x element size)."""
+    kind: ValueKind
+    storage: int
+    """Id of the value owning the storage this value lives in (its own id if it owns it)."""
+    alloc_bytes: int
+    """Bytes of the storage allocation if this value owns it, else 0."""
+
+    @property
+    def owns_storage(self) -> bool:
+        return self.storage == self.id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Op:
+    """One aten call of the step."""
+
+    id: int
+    """Index in ``Program.ops``; the captured order is a valid execution order."""
+    name: str
+    """The fx node name."""
+    target: str
+    """The aten overload, e.g. ``"aten.mm.default"``."""
+    inputs: tuple[int, ...]
+    """Ids of the tensor values read, without repeats, in argument order."""
+    outputs: tuple[int, ...]
+    """Ids of the tensor values produced."""
+    mutates: tuple[int, ...] = ()
+    """Ids of input values whose storage this op writes in place."""
+    phase: Phase = Phase.FORWARD
+    flops: int = 0
+    """Floating-point operations (a multiply-add counts 2)."""
+    bytes_read: int = 0
+    """Bytes of tensor data read (device memory traffic)."""
+    bytes_written: int = 0
+    """Bytes of tensor data written."""
+
+    @property
+    def is_view(self) -> bool:
+        """True for ops that only make aliases: they move no data and cost nothing."""
+        return self.flops == 0 and self.bytes_read == 0 and self.bytes_written == 0 and not self.mutates
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Program:
+    """A captured step: values, ops in a valid order, the step's inputs and outputs.
+
+    ``graph`` is the ``torch.fx.GraphModule`` the program was captured from (None for
+    programs built directly in the IR); ``node_values`` maps each fx node name that
+    yields a tensor to its value id, so the graph can be executed against the IR.
+    """
+
+    name: str
+    mode: str
+    values: tuple[Value, ...]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    """Value ids of the step's inputs, in call order. The caller holds them for the whole step."""
+    outputs: tuple[int, ...]
+    """Value ids the step returns; they stay live to the end of the step."""
+    constants: tuple[int, ...] = ()
+    """Value ids of tensors held by the graph itself (fx ``get_attr``); live for the whole step."""
+    graph: Any = None
+    node_values: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Free-form facts about the capture (workload, batch, dtype policy) for reports."""
+
+    def __post_init__(self) -> None:
+        verify_program(self)
+
+    # --- derived views -------------------------------------------------------------
+    def producers(self) -> tuple[int, ...]:
+        """For each value id, the id of the op producing it, or -1 for step inputs."""
+        producer = [-1] * len(self.values)
+        for op in self.ops:
+            for v in op.outputs:
+                producer[v] = op.id
+        return tuple(producer)
+
+    def storage_owners(self) -> tuple[int, ...]:
+        """Ids of the values that own a storage, in id order."""
+        return tuple(v.id for v in self.values if v.owns_storage)
+
+    def dependencies(self) -> tuple[tuple[int, ...], ...]:
+        """For each op, the ops that must run before it.
+
+        Data dependencies (producer before reader) plus storage hazards: an op that
+        writes a storage keeps its captured order relative to every other op touching
+        that storage, so a reorder never reads a half-updated tensor or a stale one.
+        """
+        producer = self.producers()
+        deps: list[set[int]] = [set() for _ in self.ops]
+        for op in self.ops:
+            deps[op.id].update(producer[v] for v in op.inputs if producer[v] >= 0)
+        touches: dict[int, list[tuple[int, bool]]] = {}
+        for op in self.ops:
+            written = {self.values[v].storage for v in op.mutates}
+            for s in {self.values[v].storage for v in (*op.inputs, *op.outputs)} | written:
+                touches.setdefault(s, []).append((op.id, s in written))
+        for events in touches.values():
+            if not any(w for _, w in events):
+                continue
+            last_write = -1
+            reads_since_write: list[int] = []
+            for op_id, writes in events:
+                if last_write >= 0:
+                    deps[op_id].add(last_write)
+                if writes:
+                    deps[op_id].update(reads_since_write)
+                    last_write, reads_since_write = op_id, []
+                else:
+                    reads_since_write.append(op_id)
+        for op in self.ops:
+            deps[op.id].discard(op.id)
+        return tuple(tuple(sorted(d)) for d in deps)
+
+    def check_order(self, order: Sequence[int]) -> None:
+        """Raise ``ValueError`` unless ``order`` runs every op once and respects ``dependencies()``."""
+        if sorted(order) != list(range(len(self.ops))):
+            raise ValueError(f"an execution order must list each of the {len(self.ops)} op ids exactly once")
+        position = {op_id: i for i, op_id in enumerate(order)}
+        for op, deps in zip(self.ops, self.dependencies()):
+            for d in deps:
+                if position[d] > position[op.id]:
+                    raise ValueError(
+                        f"order runs {op.name} ({op.target}) before {self.ops[d].name}, which it depends on")
+
+
+def verify_program(program: Program) -> None:
+    """Check the IR's structural invariants; raise ``ValueError`` naming the first broken one."""
+    values, ops = program.values, program.ops
+    for i, v in enumerate(values):
+        if v.id != i:
+            raise ValueError(f"value {v.name} has id {v.id} at index {i}")
+        if not 0 <= v.storage < len(values) or not values[v.storage].owns_storage:
+            raise ValueError(f"value {v.name} aliases {v.storage}, which is not a storage owner")
+        if v.alloc_bytes < 0 or v.nbytes < 0 or (not v.owns_storage and v.alloc_bytes):
+            raise ValueError(f"value {v.name} has inconsistent byte counts")
+    defined = [False] * len(values)
+    for i in (*program.inputs, *program.constants):
+        defined[i] = True
+    for i, op in enumerate(ops):
+        if op.id != i:
+            raise ValueError(f"op {op.name} has id {op.id} at index {i}")
+        for v in op.inputs:
+            if not defined[v]:
+                raise ValueError(f"op {op.name} reads {values[v].name} before it is produced")
+        if not set(op.mutates) <= set(op.inputs):
+            raise ValueError(f"op {op.name} mutates a value it does not read")
+        for v in op.outputs:
+            if defined[v]:
+                raise ValueError(f"value {values[v].name} is produced twice (again by {op.name})")
+            defined[v] = True
+    missing = [values[v].name for v in program.outputs if not defined[v]]
+    if missing:
+        raise ValueError(f"step outputs never produced: {missing}")
+    undefined = [v.name for v, d in zip(values, defined) if not d]
+    if undefined:
+        raise ValueError(f"values neither step inputs nor produced by an op: {undefined[:5]}")
+
+
+def kind_bytes(program: Program, kinds: Iterable[ValueKind]) -> int:
+    """Total allocated bytes of the storages whose owner is of one of ``kinds``."""
+    wanted = set(kinds)
+    return sum(v.alloc_bytes for v in program.values if v.owns_storage and v.kind in wanted)

@@ -1,0 +1,121 @@
+"""Per-op rules for FLOPs and bytes moved, in a registry with a default.
+
+A rule receives an ``OpCall`` (the op's example input and output tensors, real or
+fake) and returns the op's FLOPs. Bytes are not per-op: an op reads its tensor
+inputs and writes its tensor outputs, except pure view ops, which move nothing.
+Matrix products and attention use ``torch.utils.flop_counter``'s formulas where
+they exist (a multiply-add counts 2 FLOPs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.utils.flop_counter as flop_counter
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """An op applied to example tensors: what a FLOP rule may look at."""
+
+    target: str
+    """Overload packet name, e.g. ``"aten.mm"``."""
+    args: tuple
+    """Positional arguments with tensors (real or fake) in place of graph nodes."""
+    kwargs: dict
+    inputs: tuple[torch.Tensor, ...]
+    """The tensors read, without repeats."""
+    outputs: tuple[torch.Tensor, ...]
+    """The tensors produced."""
+    argument_names: tuple[str, ...] = ()
+    """Names of the op schema's arguments, in order (to read an argument by name)."""
+
+    def argument(self, name: str, default=None):
+        """The argument called ``name``, whether passed by position or keyword."""
+        if name in self.argument_names:
+            index = self.argument_names.index(name)
+            if index < len(self.args):
+                return self.args[index]
+        return self.kwargs.get(name, default)
+
+
+FlopRule = Callable[[OpCall], int]
+_RULES: dict[str, FlopRule] = {}
+
+
+def register_flop_rule(*targets: str) -> Callable[[FlopRule], FlopRule]:
+    """Register ``rule`` for the named overload packets (``"aten.mm"``); later registrations win."""
+
+    def wrap(rule: FlopRule) -> FlopRule:
+        for t in targets:
+            _RULES[t] = rule
+        return rule
+
+    return wrap
+
+
+def default_flops(call: OpCall) -> int:
+    """One FLOP per element of the largest tensor the op touches (pointwise ops and reductions)."""
+    return max((t.numel() for t in (*call.inputs, *call.outputs)), default=0)
+
+
+def count_flops(call: OpCall) -> int:
+    """FLOPs of ``call`` by its registered rule, or by ``default_flops``."""
+    return int(_RULES.get(call.target, default_flops)(call))
+
+
+# Data movement: these copy or gather bytes and do no arithmetic worth counting.
+register_flop_rule(
+    "aten.clone", "aten._to_copy", "aten.copy", "aten.copy_", "aten.cat", "aten.stack", "aten.index_copy",
+    "aten.index_copy_", "aten.index_select", "aten.index", "aten.index_put", "aten.index_put_", "aten.embedding",
+    "aten.slice_scatter", "aten.select_scatter", "aten.slice_backward", "aten.select_backward", "aten.zeros",
+    "aten.zeros_like", "aten.ones", "aten.ones_like", "aten.empty", "aten.empty_like", "aten.full", "aten.full_like",
+    "aten.arange", "aten.new_zeros", "aten.new_ones", "aten.new_empty", "aten.fill", "aten.fill_", "aten.zero_",
+    "aten.scalar_tensor", "aten.lift_fresh_copy", "aten.gather", "aten.scatter", "aten.repeat",
+    "aten.repeat_interleave", "aten.constant_pad_nd", "aten.where", "aten._unsafe_view",
+)(lambda call: 0)
+
+
+def _torch_formula(name: str) -> FlopRule:
+    packet = getattr(torch.ops.aten, name.removeprefix("aten."))
+    formula = flop_counter.flop_registry[packet]
+    return lambda call: formula(*call.args, out_val=call.outputs if len(call.outputs) != 1 else call.outputs[0],
+                                **call.kwargs)
+
+
+for _name in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution", "aten.convolution_backward"):
+    register_flop_rule(_name)(_torch_formula(_name))
+
+
+def _attention_flops(query: torch.Tensor, key: torch.Tensor, causal: bool) -> int:
+    """QK^T and PV products: 2 matmuls of b*h*s_q*s_k*d multiply-adds; a causal mask halves the work."""
+    *batch, s_q, d = query.shape
+    s_k = key.shape[-2]
+    b_h = 1
+    for n in batch:
+        b_h *= n
+    flops = 2 * 2 * b_h * s_q * s_k * d
+    return flops // 2 if causal and s_q == s_k else flops
+
+
+@register_flop_rule("aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention",
+                    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention")
+def sdpa_forward_flops(call: OpCall) -> int:
+    return _attention_flops(call.argument("query"), call.argument("key"), bool(call.argument("is_causal", False)))
+
+
+@register_flop_rule("aten._scaled_dot_product_flash_attention_for_cpu_backward",
+                    "aten._scaled_dot_product_flash_attention_backward",
+                    "aten._scaled_dot_product_efficient_attention_backward",
+                    "aten._scaled_dot_product_cudnn_attention_backward")
+def sdpa_backward_flops(call: OpCall) -> int:
+    """Backward recomputes QK^T and runs 4 more products: 2.5x the forward."""
+    forward = _attention_flops(call.argument("query"), call.argument("key"), bool(call.argument("is_causal", False)))
+    return forward * 5 // 2
+
+
+def tensors_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the elements of ``tensors`` (numel x element size), summed."""
+    return sum(t.numel() * t.element_size() for t in tensors)

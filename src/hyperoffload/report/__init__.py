@@ -1,0 +1,1 @@
+"""Reports: figures as dicts for JSON, and rich tables for people."""

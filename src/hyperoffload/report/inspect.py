@@ -1,0 +1,85 @@
+"""What a captured step holds: sizes by kind, the no-offload peak and what makes it up."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from hyperoffload.analysis import memory_profile
+from hyperoffload.capture import Captured
+from hyperoffload.ir import Program, ValueKind, kind_bytes
+from hyperoffload.units import format_bytes, format_count
+
+
+def inspect_step(captured: Captured, *, top: int = 10) -> dict[str, Any]:
+    """Figures of a captured step, as a JSON-ready dict (bytes, FLOPs, seconds)."""
+    program = captured.program
+    profile = memory_profile(program)
+    peak_by_kind: Counter[str] = Counter()
+    for s in profile.peak_storages:
+        peak_by_kind[program.values[s].kind.value] += program.values[s].alloc_bytes
+    peak_op = program.ops[profile.order[profile.peak_position]] if profile.peak_position >= 0 else None
+    return {
+        **{k: v for k, v in program.meta.items()},
+        "workload": program.meta.get("workload", program.name),
+        "mode": program.mode,
+        "num_ops": len(program.ops),
+        "num_values": len(program.values),
+        "flops": sum(op.flops for op in program.ops),
+        "params_bytes": kind_bytes(program, [ValueKind.PARAMETER]),
+        "grads_bytes": kind_bytes(program, [ValueKind.GRADIENT]),
+        "optimizer_bytes": kind_bytes(program, [ValueKind.OPTIMIZER_STATE]),
+        "activation_bytes": kind_bytes(program, [ValueKind.ACTIVATION]),
+        "kv_bytes": kind_bytes(program, [ValueKind.KV_CACHE]),
+        "input_bytes": kind_bytes(program, [ValueKind.INPUT]),
+        "peak_bytes": profile.peak_bytes,
+        "peak_op": None if peak_op is None else {"position": profile.peak_position, "name": peak_op.name,
+                                                  "target": peak_op.target, "phase": peak_op.phase.value},
+        "peak_by_kind": dict(peak_by_kind.most_common()),
+        "peak_values": [_describe(program, s) for s in profile.peak_storages[:top]],
+        "capture_s": round(captured.capture_s, 3),
+    }
+
+
+def _describe(program: Program, vid: int) -> dict[str, Any]:
+    v = program.values[vid]
+    return {"name": v.name, "kind": v.kind.value, "shape": list(v.shape), "dtype": v.dtype, "bytes": v.alloc_bytes}
+
+
+def inspect_tables(figures: dict[str, Any]) -> Group:
+    """The figures of ``inspect_step`` as tables for a terminal."""
+    title = f"{figures['workload']} {figures['mode']}"
+    shape = ", ".join(f"{k} {figures[k]}" for k in ("batch", "seq", "context") if k in figures)
+    sizes = Table(title=f"{title} ({shape}; {figures.get('dtype', '?')})", title_justify="left")
+    sizes.add_column("quantity")
+    sizes.add_column("value", justify="right")
+    for label, key in (("parameters", "params_bytes"), ("gradients", "grads_bytes"),
+                       ("optimizer state", "optimizer_bytes"), ("saved activations", "activation_bytes"),
+                       ("KV cache", "kv_bytes"), ("step inputs", "input_bytes")):
+        sizes.add_row(label, format_bytes(figures[key]))
+    peak_op = figures["peak_op"]
+    where = f" (at op {peak_op['position']}, {peak_op['phase']})" if peak_op else ""
+    sizes.add_row("[bold]peak device memory, no offload[/bold]", f"[bold]{format_bytes(figures['peak_bytes'])}[/bold]")
+    sizes.add_row("peak reached at", where.strip(" ()") or "-")
+    sizes.add_row("ops", f"{figures['num_ops']:,}")
+    sizes.add_row("FLOPs", format_count(figures["flops"]))
+    sizes.add_row("capture time", f"{figures['capture_s']:.1f} s")
+
+    by_kind = Table(title="What the peak is made of", title_justify="left")
+    by_kind.add_column("kind")
+    by_kind.add_column("bytes", justify="right")
+    by_kind.add_column("share", justify="right")
+    for kind, size in figures["peak_by_kind"].items():
+        by_kind.add_row(kind, format_bytes(size), f"{100 * size / max(figures['peak_bytes'], 1):.1f}%")
+
+    largest = Table(title="Largest values live at the peak", title_justify="left")
+    for column in ("value", "kind", "shape", "dtype"):
+        largest.add_column(column)
+    largest.add_column("bytes", justify="right")
+    for v in figures["peak_values"]:
+        largest.add_row(v["name"], v["kind"], "x".join(map(str, v["shape"])) or "scalar", v["dtype"],
+                        format_bytes(v["bytes"]))
+    return Group(sizes, by_kind, largest)

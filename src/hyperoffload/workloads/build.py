@@ -1,0 +1,49 @@
+"""Build a workload's model and example batch, then capture one step of it."""
+
+from __future__ import annotations
+
+import torch
+
+from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_step, capture_prefill_step,
+                                  capture_train_step, default_dtype, fake_build)
+from hyperoffload.workloads.llama import Llama
+from hyperoffload.workloads.presets import Workload
+
+MODES = ("train", "prefill", "decode")
+
+
+def capture_workload(workload: Workload, mode: str, *, batch: int | None = None, seq: int | None = None,
+                     context: int | None = None, fake: bool = True, master_weights: bool = False,
+                     seed: int = 0) -> Captured:
+    """Capture ``mode`` ("train", "prefill" or "decode") of ``workload``.
+
+    ``fake=True`` builds the model and batch as fake tensors (no memory: any size can be
+    inspected and planned); ``fake=False`` builds real random weights seeded by ``seed``, so
+    the step can be executed. ``seq`` is tokens per sequence for train and prefill, ``context``
+    the tokens already cached for decode (which feeds one new token per sequence).
+    """
+    if mode not in MODES:
+        raise CaptureError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    batch = workload.batch if batch is None else batch
+    seq = workload.seq if seq is None else seq
+    context = workload.context if context is None else context
+    for label, size in (("batch", batch), ("seq", seq)):
+        if size <= 0:
+            raise CaptureError(f"--{label} must be a positive number of "
+                               f"{'sequences' if label == 'batch' else 'tokens'}, got {size}")
+    if context < 0:
+        raise CaptureError(f"--context must be >= 0 tokens, got {context}")
+    meta = {"workload": workload.name, "batch": batch, "dtype": str(workload.dtype).removeprefix("torch.")}
+    vocab = workload.config.vocab_size
+    if not fake:
+        torch.manual_seed(seed)
+    with fake_build(workload.dtype) if fake else default_dtype(workload.dtype):
+        model = Llama(workload.config)
+        tokens = torch.randint(0, vocab, (batch, 1 if mode == "decode" else seq))
+        targets = torch.randint(0, vocab, (batch, seq))
+    if mode == "train":
+        return capture_train_step(model, (tokens,), targets, optimizer=AdamW(master_weights=master_weights),
+                                  name=workload.name, meta={**meta, "seq": seq})
+    if mode == "prefill":
+        return capture_prefill_step(model, (tokens,), name=workload.name, meta={**meta, "seq": seq})
+    return capture_decode_step(model, tokens, context, name=workload.name, meta=meta)
