@@ -11,7 +11,8 @@ Steps:
 * train: forward, loss, ``torch.autograd.grad``, then an in-place AdamW update of
   every trainable parameter (moments in float32; an optional float32 master copy).
   Gradients are freed after their update, as a compiled step would.
-* prefill: a forward pass under ``no_grad`` returning the model output.
+* prefill: a forward pass under ``no_grad`` returning the model output. The model's
+  train/eval mode is used as given: call ``model.eval()`` first to leave dropout out.
 * decode: one new token per sequence against a KV cache passed in as input and
   updated in place (models that implement ``new_cache`` and take ``cache`` and
   ``start`` in ``forward``, like the built-in LLaMA).
@@ -78,7 +79,9 @@ def lm_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
         return output.float().mean()
     if target.dtype in (torch.int64, torch.int32):
         return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
-    return F.mse_loss(output.float(), target.float())
+    # Written out rather than F.mse_loss: its CPU kernel returns a 0-d view of a buffer the size of the
+    # input, which would make the real live bytes differ from what the fake trace records.
+    return (output.float() - target.float()).pow(2).mean()
 
 
 def adamw_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -115,6 +118,7 @@ def _split_state(model: nn.Module):
 def _trace(step: Callable, flat: Sequence[torch.Tensor], kinds: Sequence[ValueKind], input_names: Sequence[str], *,
            name: str, mode: str, meta: dict) -> Captured:
     start = time.perf_counter()
+    flat = _own_storages(flat)
     try:
         gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
     except CaptureError:
@@ -125,6 +129,22 @@ def _trace(step: Callable, flat: Sequence[torch.Tensor], kinds: Sequence[ValueKi
             f"on the example inputs with static shapes and no data-dependent Python control flow") from error
     program = program_from_graph(gm, kinds, name=name, mode=mode, input_names=input_names, meta=meta)
     return Captured(program=program, inputs=tuple(flat), step=step, capture_s=time.perf_counter() - start)
+
+
+def _own_storages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each input in a storage of its own and of its own size: copies of inputs that share a buffer
+    with another input or view part of a larger one. The Program holds each input's storage for the
+    whole step; a shared or larger buffer would be counted differently from separate tensors."""
+    seen: set[int] = set()
+    result = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        whole = t.is_contiguous() and t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
+        if storage._cdata in seen or not whole:
+            t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(t.untyped_storage()._cdata)
+        result.append(t)
+    return result
 
 
 def _batch(args: Any, kwargs: dict | None) -> tuple[list[torch.Tensor], Any, list[Any]]:
@@ -160,7 +180,7 @@ def capture_train_step(model: nn.Module, args: Any, target: torch.Tensor | None 
     exp_avgs = [torch.zeros_like(p, dtype=moment_dtype) for _, p in trainable]
     exp_avg_sqs = [torch.zeros_like(p, dtype=moment_dtype) for _, p in trainable]
     masters = [p.detach().to(torch.float32, copy=True) for _, p in trainable] if optimizer.master_weights else []
-    step_count = torch.zeros((), dtype=torch.float32, device=trainable[0][1].device)
+    step_count = trainable[0][1].new_zeros((), dtype=torch.float32)  # fake when the model is fake
     groups = [[p.detach() for _, p in trainable], [p.detach() for _, p in frozen], [b for _, b in buffers],
               exp_avgs, exp_avg_sqs, masters, [step_count], batch, targets]
     kinds = [ValueKind.PARAMETER] * (len(trainable) + len(frozen) + len(buffers)) + [ValueKind.OPTIMIZER_STATE] * (

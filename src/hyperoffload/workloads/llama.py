@@ -113,7 +113,9 @@ class Attention(nn.Module):
         # enable_gqa shares each key/value head across its query group without copying it.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=self.heads != self.kv_heads)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        # Flatten to 2-D before the projection: for a 3-D input, matmul picks mm or bmm from the
+        # strides, and a fake trace can see different strides for size-1 dimensions than a real run.
+        return self.wo(out.transpose(1, 2).reshape(batch * seq, -1)).view(batch, seq, -1)
 
 
 class FeedForward(nn.Module):

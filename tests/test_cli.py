@@ -1,0 +1,66 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hyperoffload.cli import main
+
+KEYS = {"num_ops", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "kv_bytes", "peak_bytes"}
+
+
+def run_json(capsys, *args):
+    assert main(["inspect", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_inspect_json_train(capsys):
+    figures = run_json(capsys, "--workload", "tiny-llama", "--mode", "train")
+    assert KEYS <= figures.keys()
+    assert figures["grads_bytes"] == figures["params_bytes"]
+    assert figures["optimizer_bytes"] == 2 * figures["params_bytes"] + 4
+    assert figures["activation_bytes"] > 0 and figures["kv_bytes"] == 0
+    assert figures["peak_bytes"] >= figures["params_bytes"] + figures["optimizer_bytes"]
+    assert sum(figures["peak_by_kind"].values()) == figures["peak_bytes"]
+    sizes = [v["bytes"] for v in figures["peak_values"]]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_inspect_json_decode_sizes_follow_flags(capsys):
+    small = run_json(capsys, "--workload", "tiny-llama", "--mode", "decode", "--context", "15", "--batch", "1")
+    large = run_json(capsys, "--workload", "tiny-llama", "--mode", "decode", "--context", "31", "--batch", "1")
+    assert small["kv_bytes"] * 2 == large["kv_bytes"]  # 16 vs 32 cached positions
+    assert small["grads_bytes"] == small["optimizer_bytes"] == 0
+
+
+def test_inspect_table(capsys):
+    assert main(["inspect", "--workload", "tiny-llama", "--mode", "prefill", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "peak device memory, no offload" in out and "Largest values live at the peak" in out
+
+
+def test_unknown_workload_is_a_clear_error(capsys):
+    assert main(["inspect", "--workload", "llama9", "--mode", "train"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown workload 'llama9'" in err and "tiny-llama" in err
+
+
+@pytest.mark.parametrize("flag", [["--seq", "0"], ["--batch", "-1"], ["--batch", "two"], ["--mode", "serve"]])
+def test_bad_flags_exit_2(flag, capsys):
+    args = ["inspect", "--workload", "tiny-llama", "--mode", "train", *flag]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+
+
+def test_console_script_reports_errors_without_traceback():
+    result = subprocess.run([sys.executable, "-m", "hyperoffload.cli", "inspect", "--workload", "nope", "--mode",
+                             "train"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "unknown workload" in result.stderr
+
+
+def test_workloads_lists_presets(capsys):
+    assert main(["workloads"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3-8b" in out and "llama3-70b" in out
