@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/hyperoffload inspect --workload tiny-llama --mode train
+	$(VENV)/bin/hyperoffload inspect --workload tiny-llama --mode train --verify
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2

@@ -5,33 +5,19 @@ from __future__ import annotations
 import heapq
 import random
 
-import torch
-
-from hyperoffload.analysis import memory_profile
 from hyperoffload.capture import Captured
-from hyperoffload.runtime import run_reference
-
-
-def clones(tensors):
-    return [t.clone() for t in tensors]
+from hyperoffload.runtime import compare_with_eager
 
 
 def assert_matches_eager(captured: Captured, order=None) -> None:
-    """Run the captured graph and the eager step on identical copies of the inputs: outputs and every
-    input (optimizer state, parameters and caches are updated in place) must be bit-identical, and the
-    executor's measured live bytes must equal the analysis at every op."""
-    graph_inputs, eager_inputs = clones(captured.inputs), clones(captured.inputs)
-    run = run_reference(captured.program, graph_inputs, order)
-    eager = captured.step(*eager_inputs)
-    eager = eager if isinstance(eager, (tuple, list)) else (eager,)
-    assert len(run.outputs) == len(eager)
-    for got, want in zip(run.outputs, eager):
-        assert torch.equal(got, want)
-    for i, (got, want) in enumerate(zip(graph_inputs, eager_inputs)):
-        assert torch.equal(got, want), f"input {captured.program.values[captured.program.inputs[i]].name} differs"
-    profile = memory_profile(captured.program, order)
-    assert run.live_bytes == profile.live_bytes
-    assert run.peak_bytes == profile.peak_bytes
+    """The captured graph and the eager step, run on identical copies of the inputs, give bit-identical
+    outputs and inputs (optimizer state, parameters and caches are updated in place), and the executor's
+    measured live bytes equal the analysis at every op."""
+    result = compare_with_eager(captured, order)
+    assert result.identical, f"differs from eager: {result.mismatched} (max abs diff {result.max_abs_diff})"
+    assert result.max_abs_diff == 0.0
+    assert result.live_bytes_agree
+    assert result.measured_peak_bytes == result.analysed_peak_bytes
 
 
 def random_valid_order(program, seed: int) -> list[int]:

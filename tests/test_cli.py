@@ -64,3 +64,15 @@ def test_workloads_lists_presets(capsys):
     assert main(["workloads"]) == 0
     out = capsys.readouterr().out
     assert "llama3-8b" in out and "llama3-70b" in out
+
+
+def test_inspect_verify_executes_and_agrees(capsys):
+    figures = run_json(capsys, "--workload", "tiny-llama", "--mode", "train", "--verify")
+    check = figures["verify"]
+    assert check["identical_to_eager"] and check["live_bytes_agree"] and check["max_abs_diff"] == 0.0
+    assert check["measured_peak_bytes"] == check["analysed_peak_bytes"] == figures["peak_bytes"]
+
+
+def test_inspect_verify_refuses_a_step_too_large_for_this_machine(capsys):
+    assert main(["inspect", "--workload", "llama3-8b", "--mode", "prefill", "--verify"]) == 2
+    assert "--verify executes the step for real" in capsys.readouterr().err

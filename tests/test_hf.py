@@ -17,6 +17,7 @@ from hyperoffload.analysis import memory_profile  # noqa: E402
 from hyperoffload.capture import CaptureError, fake_build, is_fake  # noqa: E402
 from hyperoffload.capture.hf import capture_hf  # noqa: E402
 from hyperoffload.runtime import run_reference  # noqa: E402
+from helpers import assert_matches_eager  # noqa: E402
 
 BATCH, SEQ = 2, 8
 # Tiny, dropout-free (both families default attention_dropout to 0.0), GQA 2:1 like the real models.
@@ -51,19 +52,11 @@ def test_graph_matches_eager_step_and_profile(family: str, mode: str) -> None:
         targets = captured.inputs[-1]
         assert targets.shape == (BATCH, SEQ) and torch.equal(targets[:, :-1], ids[:, 1:])  # next-token targets
 
-    graph_inputs = [t.clone() for t in captured.inputs]
-    eager_inputs = [t.clone() for t in captured.inputs]
-    ran = run_reference(program, graph_inputs)
-    eager = captured.step(*eager_inputs)
-
-    assert len(ran.outputs) == 1 and torch.equal(ran.outputs[0], eager)
-    # Optimizer state and parameters are updated in place by a train step; all inputs must agree.
-    assert all(torch.equal(g, e) for g, e in zip(graph_inputs, eager_inputs))
-    if mode == "train":
-        assert not all(torch.equal(g, o) for g, o in zip(graph_inputs, captured.inputs))  # the update did land
-    profile = memory_profile(program)
-    assert ran.peak_bytes == profile.peak_bytes
-    assert ran.live_bytes == profile.live_bytes
+    assert_matches_eager(captured)
+    if mode == "train":  # the update did land
+        updated = [t.clone() for t in captured.inputs]
+        run_reference(program, updated)
+        assert not all(torch.equal(u, o) for u, o in zip(updated, captured.inputs))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

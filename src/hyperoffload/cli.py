@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="capture a step and show its sizes and no-offload peak")
     _add_step_arguments(inspect)
     inspect.add_argument("--top", type=_positive, default=10, help="how many of the largest peak values to list")
+    inspect.add_argument("--verify", action="store_true",
+                         help="also build the step with real random weights, execute it on CPU with the reference "
+                              "executor and compare measured live bytes and results with the analysis and eager")
     commands.add_parser("workloads", help="list the built-in workloads")
     return parser
 
@@ -64,17 +67,47 @@ def _capture(args: argparse.Namespace, console: Console):
                                 master_weights=args.master_weights)
 
 
-def _inspect(args: argparse.Namespace, out: Console, err: Console) -> None:
+def _inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.report.inspect import inspect_step, inspect_tables
 
     figures = inspect_step(_capture(args, err), top=args.top)
+    if args.verify:
+        figures["verify"] = _verify(args, figures["peak_bytes"], err)
     if args.json:
         print(json.dumps(figures))
     else:
         out.print(inspect_tables(figures))
+    check = figures.get("verify")
+    if check and not (check["identical_to_eager"] and check["live_bytes_agree"]):
+        err.print("[red]verification failed:[/red] the executed step disagrees with the analysis or with eager")
+        return 1
+    return 0
 
 
-def _workloads(args: argparse.Namespace, out: Console, err: Console) -> None:
+def _verify(args: argparse.Namespace, peak_bytes: int, err: Console) -> dict:
+    import os
+
+    from hyperoffload.runtime import compare_with_eager
+    from hyperoffload.units import format_bytes
+
+    # The check holds the inputs three times (original, graph run, eager run) plus each run's peak.
+    needed = 3 * peak_bytes
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > host // 2:
+        raise ValueError(f"--verify executes the step for real and would need about {format_bytes(needed)}, more "
+                         f"than half of this machine's {format_bytes(host)}; verify a smaller workload "
+                         f"(tiny-llama) or smaller --batch/--seq/--context")
+    workload = get_workload(args.workload)
+    with err.status(f"Executing the {args.mode} step of {workload.name} with real weights and comparing..."):
+        captured = capture_workload(workload, args.mode, batch=args.batch, seq=args.seq, context=args.context,
+                                    master_weights=args.master_weights, fake=False)
+        result = compare_with_eager(captured)
+    return {"identical_to_eager": result.identical, "max_abs_diff": result.max_abs_diff,
+            "measured_peak_bytes": result.measured_peak_bytes, "analysed_peak_bytes": result.analysed_peak_bytes,
+            "live_bytes_agree": result.live_bytes_agree}
+
+
+def _workloads(args: argparse.Namespace, out: Console, err: Console) -> int:
     from rich.table import Table
 
     table = Table(title="Built-in workloads", title_justify="left")
@@ -84,6 +117,7 @@ def _workloads(args: argparse.Namespace, out: Console, err: Console) -> None:
         table.add_row(w.name, str(w.config.layers), str(w.config.hidden), str(w.dtype).removeprefix("torch."),
                       f"batch {w.batch}, seq {w.seq}, context {w.context}", w.description, w.source)
     out.print(table)
+    return 0
 
 
 COMMANDS = {"inspect": _inspect, "workloads": _workloads}
@@ -93,11 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = Console(), Console(stderr=True)
     try:
-        COMMANDS[args.command](args, out, err)
+        return COMMANDS[args.command](args, out, err)
     except (UnknownWorkload, CaptureError, ValueError) as error:
         err.print(f"[red]error:[/red] {error}", highlight=False)
         return EXIT_USER_ERROR
-    return 0
 
 
 def main_entry() -> None:

@@ -82,4 +82,19 @@ def inspect_tables(figures: dict[str, Any]) -> Group:
     for v in figures["peak_values"]:
         largest.add_row(v["name"], v["kind"], "x".join(map(str, v["shape"])) or "scalar", v["dtype"],
                         format_bytes(v["bytes"]))
-    return Group(sizes, by_kind, largest)
+    parts = [sizes, by_kind, largest]
+    if "verify" in figures:
+        parts.append(_verify_table(figures["verify"]))
+    return Group(*parts)
+
+
+def _verify_table(check: dict[str, Any]) -> Table:
+    table = Table(title="Executed on CPU with real weights (reference executor)", title_justify="left")
+    table.add_column("check")
+    table.add_column("result", justify="right")
+    ok = lambda good: "[green]yes[/green]" if good else "[red]NO[/red]"  # noqa: E731
+    table.add_row("measured peak (from the tensors' storages)", format_bytes(check["measured_peak_bytes"]))
+    table.add_row("analysed peak", format_bytes(check["analysed_peak_bytes"]))
+    table.add_row("equal at every op", ok(check["live_bytes_agree"]))
+    table.add_row("results bit-identical to eager", ok(check["identical_to_eager"]))
+    return table

@@ -1,5 +1,5 @@
 """Executors of captured steps."""
 
-from hyperoffload.runtime.reference import ReferenceRun, run_reference
+from hyperoffload.runtime.reference import EagerComparison, ReferenceRun, compare_with_eager, run_reference
 
-__all__ = ["ReferenceRun", "run_reference"]
+__all__ = ["EagerComparison", "ReferenceRun", "compare_with_eager", "run_reference"]

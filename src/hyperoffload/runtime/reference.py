@@ -84,3 +84,50 @@ def run_reference(program: Program, inputs: Sequence[torch.Tensor], order: Seque
                 env.pop(vid, None)
     outputs = tuple(env[v] for v in program.outputs)
     return ReferenceRun(outputs=outputs, live_bytes=tuple(live), peak_bytes=max(live, default=0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EagerComparison:
+    """A captured step's graph run against its eager run on identical copies of the inputs."""
+
+    identical: bool
+    """Outputs and every input after the step (updated in place) are bit-identical."""
+    max_abs_diff: float
+    """Largest absolute difference over outputs and updated inputs (0.0 when identical)."""
+    mismatched: tuple[str, ...]
+    """Names of the outputs / inputs that differ."""
+    measured_peak_bytes: int
+    """Peak of the bytes the executor held, measured from the tensors' storages."""
+    analysed_peak_bytes: int
+    """Peak the lifetime analysis predicts for the same order."""
+    live_bytes_agree: bool
+    """Measured and analysed live bytes are equal at every op, not just at the peak."""
+
+
+def compare_with_eager(captured, order: Sequence[int] | None = None) -> EagerComparison:
+    """Run ``captured`` (a real, not fake, capture) through ``run_reference`` and eagerly, and compare."""
+    from hyperoffload.analysis import memory_profile
+
+    program = captured.program
+    graph_inputs = [t.clone() for t in captured.inputs]
+    eager_inputs = [t.clone() for t in captured.inputs]
+    run = run_reference(program, graph_inputs, order)
+    eager = captured.step(*eager_inputs)
+    eager = tuple(x for x in tree_flatten(eager)[0] if isinstance(x, torch.Tensor))
+    pairs = [(f"output {i}", got, want) for i, (got, want) in enumerate(zip(run.outputs, eager))]
+    pairs += [(program.values[v].name, got, want) for v, got, want in zip(program.inputs, graph_inputs, eager_inputs)]
+    mismatched, worst = [], 0.0
+    for name, got, want in pairs:
+        if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
+            mismatched.append(name)
+            if got.shape == want.shape and got.numel():
+                worst = max(worst, (got.double() - want.double()).abs().max().item())
+            else:
+                worst = float("inf")
+    if len(run.outputs) != len(eager):
+        mismatched.append("number of outputs")
+        worst = float("inf")
+    profile = memory_profile(program, order)
+    return EagerComparison(identical=not mismatched, max_abs_diff=worst, mismatched=tuple(mismatched),
+                           measured_peak_bytes=run.peak_bytes, analysed_peak_bytes=profile.peak_bytes,
+                           live_bytes_agree=run.live_bytes == profile.live_bytes)
