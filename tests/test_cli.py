@@ -76,3 +76,19 @@ def test_inspect_verify_executes_and_agrees(capsys):
 def test_inspect_verify_refuses_a_step_too_large_for_this_machine(capsys):
     assert main(["inspect", "--workload", "llama3-8b", "--mode", "prefill", "--verify"]) == 2
     assert "--verify executes the step for real" in capsys.readouterr().err
+
+
+def test_inspect_hugging_face_config(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    figures = run_json(capsys, "--workload", f"hf:{tmp_path}", "--mode", "train", "--seq", "16", "--verify")
+    assert figures["model_type"] == "qwen2" and figures["seq"] == 16
+    assert 0 < figures["grads_bytes"] <= figures["params_bytes"]  # buffers (RoPE tables) count as parameters
+    assert figures["verify"]["identical_to_eager"] and figures["verify"]["live_bytes_agree"]
+
+
+def test_inspect_hugging_face_config_missing(tmp_path, capsys):
+    assert main(["inspect", "--workload", f"hf:{tmp_path}", "--mode", "train"]) == 2
+    assert "no Hugging Face config" in capsys.readouterr().err

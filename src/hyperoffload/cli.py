@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+import torch
 from rich.console import Console
 
 from hyperoffload.capture import CaptureError
@@ -35,7 +36,9 @@ def _non_negative(text: str) -> int:
 
 
 def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", required=True, metavar="NAME", help=f"one of: {', '.join(WORKLOADS)}")
+    parser.add_argument("--workload", required=True, metavar="NAME",
+                        help=f"one of: {', '.join(WORKLOADS)}; or hf:PATH for a Hugging Face causal LM built "
+                             f"from a local config.json (random weights, nothing downloaded)")
     parser.add_argument("--mode", required=True, choices=MODES, help="which step to capture")
     parser.add_argument("--batch", type=_positive, help="sequences per step (default: the workload's)")
     parser.add_argument("--seq", type=_positive, help="tokens per sequence for train and prefill")
@@ -60,11 +63,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _capture(args: argparse.Namespace, console: Console):
+HF_PREFIX = "hf:"
+
+
+def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
+    """Capture the step the flags describe: a built-in workload, or a Hugging Face config (``hf:PATH``)."""
+    kind = "fake" if fake else "real"
+    if args.workload.startswith(HF_PREFIX):
+        from hyperoffload.capture.hf import build_hf_model, capture_hf
+
+        if args.context is not None or args.master_weights:
+            raise ValueError("--context and --master-weights apply to the built-in workloads only")
+        path = args.workload.removeprefix(HF_PREFIX)
+        with console.status(f"Capturing the {args.mode} step of {path} on {kind} tensors..."):
+            model = build_hf_model(path, fake=fake)
+            torch.manual_seed(0)  # the example batch
+            return capture_hf(model, args.mode, batch=args.batch or 1, seq=args.seq or 128,
+                              name=args.workload)
     workload = get_workload(args.workload)
-    with console.status(f"Capturing the {args.mode} step of {workload.name} on fake tensors..."):
+    with console.status(f"Capturing the {args.mode} step of {workload.name} on {kind} tensors..."):
         return capture_workload(workload, args.mode, batch=args.batch, seq=args.seq, context=args.context,
-                                master_weights=args.master_weights)
+                                master_weights=args.master_weights, fake=fake)
+
 
 
 def _inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -97,10 +117,8 @@ def _verify(args: argparse.Namespace, peak_bytes: int, err: Console) -> dict:
         raise ValueError(f"--verify executes the step for real and would need about {format_bytes(needed)}, more "
                          f"than half of this machine's {format_bytes(host)}; verify a smaller workload "
                          f"(tiny-llama) or smaller --batch/--seq/--context")
-    workload = get_workload(args.workload)
-    with err.status(f"Executing the {args.mode} step of {workload.name} with real weights and comparing..."):
-        captured = capture_workload(workload, args.mode, batch=args.batch, seq=args.seq, context=args.context,
-                                    master_weights=args.master_weights, fake=False)
+    captured = _capture(args, err, fake=False)
+    with err.status("Executing the step with real weights and comparing..."):
         result = compare_with_eager(captured)
     return {"identical_to_eager": result.identical, "max_abs_diff": result.max_abs_diff,
             "measured_peak_bytes": result.measured_peak_bytes, "analysed_peak_bytes": result.analysed_peak_bytes,

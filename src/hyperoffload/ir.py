@@ -20,6 +20,7 @@ class ValueKind(str, Enum):
     """What a tensor is for. Decides what a plan may do with it."""
 
     PARAMETER = "parameter"
+    """Model weights, and module buffers (model state without a gradient, such as RoPE tables)."""
     GRADIENT = "gradient"
     OPTIMIZER_STATE = "optimizer_state"
     ACTIVATION = "activation"

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hyperoffload.capture.fake import is_fake
+from hyperoffload.capture.fake import default_dtype, fake_build, is_fake
 from hyperoffload.capture.graph_to_program import CaptureError
 from hyperoffload.capture.steps import Captured, capture_prefill_step, capture_train_step
 
@@ -177,3 +177,37 @@ def _unpacked_positions() -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+def build_hf_model(config_path: str, *, fake: bool = True, seed: int = 0) -> nn.Module:
+    """A causal LM built from a local Hugging Face ``config.json`` (a file or a folder holding one),
+    with random weights; nothing is downloaded. ``fake=True`` builds it on fake tensors (no memory).
+
+    Weights take the config's ``torch_dtype``/``dtype`` when it names one, else float32.
+    """
+    from pathlib import Path
+
+    try:
+        import transformers
+    except ImportError as error:
+        raise CaptureError("Hugging Face models need the optional dependency transformers: "
+                           "pip install 'hyperoffload[hf]'") from error
+    path = Path(config_path)
+    folder = path.parent if path.is_file() else path
+    if not (folder / "config.json").is_file() or (path.is_file() and path.name != "config.json"):
+        raise CaptureError(f"no Hugging Face config at {config_path}: give a config.json file or a folder "
+                           f"that holds one (for example one written by config.save_pretrained(folder))")
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise CaptureError(f"cannot read the Hugging Face config at {folder}/config.json: {error}") from error
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if not fake:
+        torch.manual_seed(seed)
+    with fake_build(dtype) if fake else default_dtype(dtype):
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError as error:
+            raise CaptureError(f"transformers cannot build a causal LM from {folder}/config.json: {error}") from error
