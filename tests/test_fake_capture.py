@@ -54,3 +54,9 @@ def test_inputs_sharing_a_buffer_are_separated():
     tokens, targets = captured.inputs[-2:]
     assert tokens.untyped_storage().data_ptr() != targets.untyped_storage().data_ptr()
     assert_matches_eager(captured)
+
+
+@pytest.mark.parametrize("mode", ["train", "prefill", "decode"])
+def test_fake_capture_allocates_nothing(mode):
+    captured = capture_workload(get_workload("tiny-llama"), mode, fake=True)
+    assert all(is_fake(t) for t in captured.inputs)

@@ -74,7 +74,6 @@ def program_from_graph(gm: torch.fx.GraphModule, input_kinds: Sequence[ValueKind
     inputs: list[int] = []
     constants: list[int] = []
     ops: list[Op] = []
-    op_phase: list[Phase] = []
     outputs: list[int] = []
     reads: dict[int, set[Phase]] = {}
     phase = Phase.FORWARD
@@ -107,7 +106,6 @@ def program_from_graph(gm: torch.fx.GraphModule, input_kinds: Sequence[ValueKind
                 b.node_values[node.name] = vid
         elif node.op == "call_function":
             ops.append(_convert_op(b, node, len(ops), phase, reads))
-            op_phase.append(phase)
         elif node.op == "output":
             for n in _tensor_nodes(node.args):
                 outputs.append(b.value_of(n, node))

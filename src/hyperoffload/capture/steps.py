@@ -257,7 +257,7 @@ def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *,
     n_state = len(names)
     cache = model.new_cache(tokens.shape[0], context + tokens.shape[1])
     cache_flat, cache_spec = tree_flatten(cache)
-    start = torch.full((1,), context, dtype=torch.int64, device=tokens.device)
+    start = tokens.new_full((1,), context, dtype=torch.int64)  # fake when tokens are fake
 
     def step(*flat: torch.Tensor):
         state = dict(zip(names, flat[:n_state]))

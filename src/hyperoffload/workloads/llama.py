@@ -174,11 +174,11 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, None if cache is None else cache[i], None if cache is None else positions)
         return self.output(self.norm(x))
 
-    def new_cache(self, batch: int, context: int, dtype: torch.dtype | None = None, device=None):
-        """A zeroed KV cache for ``context`` tokens: list of (k, v) per layer."""
+    def new_cache(self, batch: int, context: int, dtype: torch.dtype | None = None):
+        """A zeroed KV cache for ``context`` tokens: list of (k, v) per layer, each
+        (batch, kv_heads, context, head_dim), on the weights' device (fake if they are fake)."""
         cfg = self.cfg
-        dtype = dtype or self.embed.weight.dtype
-        device = device or self.embed.weight.device
+        weight = self.embed.weight
         shape = (batch, cfg.kv_heads, context, cfg.head_dim)
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return [(weight.new_zeros(shape, dtype=dtype), weight.new_zeros(shape, dtype=dtype))
                 for _ in range(cfg.layers)]
