@@ -41,3 +41,58 @@ def format_count(n: int | float) -> str:
             return f"{value:.0f}" if prefix == "" else f"{value:.2f}{prefix}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+_RATE = re.compile(r"^\s*(.+?)\s*/\s*s\s*$", re.IGNORECASE)
+
+
+def parse_bandwidth(text: str | float | int) -> float:
+    """Bytes per second: ``"25GB/s"`` -> 2.5e10, ``"1.5GiB/s"``; a bare number is already bytes/s."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = _RATE.match(text)
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a bandwidth; write it like 25GB/s or 1.5GiB/s")
+    return float(parse_bytes(match.group(1)))
+
+
+_FLOP_UNITS = {"flop": 1, "kflop": 1e3, "mflop": 1e6, "gflop": 1e9, "tflop": 1e12, "pflop": 1e15}
+
+
+def parse_flops(text: str | float | int) -> float:
+    """FLOP per second: ``"989TFLOP/s"`` -> 9.89e14; a bare number is already FLOP/s."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = re.match(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]+)\s*/\s*s\s*$", text, re.IGNORECASE)
+    if not match or match.group(2).lower() not in _FLOP_UNITS:
+        raise ValueError(f"cannot read {text!r} as a compute rate; write it like 989TFLOP/s")
+    return float(match.group(1)) * _FLOP_UNITS[match.group(2).lower()]
+
+
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds: ``"10us"`` -> 1e-05, ``"2ms"``; a bare number is already seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = re.match(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zµ]+)\s*$", text, re.IGNORECASE)
+    if not match or match.group(2).lower() not in _TIME_UNITS:
+        raise ValueError(f"cannot read {text!r} as a duration; write it like 10us, 2ms or 0.5s")
+    return float(match.group(1)) * _TIME_UNITS[match.group(2).lower()]
+
+
+def format_seconds(seconds: float) -> str:
+    """``format_seconds(0.0123) == "12.3 ms"``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= scale or unit == "us":
+            return f"{seconds / scale:.3g} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_bandwidth(bytes_per_s: float) -> str:
+    """``format_bandwidth(2.5e10) == "25 GB/s"`` (decimal units, as vendors quote links)."""
+    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.3g} {unit}"
+    return f"{bytes_per_s:.3g} B/s"

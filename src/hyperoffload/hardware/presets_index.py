@@ -1,0 +1,45 @@
+"""Look up hardware profiles by name: the TOML presets shipped with the package, and ``cpu-emulated``."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from hyperoffload.hardware.cpu import cpu_emulated, load_or_measure
+from hyperoffload.hardware.profile import Hardware, HardwareError, load_hardware_file
+
+CPU_EMULATED = "cpu-emulated"
+
+
+def _preset_files() -> dict[str, Path]:
+    folder = resources.files("hyperoffload.hardware") / "presets"
+    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".toml")}
+
+
+PRESET_NAMES: tuple[str, ...] = (*sorted(_preset_files()), CPU_EMULATED)
+
+
+@lru_cache(maxsize=None)
+def _load_preset(name: str) -> Hardware:
+    return load_hardware_file(_preset_files()[name])
+
+
+def get_hardware(name: str, *, cpu_cache: Path | None = None) -> Hardware:
+    """The profile called ``name`` (a preset, or ``cpu-emulated``), or one read from a ``.toml`` file path.
+
+    ``cpu-emulated`` runs the CPU calibration unless ``cpu_cache`` holds a matching result.
+    """
+    if name.endswith(".toml"):
+        return load_hardware_file(name)
+    if name == CPU_EMULATED:
+        return cpu_emulated(load_or_measure(cpu_cache))
+    if name not in PRESET_NAMES:
+        raise HardwareError(f"unknown hardware {name!r}; choose one of: {', '.join(PRESET_NAMES)}, "
+                            f"or give a path to your own .toml profile")
+    return _load_preset(name)
+
+
+def list_hardware() -> list[Hardware]:
+    """Every TOML preset (``cpu-emulated`` is listed separately because it needs a calibration)."""
+    return [_load_preset(name) for name in PRESET_NAMES if name != CPU_EMULATED]

@@ -1,0 +1,252 @@
+"""Plans: a Program's compute ops in an order, with the cache instructions that move data.
+
+A ``Plan`` is what every policy produces and what the simulator and the executors consume. Its
+instructions are issued in order, as one host thread would issue them to three streams:
+
+* ``COMPUTE op``   runs ``op`` on the compute stream; its outputs are allocated when it starts.
+* ``OFFLOAD s``    copies storage ``s`` device -> remote on the D2H lane, once the op that last
+                   wrote ``s`` has finished. The device copy stays until released.
+* ``PREFETCH s``   allocates ``s`` on the device and copies it remote -> device on the H2D lane.
+* ``WAIT s``       the compute stream waits until the latest transfer of ``s`` has finished.
+* ``RELEASE s``    drops the device copy of ``s``; its memory is returned once the offload of
+                   ``s`` and the ops issued before that read it have finished.
+
+Storages not held by the caller (anything but step inputs, outputs and constants) are freed
+automatically after their last device use, as the lifetime analysis assumes. ``check_plan``
+enforces the rules below statically and reports the first broken one by instruction index;
+nothing invalid is ever simulated.
+
+Rules: an op reads only values that are on the device and ready (produced, or prefetched and
+waited for); a prefetch needs a finished (waited-for) offload and a value not already on the
+device; a release must not lose data that is used later or returned (an offload since the last
+write); an op must not overwrite a value while its offload may still be reading it; every op
+runs once, after the ops it depends on; at the end every held storage is on the device or in
+remote memory; and, with a budget, the bytes allocated in instruction order never exceed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from hyperoffload.ir import Program
+
+
+class Kind(str, Enum):
+    COMPUTE = "compute"
+    OFFLOAD = "offload"
+    PREFETCH = "prefetch"
+    WAIT = "wait"
+    RELEASE = "release"
+
+
+@dataclass(frozen=True, slots=True)
+class Instr:
+    """One instruction: ``target`` is an op id for COMPUTE, a storage-owner value id otherwise."""
+
+    kind: Kind
+    target: int
+
+    def describe(self, program: Program) -> str:
+        if self.kind is Kind.COMPUTE:
+            op = program.ops[self.target]
+            return f"compute {op.name} ({op.target})"
+        return f"{self.kind.value} {program.values[self.target].name}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Plan:
+    """Instructions over a Program, made by a policy for a budget."""
+
+    program: Program
+    instructions: tuple[Instr, ...]
+    policy: str = "none"
+    budget_bytes: int | None = None
+    """Device bytes the plan promises to stay under (None: no limit)."""
+    initial_remote: frozenset[int] = frozenset()
+    """Storages (step inputs) that start the step in remote memory rather than on the device."""
+
+
+class PlanError(ValueError):
+    """A plan breaks a rule; ``index`` is the offending instruction (-1 for the plan as a whole)."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(f"instruction #{index}: {message}" if index >= 0 else message)
+        self.index = index
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanCheck:
+    """What ``check_plan`` derives from a valid plan."""
+
+    live_bytes: tuple[int, ...]
+    """Device bytes allocated while each instruction is issued (instruction-order accounting)."""
+    peak_bytes: int
+    frees_after: tuple[tuple[int, ...], ...]
+    """Storages freed automatically once each instruction has finished (their last device use)."""
+    initial_bytes: int
+    """Bytes on the device when the step starts (held storages not in remote memory)."""
+
+
+def plan_without_offload(program: Program, order: Sequence[int] | None = None,
+                         budget_bytes: int | None = None) -> Plan:
+    """The step as captured (or in ``order``): compute only, nothing leaves the device."""
+    order = range(len(program.ops)) if order is None else order
+    return Plan(program=program, instructions=tuple(Instr(Kind.COMPUTE, i) for i in order), policy="none",
+                budget_bytes=budget_bytes)
+
+
+def held_storages(program: Program) -> frozenset[int]:
+    """Storages the caller holds across the step: inputs, constants and outputs."""
+    values = program.values
+    return frozenset(values[v].storage for v in (*program.inputs, *program.constants, *program.outputs))
+
+
+def check_plan(plan: Plan) -> PlanCheck:
+    """Check every rule of a plan (see the module docstring); raise ``PlanError`` on the first broken one."""
+    program, instrs = plan.program, plan.instructions
+    values = program.values
+    storage_of = [v.storage for v in values]
+    held = held_storages(program)
+    name = lambda s: values[s].name  # noqa: E731
+    if not plan.initial_remote <= {storage_of[v] for v in program.inputs}:
+        raise PlanError(-1, "initial_remote may only name storages of step inputs")
+
+    # Last device use of every storage (compute read/write, or offload), for automatic frees and for
+    # knowing whether a released value is needed again.
+    uses: dict[int, list[int]] = {}
+    for i, ins in enumerate(instrs):
+        if ins.kind is Kind.COMPUTE:
+            if not 0 <= ins.target < len(program.ops):
+                raise PlanError(i, f"compute of op id {ins.target}, which the program does not have")
+            op = program.ops[ins.target]
+            for s in {storage_of[v] for v in (*op.inputs, *op.outputs)}:
+                uses.setdefault(s, []).append(i)
+        else:
+            if not 0 <= ins.target < len(values) or storage_of[ins.target] != ins.target:
+                raise PlanError(i, f"{ins.kind.value} of value id {ins.target}, which is not a storage owner")
+            if ins.kind is Kind.OFFLOAD:
+                uses.setdefault(ins.target, []).append(i)
+    last_use = {s: u[-1] for s, u in uses.items()}
+    compute_uses = {s: [i for i in u if instrs[i].kind is Kind.COMPUTE] for s, u in uses.items()}
+
+    on_device: dict[int, bool] = {}
+    ready: dict[int, bool] = {}
+    remote: dict[int, str] = {}  # "valid" | "pending" (offload not waited) | absent
+    pending: dict[int, tuple[Kind, int]] = {}
+    released_at: dict[int, int] = {}
+    allocated = 0
+    for s in {storage_of[v] for v in (*program.inputs, *program.constants)}:
+        if s in plan.initial_remote:
+            on_device[s], ready[s], remote[s] = False, False, "valid"
+        else:
+            on_device[s] = ready[s] = True
+            allocated += values[s].alloc_bytes
+    initial = allocated
+    if plan.budget_bytes is not None and initial > plan.budget_bytes:
+        raise PlanError(-1, f"the step's inputs on the device take {initial} bytes, over the budget of "
+                            f"{plan.budget_bytes}; start some of them in remote memory")
+
+    deps = program.dependencies()
+    computed = [False] * len(program.ops)
+    live: list[int] = []
+    frees_after: list[tuple[int, ...]] = []
+    for i, ins in enumerate(instrs):
+        s = ins.target
+        frees: list[int] = []
+        if ins.kind is Kind.COMPUTE:
+            op = program.ops[s]
+            if computed[s]:
+                raise PlanError(i, f"{ins.describe(program)} runs a second time")
+            missing = [program.ops[d].name for d in deps[s] if not computed[d]]
+            if missing:
+                raise PlanError(i, f"{ins.describe(program)} runs before {missing[0]}, which it depends on")
+            for r in sorted({storage_of[v] for v in op.inputs}):
+                if not ready.get(r, False):
+                    if r in released_at and not on_device.get(r):
+                        why = f"released by #{released_at[r]}; prefetch it and wait before this op"
+                    elif r in pending and pending[r][0] is Kind.PREFETCH:
+                        why = f"prefetched by #{pending[r][1]} but not waited for"
+                    else:
+                        why = "never brought to the device"
+                    raise PlanError(i, f"{ins.describe(program)} reads {name(r)}, which is not on the device ({why})")
+            for w in {storage_of[v] for v in op.mutates}:
+                if w in pending and pending[w][0] is Kind.OFFLOAD:
+                    raise PlanError(i, f"{ins.describe(program)} overwrites {name(w)} while its offload "
+                                       f"#{pending[w][1]} may still be reading it; wait for the offload first")
+                remote.pop(w, None)  # the remote copy, if any, is now stale
+            for o in op.outputs:
+                if values[o].owns_storage:
+                    on_device[o] = ready[o] = True
+                    allocated += values[o].alloc_bytes
+            computed[s] = True
+        elif ins.kind is Kind.OFFLOAD:
+            if not ready.get(s, False):
+                raise PlanError(i, f"offload of {name(s)}: it is not on the device")
+            if s in pending:
+                raise PlanError(i, f"offload of {name(s)} while its {pending[s][0].value} #{pending[s][1]} "
+                                   f"is still in flight; wait for it first")
+            pending[s] = (Kind.OFFLOAD, i)
+            remote[s] = "pending"
+        elif ins.kind is Kind.PREFETCH:
+            if on_device.get(s, False):
+                raise PlanError(i, f"prefetch of {name(s)}: it is already on the device")
+            if remote.get(s) == "pending":
+                raise PlanError(i, f"prefetch of {name(s)} before its offload #{pending[s][1]} finished; "
+                                   f"wait for the offload first")
+            if remote.get(s) != "valid":
+                raise PlanError(i, f"prefetch of {name(s)}: it has no copy in remote memory; offload it first")
+            on_device[s], ready[s] = True, False
+            pending[s] = (Kind.PREFETCH, i)
+            allocated += values[s].alloc_bytes
+        elif ins.kind is Kind.WAIT:
+            if s not in pending:
+                raise PlanError(i, f"wait for {name(s)}: no transfer of it is in flight")
+            kind, _ = pending.pop(s)
+            if kind is Kind.OFFLOAD:
+                remote[s] = "valid"
+            else:
+                ready[s] = True
+        elif ins.kind is Kind.RELEASE:
+            if not on_device.get(s, False):
+                raise PlanError(i, f"release of {name(s)}: it is not on the device")
+            if s in pending and pending[s][0] is Kind.PREFETCH:
+                raise PlanError(i, f"release of {name(s)} while its prefetch #{pending[s][1]} is in flight")
+            later = [u for u in compute_uses.get(s, []) if u > i]
+            if remote.get(s) is None and (later or s in held):
+                where = f"it is used again by #{later[0]}" if later else "the step returns or keeps it"
+                raise PlanError(i, f"release of {name(s)} loses its data: no offload since it was last "
+                                   f"written, and {where}")
+            on_device[s] = ready[s] = False
+            released_at[s] = i
+            allocated -= values[s].alloc_bytes
+        else:  # pragma: no cover - Kind is closed
+            raise PlanError(i, f"unknown instruction {ins.kind}")
+        if plan.budget_bytes is not None and allocated > plan.budget_bytes:
+            raise PlanError(i, f"{ins.describe(program)} brings the device to {allocated} bytes, over the budget "
+                               f"of {plan.budget_bytes}")
+        live.append(allocated)
+        # Automatic frees: storages the caller does not hold, after their last device use.
+        for t in _touched(ins, program):
+            if t not in held and last_use.get(t) == i and on_device.get(t, False):
+                on_device[t] = ready[t] = False
+                allocated -= values[t].alloc_bytes
+                frees.append(t)
+        frees_after.append(tuple(frees))
+
+    if not all(computed):
+        missing = next(op.name for op, done in zip(program.ops, computed) if not done)
+        raise PlanError(-1, f"the plan never computes {missing}")
+    for s in sorted(held):
+        if not on_device.get(s, False) and remote.get(s) is None:
+            raise PlanError(-1, f"{name(s)} is lost at the end of the step: neither on the device nor in remote memory")
+    return PlanCheck(live_bytes=tuple(live), peak_bytes=max(live, default=initial), frees_after=tuple(frees_after),
+                     initial_bytes=initial)
+
+
+def _touched(ins: Instr, program: Program) -> set[int]:
+    if ins.kind is Kind.COMPUTE:
+        op = program.ops[ins.target]
+        return {program.values[v].storage for v in (*op.inputs, *op.outputs)}
+    return {ins.target} if ins.kind is Kind.OFFLOAD else set()

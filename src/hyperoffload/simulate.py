@@ -1,0 +1,327 @@
+"""Discrete-event simulation of a Plan on a hardware profile: one compute stream, two copy lanes.
+
+Time advances from event to event (an op ends, a copy's latency ends, a copy's data has
+moved). Rules, in the order a real runtime would follow them:
+
+* Each stream runs its instructions in plan order, one at a time.
+* A copy is issued when the compute stream reaches it: it starts no earlier than the moment
+  every compute-stream instruction before it in the plan has started. An offload also waits
+  for the op that last wrote its value; a prefetch for the offload that filled remote memory.
+* Device memory is allocated in plan order (an op's outputs when it starts, a prefetch's
+  buffer when its copy starts) and never above the budget: an allocation that does not fit
+  waits for memory to be freed. Frees happen when the last use of a value finishes (or, for a
+  release, when its offload and the ops before it that read the value have finished).
+* While both lanes move data, each gets ``duplex_share`` of its bandwidth.
+
+The plan is checked first (``check_plan``); an invalid plan raises ``PlanError`` naming the
+instruction and is never simulated. Results are deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hyperoffload.analysis import memory_profile
+from hyperoffload.cost import op_times
+from hyperoffload.hardware import Hardware
+from hyperoffload.plan import Kind, Plan, PlanError, check_plan
+
+COMPUTE, H2D, D2H = "compute", "h2d", "d2h"
+STREAMS = (COMPUTE, H2D, D2H)
+_EPS = 1e-12
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """Busy time of one stream for one instruction (seconds from the start of the step)."""
+
+    stream: str
+    start: float
+    end: float
+    instruction: int
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """The compute stream waiting, with work left, on a copy or on memory (seconds)."""
+
+    cause: str
+    """``"copy"`` or ``"memory"``."""
+    start: float
+    end: float
+    instruction: int
+    """The instruction the compute stream was waiting to run."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Figures:
+    """The figures of ``shared/BENCHMARKS.md`` for one simulated plan (seconds, bytes)."""
+
+    compute_s: float
+    step_s: float
+    exposed_s: float
+    lower_bound_s: float
+    slowdown: float
+    peak_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    stalls: int
+    stall_copy_s: float
+    stall_memory_s: float
+    budget_bytes: int | None
+    excess_bytes: int | None
+    """max(0, no-offload peak - budget); None without a budget."""
+    bound_s: float | None
+    """max(compute_s, excess / h2d_bw, excess / d2h_bw); None without a budget."""
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeline:
+    """Everything a simulation produced."""
+
+    intervals: tuple[Interval, ...]
+    memory: tuple[tuple[float, int], ...]
+    """(time, device bytes after the change), in time order."""
+    stalls: tuple[Stall, ...]
+    figures: Figures
+
+
+class _Copy:
+    __slots__ = ("instr", "start", "latency_end", "remaining")
+
+    def __init__(self, instr: int, start: float, latency_end: float, remaining: float) -> None:
+        self.instr, self.start, self.latency_end, self.remaining = instr, start, latency_end, remaining
+
+
+def simulate(plan: Plan, hardware: Hardware) -> Timeline:
+    """Simulate ``plan`` on ``hardware``; raise ``PlanError`` if the plan is invalid."""
+    check = check_plan(plan)
+    program, instrs = plan.program, plan.instructions
+    values = program.values
+    cost = op_times(program, hardware)
+    n = len(instrs)
+    budget = plan.budget_bytes
+
+    # Static facts per instruction: bytes it allocates, what it must wait for.
+    alloc = [0] * n
+    after: list[int] = [-1] * n  # a copy's data dependency (instruction that must finish first)
+    last_writer: dict[int, int] = {}
+    last_offload: dict[int, int] = {}
+    readers_since: dict[int, int] = {}
+    release_needs: dict[int, list[int]] = {}  # release index -> instructions that must finish
+    compute_stream: list[int] = []
+    lane_queue = {H2D: [], D2H: []}
+    pending_transfer: dict[int, int] = {}
+    wait_for = [-1] * n
+    for i, ins in enumerate(instrs):
+        if ins.kind is Kind.COMPUTE:
+            op = program.ops[ins.target]
+            alloc[i] = sum(values[o].alloc_bytes for o in op.outputs if values[o].owns_storage)
+            for s in {values[v].storage for v in op.inputs}:
+                readers_since[s] = i
+            for s in {values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage}:
+                last_writer[s] = i
+            compute_stream.append(i)
+        elif ins.kind is Kind.WAIT:
+            wait_for[i] = pending_transfer.pop(ins.target)
+            compute_stream.append(i)
+        elif ins.kind is Kind.OFFLOAD:
+            after[i] = last_writer.get(ins.target, -1)
+            last_offload[ins.target] = i
+            pending_transfer[ins.target] = i
+            lane_queue[D2H].append(i)
+        elif ins.kind is Kind.PREFETCH:
+            alloc[i] = values[ins.target].alloc_bytes
+            after[i] = last_offload.get(ins.target, -1)
+            pending_transfer[ins.target] = i
+            lane_queue[H2D].append(i)
+        else:  # RELEASE
+            needs = [readers_since.get(ins.target, -1)]
+            if ins.target in pending_transfer:
+                needs.append(pending_transfer[ins.target])
+            release_needs[i] = [x for x in needs if x >= 0]
+    allocating = [i for i in range(n) if alloc[i] > 0]
+    blocked_releases: dict[int, list[int]] = {}
+    outstanding: dict[int, int] = {}
+    for r, needs in release_needs.items():
+        outstanding[r] = len(needs)
+        for x in needs:
+            blocked_releases.setdefault(x, []).append(r)
+
+    finish = [-1.0] * n
+    started = [False] * n
+    usage = check.initial_bytes
+    peak = usage
+    memory: list[tuple[float, int]] = [(0.0, usage)]
+    intervals: list[Interval] = []
+    stalls: list[Stall] = []
+    t = 0.0
+    compute_pos = 0  # index into compute_stream of the next instruction to start
+    compute_busy_until: float | None = None
+    compute_running = -1
+    next_alloc = 0  # index into allocating of the next allocation in plan order
+    lane_pos = {H2D: 0, D2H: 0}
+    active: dict[str, _Copy | None] = {H2D: None, D2H: None}
+    bandwidth = {H2D: hardware.h2d_bw, D2H: hardware.d2h_bw}
+    latency = {H2D: hardware.h2d_latency_s, D2H: hardware.d2h_latency_s}
+    stall_since: float | None = None
+    stall_cause = ""
+
+    def reached(i: int) -> bool:
+        """Every compute-stream instruction before plan position ``i`` has started."""
+        return compute_pos >= len(compute_stream) or compute_stream[compute_pos] > i
+
+    def free(storages, when: float) -> None:
+        nonlocal usage
+        released = sum(values[s].alloc_bytes for s in storages)
+        if released:
+            usage -= released
+            memory.append((when, usage))
+
+    def finished(i: int, when: float) -> None:
+        finish[i] = when
+        free(check.frees_after[i], when)
+        for r in blocked_releases.get(i, ()):
+            outstanding[r] -= 1
+            if outstanding[r] == 0:
+                free((instrs[r].target,), when)
+
+    def can_allocate(i: int) -> str:
+        """"" if ``i`` may allocate now, else why not ("copy": an earlier allocation has not happened;
+        "memory": not enough free memory under the budget)."""
+        if alloc[i] == 0:
+            return ""
+        if allocating[next_alloc] != i:
+            return "copy"
+        if budget is not None and usage + alloc[i] > budget:
+            return "memory"
+        return ""
+
+    def allocate(i: int, when: float) -> None:
+        nonlocal usage, peak, next_alloc
+        if alloc[i]:
+            usage += alloc[i]
+            peak = max(peak, usage)
+            memory.append((when, usage))
+            next_alloc += 1
+
+    for r, needs in release_needs.items():
+        if not needs:
+            free((instrs[r].target,), 0.0)
+
+    while True:
+        progressed = True
+        while progressed:
+            progressed = False
+            # Compute stream.
+            if compute_running < 0 and compute_pos < len(compute_stream):
+                i = compute_stream[compute_pos]
+                ins = instrs[i]
+                why = ""
+                if ins.kind is Kind.WAIT:
+                    if finish[wait_for[i]] < 0:
+                        why = "copy"
+                else:
+                    why = can_allocate(i)
+                if why:
+                    if stall_since is None:
+                        stall_since, stall_cause = t, why
+                    elif stall_cause != why:  # the reason changed: close one stall, open the next
+                        if t > stall_since + _EPS:
+                            stalls.append(Stall(stall_cause, stall_since, t, i))
+                        stall_since, stall_cause = t, why
+                else:
+                    if stall_since is not None:
+                        if t > stall_since + _EPS:
+                            stalls.append(Stall(stall_cause, stall_since, t, i))
+                        stall_since = None
+                    started[i] = True
+                    compute_pos += 1
+                    progressed = True
+                    if ins.kind is Kind.COMPUTE:
+                        allocate(i, t)
+                        duration = cost[ins.target]
+                        compute_running, compute_busy_until = i, t + duration
+                        if duration > 0:
+                            intervals.append(Interval(COMPUTE, t, t + duration, i, program.ops[ins.target].name))
+            # Copy lanes.
+            for lane in (H2D, D2H):
+                queue = lane_queue[lane]
+                if active[lane] is not None or lane_pos[lane] >= len(queue):
+                    continue
+                i = queue[lane_pos[lane]]
+                if not reached(i) or (after[i] >= 0 and finish[after[i]] < 0) or can_allocate(i):
+                    continue
+                allocate(i, t)
+                started[i] = True
+                lane_pos[lane] += 1
+                size = values[instrs[i].target].alloc_bytes
+                active[lane] = _Copy(i, t, t + latency[lane], float(size))
+                progressed = True
+            # A compute of zero duration finishes at once.
+            if compute_running >= 0 and compute_busy_until <= t + _EPS:
+                finished(compute_running, t)
+                compute_running = -1
+                progressed = True
+            for lane in (H2D, D2H):
+                copy = active[lane]
+                if copy is not None and copy.latency_end <= t + _EPS and copy.remaining <= _EPS:
+                    intervals.append(Interval(lane, copy.start, t, copy.instr, instrs[copy.instr].describe(program)))
+                    active[lane] = None
+                    finished(copy.instr, t)
+                    progressed = True
+
+        # Next event.
+        in_data = [lane for lane in (H2D, D2H) if active[lane] is not None and active[lane].latency_end <= t + _EPS]
+        share = hardware.duplex_share if len(in_data) == 2 else 1.0
+        candidates = []
+        if compute_running >= 0:
+            candidates.append(compute_busy_until)
+        for lane in (H2D, D2H):
+            copy = active[lane]
+            if copy is None:
+                continue
+            if lane in in_data:
+                candidates.append(t + copy.remaining / (bandwidth[lane] * share))
+            else:
+                candidates.append(copy.latency_end)
+        if not candidates:
+            break
+        nxt = min(candidates)
+        for lane in in_data:
+            copy = active[lane]
+            rate = bandwidth[lane] * share
+            if t + copy.remaining / rate <= nxt * (1 + 1e-12):
+                copy.remaining = 0.0  # this copy's data phase ends now (no float residue)
+            else:
+                copy.remaining -= (nxt - t) * rate
+        t = nxt
+
+    unfinished = [i for i in range(n) if finish[i] < 0 and instrs[i].kind is not Kind.RELEASE]
+    if unfinished:
+        i = unfinished[0]
+        raise PlanError(i, f"{instrs[i].describe(program)} can never run: the plan deadlocks "
+                           f"(device memory {usage} bytes, budget {budget})")
+
+    compute_s = float(sum(cost))
+    step_s = max((iv.end for iv in intervals), default=0.0)
+    h2d_bytes = sum(values[instrs[i].target].alloc_bytes for i in lane_queue[H2D])
+    d2h_bytes = sum(values[instrs[i].target].alloc_bytes for i in lane_queue[D2H])
+    lower_bound = max(compute_s, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
+    excess = bound = None
+    if budget is not None:
+        excess = max(0, memory_profile(program).peak_bytes - budget)
+        bound = max(compute_s, excess / hardware.h2d_bw, excess / hardware.d2h_bw)
+    memory.sort(key=lambda e: e[0])
+    figures = Figures(
+        compute_s=compute_s, step_s=step_s, exposed_s=step_s - compute_s, lower_bound_s=lower_bound,
+        slowdown=step_s / compute_s if compute_s else 1.0, peak_bytes=peak, h2d_bytes=h2d_bytes,
+        d2h_bytes=d2h_bytes, stalls=len(stalls),
+        stall_copy_s=sum(s.end - s.start for s in stalls if s.cause == "copy"),
+        stall_memory_s=sum(s.end - s.start for s in stalls if s.cause == "memory"),
+        budget_bytes=budget, excess_bytes=excess, bound_s=bound)
+    return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), figures=figures)
