@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hypothesis import strategies as st
+
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
 
 
@@ -23,3 +25,26 @@ def op(oid: int, inputs: Sequence[int], outputs: Sequence[int], mutates: Sequenc
 def program(values: Sequence[Value], ops: Sequence[Op], inputs: Sequence[int], outputs: Sequence[int]) -> Program:
     return Program(name="test", mode="test", values=tuple(values), ops=tuple(ops), inputs=tuple(inputs),
                    outputs=tuple(outputs))
+
+
+@st.composite
+def random_programs(draw):
+    """Random DAGs with inputs, views and unused outputs."""
+    n_inputs = draw(st.integers(1, 3))
+    values = [value(i, draw(st.integers(0, 64)) * 4, ValueKind.INPUT) for i in range(n_inputs)]
+    ops = []
+    for oid in range(draw(st.integers(1, 12))):
+        k = draw(st.integers(1, min(3, len(values))))
+        reads = sorted(set(draw(st.lists(st.integers(0, len(values) - 1), min_size=k, max_size=k))))
+        outs = []
+        for _ in range(draw(st.integers(1, 2))):
+            vid = len(values)
+            if draw(st.booleans()) and draw(st.booleans()):
+                src = values[reads[0]]
+                values.append(value(vid, src.nbytes, storage=src.storage))  # a view of the first input
+            else:
+                values.append(value(vid, draw(st.integers(0, 64)) * 4))
+            outs.append(vid)
+        ops.append(op(oid, reads, outs))
+    outputs = draw(st.lists(st.integers(n_inputs, len(values) - 1), min_size=1, max_size=2, unique=True))
+    return program(values, ops, list(range(n_inputs)), outputs)

@@ -92,3 +92,44 @@ def test_inspect_hugging_face_config(tmp_path, capsys):
 def test_inspect_hugging_face_config_missing(tmp_path, capsys):
     assert main(["inspect", "--workload", f"hf:{tmp_path}", "--mode", "train"]) == 2
     assert "no Hugging Face config" in capsys.readouterr().err
+
+
+def test_simulate_json_on_a_preset_with_overrides(capsys):
+    args = ["simulate", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm", "--json"]
+    assert main(args) == 0
+    base = json.loads(capsys.readouterr().out)
+    for key in ("compute_s", "step_s", "exposed_s", "lower_bound_s", "slowdown", "peak_bytes", "h2d_bytes",
+                "d2h_bytes", "stalls", "workload", "hardware"):
+        assert key in base
+    assert base["hardware"] == "h100-sxm" and base["step_s"] == base["compute_s"] and base["stalls"] == 0
+    assert base["fits"] is True
+    assert main([*args, "--h2d-bw", "10GB/s", "--device-memory", "1MiB"]) == 0
+    changed = json.loads(capsys.readouterr().out)
+    assert changed["fits"] is False and changed["device_memory_bytes"] == 2**20
+
+
+def test_simulate_writes_trace_and_plot(tmp_path, capsys):
+    trace, plot = tmp_path / "step.json", tmp_path / "step.png"
+    assert main(["simulate", "--workload", "tiny-llama", "--mode", "decode", "--hardware", "a100-80g",
+                 "--trace", str(trace), "--plot", str(plot)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events) and any(e.get("ph") == "C" for e in events)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hardware_list_and_detail(capsys):
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    assert "h100-sxm" in out and "ascend-910c" in out and "cpu-emulated" in out
+    assert main(["hardware", "gh200", "--json"]) == 0
+    profile = json.loads(capsys.readouterr().out)
+    assert profile["h2d_bw"] == 350e9 and "C2C" in profile["sources"]["h2d_bw"]
+
+
+def test_bad_hardware_input(capsys, tmp_path):
+    assert main(["simulate", "--workload", "tiny-llama", "--mode", "train", "--hardware", "tpu9"]) == 2
+    assert "unknown hardware 'tpu9'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm", "--h2d-bw", "25GB"])
+    assert main(["hardware", str(tmp_path / "missing.toml")]) == 2
+    assert "no hardware file" in capsys.readouterr().err

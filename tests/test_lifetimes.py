@@ -1,11 +1,10 @@
-import random
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyperoffload.analysis import LiveRange, live_ranges, memory_profile, storage_ranges
 from hyperoffload.ir import ValueKind
-from programs import op, program, value
+from helpers import random_valid_order
+from programs import op, program, random_programs, value
 
 
 def test_chain_profile_by_hand():
@@ -46,29 +45,6 @@ def test_other_order_changes_the_profile():
     assert memory_profile(p, [2, 0, 1, 3]).live_bytes == (51, 151, 161, 62)
 
 
-@st.composite
-def random_programs(draw):
-    """Random DAGs with inputs, views and unused outputs."""
-    n_inputs = draw(st.integers(1, 3))
-    values = [value(i, draw(st.integers(0, 64)) * 4, ValueKind.INPUT) for i in range(n_inputs)]
-    ops = []
-    for oid in range(draw(st.integers(1, 12))):
-        k = draw(st.integers(1, min(3, len(values))))
-        reads = sorted(set(draw(st.lists(st.integers(0, len(values) - 1), min_size=k, max_size=k))))
-        outs = []
-        for _ in range(draw(st.integers(1, 2))):
-            vid = len(values)
-            if draw(st.booleans()) and draw(st.booleans()):
-                src = values[reads[0]]
-                values.append(value(vid, src.nbytes, storage=src.storage))  # a view of the first input
-            else:
-                values.append(value(vid, draw(st.integers(0, 64)) * 4))
-            outs.append(vid)
-        ops.append(op(oid, reads, outs))
-    outputs = draw(st.lists(st.integers(n_inputs, len(values) - 1), min_size=1, max_size=2, unique=True))
-    return program(values, ops, list(range(n_inputs)), outputs)
-
-
 def brute_force_live_bytes(p, order):
     """Bytes live at each position straight from the definition, without difference arrays."""
     n = len(order)
@@ -89,21 +65,10 @@ def brute_force_live_bytes(p, order):
     return tuple(live)
 
 
-def random_topological_order(p, rng):
-    deps = p.dependencies()
-    done, order = set(), []
-    while len(order) < len(p.ops):
-        ready = [o.id for o in p.ops if o.id not in done and set(deps[o.id]) <= done]
-        pick = rng.choice(ready)
-        order.append(pick)
-        done.add(pick)
-    return order
-
-
 @settings(max_examples=150, deadline=None)
 @given(random_programs(), st.integers(0, 10**6))
 def test_profile_matches_definition_in_any_valid_order(p, seed):
-    order = random_topological_order(p, random.Random(seed))
+    order = random_valid_order(p, seed)
     prof = memory_profile(p, order)
     assert prof.live_bytes == brute_force_live_bytes(p, order)
     assert prof.peak_bytes == max(prof.live_bytes)

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from rich.console import Console
 
 from hyperoffload.capture import CaptureError
+from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_hardware
+from hyperoffload.plan import PlanError
+from hyperoffload.units import format_bytes, parse_bandwidth, parse_bytes, parse_duration
 from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload
 
 EXIT_USER_ERROR = 2
@@ -48,6 +53,36 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hardware", required=True, metavar="NAME|FILE.toml",
+                        help=f"one of: {', '.join(PRESET_NAMES)}; or a path to your own TOML profile")
+    parser.add_argument("--h2d-bw", type=parse_bandwidth, metavar="RATE", help="override, e.g. 25GB/s")
+    parser.add_argument("--d2h-bw", type=parse_bandwidth, metavar="RATE", help="override, e.g. 12GB/s")
+    parser.add_argument("--copy-latency", type=parse_duration, metavar="TIME",
+                        help="override both directions' per-copy latency, e.g. 10us")
+    parser.add_argument("--device-memory", type=parse_bytes, metavar="SIZE", help="override, e.g. 64GiB")
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON of the simulated step")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of device memory and stream activity over time")
+
+
+def cpu_cache_path() -> Path:
+    """Where the CPU calibration is cached: $XDG_CACHE_HOME/hyperoffload (or ~/.cache/hyperoffload)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hyperoffload" / "cpu-calibration.json"
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    """The profile named by ``--hardware`` with any command-line overrides applied."""
+    hardware = get_hardware(args.hardware, cpu_cache=cpu_cache_path())
+    overrides = {name: value for name, value in (
+        ("h2d_bw", args.h2d_bw), ("d2h_bw", args.d2h_bw), ("h2d_latency_s", args.copy_latency),
+        ("d2h_latency_s", args.copy_latency), ("memory_bytes", args.device_memory)) if value is not None}
+    return hardware.replace(**overrides) if overrides else hardware
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyperoffload",
@@ -60,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also build the step with real random weights, execute it on CPU with the reference "
                               "executor and compare measured live bytes and results with the analysis and eager")
     commands.add_parser("workloads", help="list the built-in workloads")
+    simulate = commands.add_parser("simulate", help="simulate the captured step (no offload) on a hardware profile")
+    _add_step_arguments(simulate)
+    _add_hardware_arguments(simulate)
+    _add_output_arguments(simulate)
+    hardware = commands.add_parser("hardware", help="list hardware profiles, or show one with its sources")
+    hardware.add_argument("name", nargs="?", metavar="NAME|FILE.toml", help="the profile to show")
+    hardware.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
 
 
@@ -138,7 +180,78 @@ def _workloads(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
-COMMANDS = {"inspect": _inspect, "workloads": _workloads}
+def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.plan import plan_without_offload
+    from hyperoffload.report.figures import figures_table
+    from hyperoffload.simulate import simulate
+
+    hardware = hardware_from_args(args)
+    captured = _capture(args, err)
+    program = captured.program
+    with err.status(f"Simulating {len(program.ops):,} ops on {hardware.name}..."):
+        timeline = simulate(plan_without_offload(program), hardware)
+    figures = timeline.figures
+    _write_outputs(args, timeline, title=f"{program.name} {program.mode} on {hardware.name}, no offload",
+                   limit_bytes=hardware.memory_bytes, err=err, limit_label=f"{hardware.name} memory")
+    if args.json:
+        print(json.dumps({"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                          "hardware": hardware.name, "policy": "none", **figures.as_dict(),
+                          "device_memory_bytes": hardware.memory_bytes,
+                          "fits": figures.peak_bytes <= hardware.memory_bytes}))
+        return 0
+    out.print(figures_table(figures, title=f"{program.name} {program.mode} on {hardware.name}, as captured "
+                                           f"(no offload)", hardware=hardware))
+    if figures.peak_bytes > hardware.memory_bytes:
+        out.print(f"[yellow]The step needs {format_bytes(figures.peak_bytes)} of device memory; {hardware.name} "
+                  f"has {format_bytes(hardware.memory_bytes)}. It does not fit without offloading.[/yellow]")
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, timeline, *, title: str, limit_bytes: int | None, err: Console,
+                   limit_label: str = "budget") -> None:
+    if args.trace:
+        from hyperoffload.report.trace import write_trace
+
+        write_trace(timeline, args.trace, name=title, budget_bytes=limit_bytes)
+        err.print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.plot:
+        from hyperoffload.report.plot import plot_timeline
+
+        with err.status("Plotting..."):
+            plot_timeline(timeline, args.plot, title=title, budget_bytes=limit_bytes, budget_label=limit_label)
+        err.print(f"plot written to {args.plot}")
+
+
+def _hardware(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.hardware import list_hardware
+    from hyperoffload.report.hardware import hardware_detail, hardware_list
+
+    if args.name is None:
+        profiles = list_hardware()
+        if args.json:
+            print(json.dumps([profile_dict(h) for h in profiles]))
+        else:
+            out.print(hardware_list(profiles))
+            out.print("cpu-emulated: this machine's CPU (calibrated on first use) with an emulated link; "
+                      "`hyperoffload hardware cpu-emulated` measures and shows it.")
+        return 0
+    with err.status("Loading the profile (cpu-emulated calibrates this machine once)..."):
+        hardware = get_hardware(args.name, cpu_cache=cpu_cache_path())
+    if args.json:
+        print(json.dumps(profile_dict(hardware)))
+    else:
+        out.print(hardware_detail(hardware))
+    return 0
+
+
+def profile_dict(hardware: Hardware) -> dict:
+    fields = {f: getattr(hardware, f) for f in hardware.__slots__}
+    fields["peak_flops"] = dict(hardware.peak_flops)
+    fields["sources"] = dict(hardware.sources)
+    return fields
+
+
+COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate, "hardware": _hardware}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, err = Console(), Console(stderr=True)
     try:
         return COMMANDS[args.command](args, out, err)
-    except (UnknownWorkload, CaptureError, ValueError) as error:
+    except (UnknownWorkload, CaptureError, HardwareError, PlanError, ValueError, OSError) as error:
         err.print(f"[red]error:[/red] {error}", highlight=False)
         return EXIT_USER_ERROR
 

@@ -242,12 +242,15 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
                     started[i] = True
                     compute_pos += 1
                     progressed = True
-                    if ins.kind is Kind.COMPUTE:
+                    if ins.kind is Kind.WAIT:
+                        finish[i] = t
+                    else:
                         allocate(i, t)
                         duration = cost[ins.target]
                         compute_running, compute_busy_until = i, t + duration
                         if duration > 0:
-                            intervals.append(Interval(COMPUTE, t, t + duration, i, program.ops[ins.target].name))
+                            intervals.append(Interval(COMPUTE, t, t + duration, i,
+                                                      program.ops[ins.target].name))
             # Copy lanes.
             for lane in (H2D, D2H):
                 queue = lane_queue[lane]

@@ -69,7 +69,7 @@ def parse_flops(text: str | float | int) -> float:
     return float(match.group(1)) * _FLOP_UNITS[match.group(2).lower()]
 
 
-_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # divide: 10 / 1e6 is exactly 1e-05
 
 
 def parse_duration(text: str | float | int) -> float:
@@ -77,9 +77,9 @@ def parse_duration(text: str | float | int) -> float:
     if isinstance(text, (int, float)):
         return float(text)
     match = re.match(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zµ]+)\s*$", text, re.IGNORECASE)
-    if not match or match.group(2).lower() not in _TIME_UNITS:
+    if not match or match.group(2).lower() not in _PER_SECOND:
         raise ValueError(f"cannot read {text!r} as a duration; write it like 10us, 2ms or 0.5s")
-    return float(match.group(1)) * _TIME_UNITS[match.group(2).lower()]
+    return float(match.group(1)) / _PER_SECOND[match.group(2).lower()]
 
 
 def format_seconds(seconds: float) -> str:
