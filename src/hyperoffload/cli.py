@@ -19,6 +19,7 @@ from rich.console import Console
 from hyperoffload.capture import CaptureError
 from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_hardware
 from hyperoffload.plan import PlanError
+from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth, parse_bytes, parse_duration
 from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload
 
@@ -99,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_step_arguments(simulate)
     _add_hardware_arguments(simulate)
     _add_output_arguments(simulate)
+    plan = commands.add_parser("plan", help="plan offloading under a budget and simulate the plan")
+    _add_step_arguments(plan)
+    _add_hardware_arguments(plan)
+    plan.add_argument("--budget", required=True, metavar="SIZE|PCT%|hideable",
+                      help="device-memory budget: bytes with units (40GiB, 60GB), a percentage of the step's "
+                           "no-offload peak (50%%), or 'hideable'")
+    plan.add_argument("--policy", default="hyperoffload", help="which planner (default: hyperoffload)")
+    plan.add_argument("--graph", metavar="FILE", help="write the planned FX graph, cache operators included, as code")
+    _add_output_arguments(plan)
     hardware = commands.add_parser("hardware", help="list hardware profiles, or show one with its sources")
     hardware.add_argument("name", nargs="?", metavar="NAME|FILE.toml", help="the profile to show")
     hardware.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -207,6 +217,43 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
+    import time
+
+    from hyperoffload.budgets import parse_budget
+    from hyperoffload.policies import get_policy
+    from hyperoffload.report.figures import figures_table
+    from hyperoffload.verify import verify
+
+    hardware = hardware_from_args(args)
+    policy = get_policy(args.policy)
+    captured = _capture(args, err)
+    program = captured.program
+    budget = parse_budget(args.budget, program, hardware)
+    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name}..."):
+        start = time.perf_counter()
+        plan = policy(program, hardware, budget)
+        plan_s = time.perf_counter() - start
+        timeline = verify(plan, hardware)
+    figures = timeline.figures
+    title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
+    _write_outputs(args, timeline, title=title, limit_bytes=budget, err=err)
+    if args.graph:
+        from hyperoffload.lower import plan_code
+
+        Path(args.graph).write_text(plan_code(plan))
+        err.print(f"planned graph written to {args.graph}")
+    if args.json:
+        print(json.dumps({"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                          "hardware": hardware.name, "policy": args.policy, **figures.as_dict(),
+                          "plan_s": plan_s, "instructions": len(plan.instructions)}))
+        return 0
+    out.print(figures_table(figures, title=title, hardware=hardware))
+    out.print(f"planned in {plan_s:.1f} s; step_s / bound_s = {figures.step_s / figures.bound_s:.3f}, "
+              f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}")
+    return 0
+
+
 def _write_outputs(args: argparse.Namespace, timeline, *, title: str, limit_bytes: int | None, err: Console,
                    limit_label: str = "budget") -> None:
     if args.trace:
@@ -251,7 +298,8 @@ def profile_dict(hardware: Hardware) -> dict:
     return fields
 
 
-COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate, "hardware": _hardware}
+COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate, "plan": _plan,
+            "hardware": _hardware}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -259,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, err = Console(), Console(stderr=True)
     try:
         return COMMANDS[args.command](args, out, err)
-    except (UnknownWorkload, CaptureError, HardwareError, PlanError, ValueError, OSError) as error:
+    except (UnknownWorkload, CaptureError, HardwareError, PlanError, InfeasibleBudget, ValueError, OSError) as error:
         err.print(f"[red]error:[/red] {error}", highlight=False)
         return EXIT_USER_ERROR
 

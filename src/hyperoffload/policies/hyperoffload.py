@@ -1,0 +1,250 @@
+"""The HyperOffload planner: budgeted selection of idle spans and their schedule, checked by simulation.
+
+Every storage (parameters, gradients, optimizer state, saved activations, KV cache) idles between
+two of its uses; each such span is a candidate to spend in remote memory. The planner:
+
+1. measures each op's time with the cost model and the no-offload memory profile in plan order;
+2. finds the smallest budget it can meet (every op's own inputs and outputs stay on the device,
+   and a storage can leave only across a span of at least one op) and refuses smaller ones;
+3. selects spans greedily where the profile is furthest over budget, preferring spans whose
+   offload and prefetch hide in the compute between their uses and that relieve the most
+   over-budget time per byte moved (a span that cannot be hidden is taken only when nothing
+   hideable covers the position);
+4. schedules them on the two copy lanes: each offload right after the use before its span, each
+   release where the lane model says the offload has finished, each prefetch as late as its
+   deadline needs (latest deadline first), then as early as the budget allows, in deadline order;
+   a storage whose remote copy is still current is released without a second offload;
+5. repeats 3-4 while the schedule leaves positions over budget, for several bandwidth margins,
+   simulates each candidate plan and returns the fastest. The plan's own accounting never
+   exceeds the budget, so neither does the simulation.
+
+Compute order is the captured order (reordering independent ops is not done yet).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyperoffload.cost import op_times
+from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
+from hyperoffload.plan import Instr, Kind, Plan, check_plan, plan_without_offload
+from hyperoffload.policies.lanes import Lane
+from hyperoffload.policies.spans import Span, idle_spans, positions_arrays, storage_uses
+from hyperoffload.simulate import simulate
+from hyperoffload.units import format_bytes
+
+POLICY = "hyperoffload"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerConfig:
+    """Knobs of the HyperOffload planner."""
+
+    min_span_bytes: int | None = None
+    """Storages smaller than this (bytes) stay on the device, where a copy's latency would dominate and
+    the choice would not matter; None: 1/10,000 of the step's no-offload peak."""
+    bandwidth_margins: tuple[float, ...] = (1.0, 0.85, 0.7)
+    """Shares of the link bandwidth the schedule assumes; one plan per margin is simulated."""
+    candidates_per_step: int = 48
+    """How many of the best-ranked spans get an exact, lane-aware placement at each selection step."""
+
+
+class InfeasibleBudget(ValueError):
+    """The budget is below the smallest one this planner can meet; ``min_budget_bytes`` says which."""
+
+    def __init__(self, message: str, min_budget_bytes: int) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
+
+
+@dataclass
+class _Step:
+    """Per-position arrays of the captured order (seconds, bytes)."""
+
+    start: np.ndarray
+    end: np.ndarray
+    times: np.ndarray
+    live: np.ndarray
+
+
+def _min_span_bytes(config: PlannerConfig, live: np.ndarray) -> int:
+    if config.min_span_bytes is not None:
+        return config.min_span_bytes
+    return int(live.max()) // 10_000 if live.size else 0
+
+
+def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig()) -> tuple[int, str]:
+    """The smallest budget (bytes) this planner can meet, and what sets it."""
+    live = np.asarray(check_plan(plan_without_offload(program)).live_bytes, dtype=np.int64)
+    if live.size == 0:
+        return 0, "the step has no ops"
+    min_span_bytes = _min_span_bytes(config, live)
+    spans = idle_spans(program, storage_uses(program, list(range(len(program.ops)))), min_bytes=min_span_bytes)
+    removable = np.zeros(live.size + 1, dtype=np.int64)
+    for span in spans:
+        removable[span.first + 1] += span.nbytes
+        removable[span.last] -= span.nbytes
+    unavoidable = live - np.cumsum(removable)[:-1]
+    p = int(unavoidable.argmax())
+    op = program.ops[p]
+    values = program.values
+    working = {values[v].storage for v in (*op.inputs, *op.outputs)}
+    own = sum(values[s].alloc_bytes for s in working)
+    why = (f"op {op.name} ({op.target}) needs {format_bytes(own)} of its own inputs and outputs on the device, and "
+           f"{format_bytes(int(unavoidable[p]) - own)} more is held by storages that are used right before and "
+           f"after it or are under {format_bytes(min_span_bytes)}")
+    return int(unavoidable[p]), why
+
+
+def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
+                      config: PlannerConfig = PlannerConfig()) -> Plan:
+    """The fastest plan found whose device memory never exceeds ``budget_bytes``."""
+    base = plan_without_offload(program, budget_bytes=None)
+    live = np.asarray(check_plan(base).live_bytes, dtype=np.int64)
+    if live.size == 0 or live.max() <= budget_bytes:
+        return Plan(program=program, instructions=base.instructions, policy=POLICY, budget_bytes=budget_bytes)
+    least, why = minimum_budget(program, config)
+    if budget_bytes < least:
+        raise InfeasibleBudget(f"a budget of {format_bytes(budget_bytes)} is below the smallest this planner can "
+                               f"meet, {format_bytes(least)} ({least} bytes): {why}", least)
+    times = np.asarray(op_times(program, hardware), dtype=np.float64)
+    end = np.cumsum(times)
+    step = _Step(start=end - times, end=end, times=times, live=live)
+    uses = storage_uses(program, list(range(len(program.ops))))
+    spans = idle_spans(program, uses, min_bytes=_min_span_bytes(config, live))
+    best: tuple[float, Plan] | None = None
+    for margin in config.bandwidth_margins:
+        plan = _plan_for_margin(program, hardware, budget_bytes, step, spans, uses.writes, margin, config)
+        step_s = simulate(plan, hardware).figures.step_s
+        if best is None or step_s < best[0]:
+            best = (step_s, plan)
+    return best[1]
+
+
+@dataclass
+class _Choice:
+    """Where a chosen span's instructions go (positions: before the op at that position)."""
+
+    offload: int
+    """Position of its OFFLOAD, or -1 when an earlier span's remote copy is still current."""
+    release: int
+    prefetch: int
+
+
+def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], writes, margin, config) -> Plan:
+    first, last, size = positions_arrays(spans)
+    n = step.live.size
+    offload_s = hardware.d2h_latency_s + size / (hardware.d2h_bw * margin)
+    prefetch_s = hardware.h2d_latency_s + size / (hardware.h2d_bw * margin)
+    # Windows if each span had the lanes to itself (an upper bound used to rank candidates).
+    ready = np.where(first >= 0, step.end[np.maximum(first, 0)], 0.0)
+    alone_release = np.maximum(np.searchsorted(step.start, ready + offload_s, side="left"), first + 1)
+    alone_prefetch = np.minimum(np.searchsorted(step.start, step.start[last] - prefetch_s, side="right") - 1, last)
+    latency_bytes = hardware.h2d_latency_s * hardware.h2d_bw
+    d2h, h2d = Lane(), Lane()
+    choices: dict[int, _Choice] = {}
+    out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed) of chosen spans
+    excess = (step.live - budget).astype(np.float64)
+
+    def window(i: int, p: int) -> _Choice | None:
+        """Lane-aware placement of span i, if it frees position p."""
+        span = spans[i]
+        landed = _current_copy(out_until.get(span.storage, ()), span, writes)
+        if landed is None:
+            q = d2h.earliest(step.start, span.first + 1, offload_s[i], p + 1)
+            if q < 0:
+                return None
+            done, offload = step.start[q] + offload_s[i], q
+        else:
+            done, offload = max(ready[i], landed), -1
+        release = max(int(np.searchsorted(step.start, done, side="left")), span.first + 1)
+        if release > p:
+            return None
+        q = h2d.latest(step.start, span.last, prefetch_s[i], step.start[span.last], p + 1)
+        if q < 0:
+            return None
+        return _Choice(offload, release, q)
+
+    while True:
+        p = int(excess.argmax())
+        need = excess[p]
+        if need <= 0:
+            break
+        over = np.concatenate([[0.0], np.cumsum(np.where(excess > 0, step.times, 0.0))])
+        free = np.array([i not in choices for i in range(len(spans))]) if choices else np.ones(len(spans), bool)
+        candidates = np.flatnonzero(free & (alone_release <= p) & (p < alone_prefetch))
+        bound = (over[alone_prefetch[candidates]] - over[alone_release[candidates]]) * np.minimum(
+            size[candidates], need) / (size[candidates] + latency_bytes)
+        best: tuple[float, int, _Choice] | None = None
+        for i in candidates[np.argsort(-bound, kind="stable")][:config.candidates_per_step]:
+            choice = window(int(i), p)
+            if choice is None:
+                continue
+            score = (over[choice.prefetch] - over[choice.release]) * min(size[i], need) / (size[i] + latency_bytes)
+            if best is None or score > best[0]:
+                best = (score, int(i), choice)
+        if best is None:  # nothing hides here: take the span that idles longest around p, unhidden
+            candidates = np.flatnonzero(free & (first + 1 <= p) & (p < last))
+            if candidates.size == 0:
+                raise InfeasibleBudget(f"no storage can leave the device at op position {p}", -1)
+            i = int(candidates[np.argmax((over[last[candidates]] - over[first[candidates] + 1]) *
+                                         np.minimum(size[candidates], need))])
+            landed = _current_copy(out_until.get(spans[i].storage, ()), spans[i], writes)
+            best = (0.0, i, _Choice(first[i] + 1 if landed is None else -1, first[i] + 1, last[i]))
+        _, i, choice = best
+        choices[i] = choice
+        span = spans[i]
+        if choice.offload >= 0:
+            begin = step.start[choice.offload]
+            d2h.reserve(begin, begin + offload_s[i])
+            out_until.setdefault(span.storage, []).append((span.first, begin + offload_s[i]))
+        begin = step.start[choice.prefetch]
+        h2d.reserve(begin, begin + prefetch_s[i])
+        excess[choice.release:choice.prefetch] -= size[i]
+    return _emit(program, spans, choices, budget, n)
+
+
+def _current_copy(out: list[tuple[int, float]] | tuple, span: Span, writes) -> float | None:
+    """When the remote copy this span can reuse landed (an earlier chosen span's offload with no write
+    of the storage since), or None if the span needs its own offload."""
+    w = writes.get(span.storage, [])
+    for first, landed in out:
+        if first <= span.first:
+            k = bisect.bisect_right(w, first)
+            if not (k < len(w) and w[k] <= span.first):
+                return landed
+    return None
+
+
+def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, n: int) -> Plan:
+    offloads: list[list[int]] = [[] for _ in range(n + 1)]
+    releases: list[list[int]] = [[] for _ in range(n + 1)]
+    prefetches: list[list[int]] = [[] for _ in range(n + 1)]
+    waits: list[list[int]] = [[] for _ in range(n + 1)]
+    for i, choice in choices.items():
+        if choice.offload >= 0:
+            offloads[choice.offload].append(i)
+        releases[choice.release].append(i)
+        prefetches[choice.prefetch].append(i)
+        waits[spans[i].last].append(i)
+    instructions: list[Instr] = []
+    pending_offload: set[int] = set()
+    for p in range(n):
+        for i in offloads[p]:
+            instructions.append(Instr(Kind.OFFLOAD, spans[i].storage))
+            pending_offload.add(spans[i].storage)
+        for i in releases[p]:
+            instructions.append(Instr(Kind.RELEASE, spans[i].storage))
+        for i in sorted(prefetches[p], key=lambda i: spans[i].last):
+            s = spans[i].storage
+            if s in pending_offload:
+                instructions.append(Instr(Kind.WAIT, s))
+                pending_offload.discard(s)
+            instructions.append(Instr(Kind.PREFETCH, s))
+        instructions.extend(Instr(Kind.WAIT, spans[i].storage) for i in waits[p])
+        instructions.append(Instr(Kind.COMPUTE, p))
+    return Plan(program=program, instructions=tuple(instructions), policy=POLICY, budget_bytes=budget)

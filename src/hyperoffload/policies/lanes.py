@@ -1,0 +1,53 @@
+"""A copy lane's reservations, in the time of the compute stream's no-stall schedule.
+
+Copies are issued at op boundaries (when the compute stream reaches them), so reservations start
+at an op's start time. Keeping each lane's reservations disjoint and issuing copies in the order of
+their reservations makes the FIFO lanes of the simulator run them when the planner expected.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+
+class Lane:
+    """Disjoint busy intervals [start, end) in seconds."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def _overlap(self, begin: float, end: float) -> int:
+        """Index of a reservation overlapping [begin, end), or -1."""
+        k = bisect.bisect_right(self.starts, begin) - 1
+        for j in (k, k + 1):
+            if 0 <= j < len(self.starts) and self.starts[j] < end and begin < self.ends[j]:
+                return j
+        return -1
+
+    def earliest(self, op_start: np.ndarray, lowest: int, duration: float, limit: int) -> int:
+        """The first position q in [lowest, limit) whose start leaves ``duration`` free, or -1."""
+        q = lowest
+        while q < limit:
+            j = self._overlap(op_start[q], op_start[q] + duration)
+            if j < 0:
+                return q
+            q = max(q + 1, int(np.searchsorted(op_start, self.ends[j], side="left")))
+        return -1
+
+    def latest(self, op_start: np.ndarray, highest: int, duration: float, deadline: float, lowest: int) -> int:
+        """The last position q in [lowest, highest] with start + duration <= deadline and free, or -1."""
+        q = min(highest, int(np.searchsorted(op_start, deadline - duration, side="right")) - 1)
+        while q >= lowest:
+            j = self._overlap(op_start[q], op_start[q] + duration)
+            if j < 0:
+                return q
+            q = min(q - 1, int(np.searchsorted(op_start, self.starts[j] - duration, side="right")) - 1)
+        return -1
+
+    def reserve(self, begin: float, end: float) -> None:
+        k = bisect.bisect_left(self.starts, begin)
+        self.starts.insert(k, begin)
+        self.ends.insert(k, end)

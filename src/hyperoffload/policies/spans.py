@@ -1,0 +1,81 @@
+"""Idle spans: the unit a planner decides on.
+
+A storage is *used on the device* by every op that reads or writes it. Between two consecutive
+uses it idles; if the span is long enough it can go to remote memory after the first use and come
+back before the second. Step inputs (parameters, optimizer state, KV cache) are on the device when
+the step starts, so their first span starts at the step's start (``first == -1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyperoffload.ir import Program
+from hyperoffload.plan import held_storages
+
+START = -1
+"""``Span.first`` for a span that begins when the step starts."""
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Storage ``storage`` is not used on the device strictly between positions ``first`` and ``last``."""
+
+    storage: int
+    first: int
+    """Position of the use before the span (``START``: the step's start)."""
+    last: int
+    """Position of the use after the span."""
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Uses:
+    """Where each storage is used on the device, in an execution order."""
+
+    positions: dict[int, list[int]]
+    """Storage -> positions (in the order) of the ops that read or write it, ascending."""
+    writes: dict[int, list[int]]
+    """Storage -> positions of the ops that produce or overwrite it, ascending."""
+
+
+def storage_uses(program: Program, order: list[int]) -> Uses:
+    values = program.values
+    positions: dict[int, list[int]] = {}
+    writes: dict[int, list[int]] = {}
+    for p, op_id in enumerate(order):
+        op = program.ops[op_id]
+        for s in {values[v].storage for v in (*op.inputs, *op.outputs)}:
+            positions.setdefault(s, []).append(p)
+        for s in {values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage}:
+            writes.setdefault(s, []).append(p)
+    return Uses(positions=positions, writes=writes)
+
+
+def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
+    """Every span of at least one position between two uses of a storage of ``min_bytes`` or more."""
+    values = program.values
+    on_device_at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
+    spans = []
+    for s, positions in uses.positions.items():
+        size = values[s].alloc_bytes
+        if size < min_bytes:
+            continue
+        previous = START if s in on_device_at_start else positions[0]
+        for p in (positions if s in on_device_at_start else positions[1:]):
+            if p - previous >= 2:
+                spans.append(Span(s, previous, p, size))
+            previous = p
+    return spans
+
+
+def positions_arrays(spans: list[Span]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first, last, nbytes) of ``spans`` as int64 arrays."""
+    return (np.fromiter((s.first for s in spans), np.int64, len(spans)),
+            np.fromiter((s.last for s in spans), np.int64, len(spans)),
+            np.fromiter((s.nbytes for s in spans), np.int64, len(spans)))
+
+
+__all__ = ["START", "Span", "Uses", "held_storages", "idle_spans", "positions_arrays", "storage_uses"]

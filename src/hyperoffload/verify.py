@@ -1,0 +1,63 @@
+"""``verify(plan)``: the invariants of ``shared/DESIGN.md``, checked on a plan and on its simulation.
+
+Statically (``check_plan``): every op reads values that are on the device; a prefetch follows a
+finished offload; nothing still needed is released without a remote copy; the budget holds in plan
+order. With a hardware profile, also on the simulated timeline, independently of how the simulator
+enforces them: every prefetch starts after the offload it reads from has landed, every op that reads
+a prefetched value starts after the prefetch landed, and device memory never exceeds the budget.
+Errors name the policy that made the plan.
+"""
+
+from __future__ import annotations
+
+from hyperoffload.hardware import Hardware
+from hyperoffload.plan import Kind, Plan, PlanError, check_plan
+from hyperoffload.simulate import COMPUTE, D2H, H2D, Timeline, simulate
+
+_TOLERANCE_S = 1e-12
+
+
+class VerificationError(AssertionError):
+    """A plan breaks an invariant; the message names the policy and the instruction."""
+
+
+def verify(plan: Plan, hardware: Hardware | None = None) -> Timeline | None:
+    """Check ``plan``; with ``hardware`` also simulate it and check the timeline. Returns the timeline."""
+    try:
+        check_plan(plan)
+    except PlanError as error:
+        raise VerificationError(f"plan from policy {plan.policy!r} is invalid: {error}") from error
+    if hardware is None:
+        return None
+    timeline = simulate(plan, hardware)
+    _check_timeline(plan, timeline)
+    return timeline
+
+
+def _check_timeline(plan: Plan, timeline: Timeline) -> None:
+    program, instrs = plan.program, plan.instructions
+    fail = lambda i, why: VerificationError(  # noqa: E731
+        f"plan from policy {plan.policy!r}, instruction #{i} ({instrs[i].describe(program)}): {why}")
+    budget = plan.budget_bytes
+    if budget is not None and timeline.figures.peak_bytes > budget:
+        raise VerificationError(f"plan from policy {plan.policy!r} reaches {timeline.figures.peak_bytes} bytes on "
+                                f"the device, over its budget of {budget}")
+    by_instruction = {iv.instruction: iv for iv in timeline.intervals}
+    landed_out: dict[int, float] = {}
+    landed_in: dict[int, float] = {}
+    for i, ins in enumerate(instrs):
+        interval = by_instruction.get(i)
+        if ins.kind is Kind.OFFLOAD and interval is not None:
+            assert interval.stream == D2H
+            landed_out[ins.target] = interval.end
+        elif ins.kind is Kind.PREFETCH and interval is not None:
+            assert interval.stream == H2D
+            if ins.target in landed_out and interval.start + _TOLERANCE_S < landed_out[ins.target]:
+                raise fail(i, "the prefetch starts before the offload it reads from has landed")
+            landed_in[ins.target] = interval.end
+        elif ins.kind is Kind.COMPUTE and interval is not None:
+            assert interval.stream == COMPUTE
+            op = program.ops[ins.target]
+            for s in {program.values[v].storage for v in op.inputs}:
+                if s in landed_in and interval.start + _TOLERANCE_S < landed_in[s]:
+                    raise fail(i, f"starts before the prefetch of {program.values[s].name} has landed")
