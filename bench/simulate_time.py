@@ -15,7 +15,7 @@ import time
 
 from hyperoffload.hardware import get_hardware
 from hyperoffload.ir import ValueKind
-from hyperoffload.plan import Instr, Kind, Plan, check_plan
+from hyperoffload.plans import Instr, Kind, Plan, check_plan
 from hyperoffload.simulate import simulate
 from hyperoffload.units import format_bytes, format_seconds
 from hyperoffload.workloads import capture_workload, get_workload

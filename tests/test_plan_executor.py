@@ -8,7 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from hyperoffload.ir import ValueKind
-from hyperoffload.plan import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
+from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
 from hyperoffload.runtime import run_reference
 from hyperoffload.runtime.plan_executor import run_plan
 from hyperoffload.workloads import capture_workload, get_workload

@@ -15,7 +15,7 @@ from programs import op, program, value
 
 from hyperoffload.hardware import get_hardware
 from hyperoffload.ir import Op, ValueKind
-from hyperoffload.plan import Instr, Kind, Plan, plan_without_offload
+from hyperoffload.plans import Instr, Kind, Plan, plan_without_offload
 from hyperoffload.report.plot import plot_timeline
 from hyperoffload.report.trace import BUDGET_COUNTER, MEMORY_COUNTER, timeline_to_trace, write_trace
 from hyperoffload.simulate import Timeline, simulate

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import ValueKind
-from hyperoffload.plan import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
+from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
 from hyperoffload.simulate import simulate
 from helpers import random_valid_order
 from programs import op, program, random_programs, value

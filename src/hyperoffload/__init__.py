@@ -21,7 +21,7 @@ __all__ = ["Hardware", "InfeasibleBudget", "PlannerConfig", "Timeline", "Verific
 
 def plan(program: Program, hardware: Hardware | str, budget: int | str, *, policy: str = "hyperoffload"):
     """Plan ``program`` on ``hardware`` (a profile or its name) under ``budget`` (bytes, or text such as
-    ``"40GiB"``, ``"50%"``, ``"hideable"``) with ``policy``; returns a verified ``hyperoffload.plan.Plan``."""
+    ``"40GiB"``, ``"50%"``, ``"hideable"``) with ``policy``; returns a verified ``hyperoffload.plans.Plan``."""
     from hyperoffload.policies import get_policy
 
     if isinstance(hardware, str):

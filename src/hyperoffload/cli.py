@@ -18,7 +18,7 @@ from rich.console import Console
 
 from hyperoffload.capture import CaptureError
 from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_hardware
-from hyperoffload.plan import PlanError
+from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth, parse_bytes, parse_duration
 from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload
@@ -191,7 +191,7 @@ def _workloads(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from hyperoffload.plan import plan_without_offload
+    from hyperoffload.plans import plan_without_offload
     from hyperoffload.report.figures import figures_table
     from hyperoffload.simulate import simulate
 

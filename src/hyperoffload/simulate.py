@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from hyperoffload.analysis import memory_profile
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
-from hyperoffload.plan import Kind, Plan, PlanError, check_plan
+from hyperoffload.plans import Kind, Plan, PlanError, check_plan
 
 COMPUTE, H2D, D2H = "compute", "h2d", "d2h"
 STREAMS = (COMPUTE, H2D, D2H)

@@ -11,7 +11,7 @@ Errors name the policy that made the plan.
 from __future__ import annotations
 
 from hyperoffload.hardware import Hardware
-from hyperoffload.plan import Kind, Plan, PlanError, check_plan
+from hyperoffload.plans import Kind, Plan, PlanError, check_plan
 from hyperoffload.simulate import COMPUTE, D2H, H2D, Timeline, simulate
 
 _TOLERANCE_S = 1e-12

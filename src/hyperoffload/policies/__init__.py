@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plan import Plan, plan_without_offload
+from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.policies.hyperoffload import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
 
 Policy = Callable[[Program, Hardware, int], Plan]

@@ -31,7 +31,7 @@ import numpy as np
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plan import Instr, Kind, Plan, check_plan, plan_without_offload
+from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies.lanes import Lane
 from hyperoffload.policies.spans import Span, idle_spans, positions_arrays, storage_uses
 from hyperoffload.simulate import simulate
@@ -88,6 +88,9 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig()) ->
     for span in spans:
         removable[span.first + 1] += span.nbytes
         removable[span.last] -= span.nbytes
+        if span.cyclic:  # the span wraps: it also covers the step from its start up to the first use
+            removable[0] += span.nbytes
+            removable[live.size] -= span.nbytes
     unavoidable = live - np.cumsum(removable)[:-1]
     p = int(unavoidable.argmax())
     op = program.ops[p]
@@ -95,8 +98,8 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig()) ->
     working = {values[v].storage for v in (*op.inputs, *op.outputs)}
     own = sum(values[s].alloc_bytes for s in working)
     why = (f"op {op.name} ({op.target}) needs {format_bytes(own)} of its own inputs and outputs on the device, and "
-           f"{format_bytes(int(unavoidable[p]) - own)} more is held by storages that are used right before and "
-           f"after it or are under {format_bytes(min_span_bytes)}")
+           f"{format_bytes(int(unavoidable[p]) - own)} more by storages used by the ops right before and after it "
+           f"or smaller than {format_bytes(min_span_bytes)}")
     return int(unavoidable[p]), why
 
 
@@ -127,32 +130,57 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
 
 @dataclass
 class _Choice:
-    """Where a chosen span's instructions go (positions: before the op at that position)."""
+    """Where a chosen span's instructions go (positions: before the op at that position; ``n`` is
+    after the step's last op)."""
 
     offload: int
-    """Position of its OFFLOAD, or -1 when an earlier span's remote copy is still current."""
+    """Position of its OFFLOAD, or -1 when a remote copy is still current."""
     release: int
     prefetch: int
+    resumes: int = 0
+    """Cyclic spans: first position of the step at which the storage is no longer on the device (an
+    offload still landing from the previous step holds it until then)."""
+    offload_begin: float = -1.0
+    """When the offload's lane reservation begins (seconds) if not at its position's start."""
+
+    def freed(self, n: int) -> list[tuple[int, int]]:
+        """Positions [lo, hi) during which the storage is off the device."""
+        if self.prefetch >= self.release:
+            return [(self.release, self.prefetch)]
+        return [(self.release, n), (self.resumes, self.prefetch)]  # cyclic: wraps past the step's end
+
+    def covered(self, over: np.ndarray, n: int) -> float:
+        return sum(over[hi] - over[lo] for lo, hi in self.freed(n) if hi > lo)
 
 
 def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], writes, margin, config) -> Plan:
     first, last, size = positions_arrays(spans)
+    cyclic = first > last
     n = step.live.size
+    total = step.end[-1]
+    start_at = np.append(step.start, total)  # position n: after the step's last op
     offload_s = hardware.d2h_latency_s + size / (hardware.d2h_bw * margin)
     prefetch_s = hardware.h2d_latency_s + size / (hardware.h2d_bw * margin)
-    # Windows if each span had the lanes to itself (an upper bound used to rank candidates).
+    # Windows if each span had the lanes to itself (an upper bound used to rank candidates): freed
+    # positions [lo1, hi1) and, for cyclic spans, also [0, hi2) at the start of the step.
     ready = np.where(first >= 0, step.end[np.maximum(first, 0)], 0.0)
-    alone_release = np.maximum(np.searchsorted(step.start, ready + offload_s, side="left"), first + 1)
-    alone_prefetch = np.minimum(np.searchsorted(step.start, step.start[last] - prefetch_s, side="right") - 1, last)
+    lo1 = np.minimum(np.maximum(np.searchsorted(start_at, ready + offload_s, side="left"), first + 1), n)
+    latest = np.searchsorted(step.start, step.start[last] - prefetch_s, side="right") - 1
+    hi1 = np.where(cyclic, n, np.minimum(latest, last))
+    hi2 = np.where(cyclic, np.maximum(latest, 0), 0)
     latency_bytes = hardware.h2d_latency_s * hardware.h2d_bw
     d2h, h2d = Lane(), Lane()
     choices: dict[int, _Choice] = {}
     out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed) of chosen spans
+    taken_start: set[int] = set()  # storages whose step-start span or cyclic span is chosen (they overlap)
     excess = (step.live - budget).astype(np.float64)
+    is_start = first < 0
 
     def window(i: int, p: int) -> _Choice | None:
         """Lane-aware placement of span i, if it frees position p."""
         span = spans[i]
+        if span.cyclic:
+            return _cyclic_window(i, p)
         landed = _current_copy(out_until.get(span.storage, ()), span, writes)
         if landed is None:
             q = d2h.earliest(step.start, span.first + 1, offload_s[i], p + 1)
@@ -169,43 +197,87 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
             return None
         return _Choice(offload, release, q)
 
+    def _cyclic_window(i: int, p: int) -> _Choice | None:
+        span = spans[i]
+        prefetch = h2d.latest(step.start, span.last, prefetch_s[i], step.start[span.last], 0)
+        if prefetch < 0:
+            return None
+        begin = -1.0
+        if writes.get(span.storage):  # changed this step: the copy from the last step is stale
+            q = d2h.earliest(start_at, span.first + 1, offload_s[i], n + 1)
+            if q < 0:  # the lane is booked to the end: go out after the step, once the lane is free
+                q, begin = n, max(total, max(d2h.ends, default=total))
+            landed, offload = (begin if begin >= 0 else start_at[q]) + offload_s[i], q
+        else:
+            landed, offload = ready[i], -1
+        if landed <= total:
+            release, resumes = max(int(np.searchsorted(start_at, landed, side="left")), span.first + 1), 0
+        else:  # lands during the next step: the storage is still on the device when that step starts
+            release, resumes = n, int(np.searchsorted(step.start, landed - total, side="left"))
+        if not (release <= p or resumes <= p < prefetch):
+            return None
+        return _Choice(offload, release, prefetch, resumes, begin)
+
     while True:
         p = int(excess.argmax())
         need = excess[p]
         if need <= 0:
             break
         over = np.concatenate([[0.0], np.cumsum(np.where(excess > 0, step.times, 0.0))])
-        free = np.array([i not in choices for i in range(len(spans))]) if choices else np.ones(len(spans), bool)
-        candidates = np.flatnonzero(free & (alone_release <= p) & (p < alone_prefetch))
-        bound = (over[alone_prefetch[candidates]] - over[alone_release[candidates]]) * np.minimum(
-            size[candidates], need) / (size[candidates] + latency_bytes)
+        free = np.ones(len(spans), dtype=bool)
+        if choices:
+            free[list(choices)] = False
+            blocked = np.array([spans[i].storage in taken_start for i in range(len(spans))])
+            free &= ~((is_start | cyclic) & blocked)
+        covers = (lo1 <= p) & (p < hi1) | (p < hi2)
+        candidates = np.flatnonzero(free & covers)
+        covered = over[hi1[candidates]] - over[np.minimum(lo1[candidates], hi1[candidates])] + over[hi2[candidates]]
+        bound = covered * np.minimum(size[candidates], need) / (size[candidates] + latency_bytes)
         best: tuple[float, int, _Choice] | None = None
         for i in candidates[np.argsort(-bound, kind="stable")][:config.candidates_per_step]:
             choice = window(int(i), p)
             if choice is None:
                 continue
-            score = (over[choice.prefetch] - over[choice.release]) * min(size[i], need) / (size[i] + latency_bytes)
+            score = choice.covered(over, n) * min(size[i], need) / (size[i] + latency_bytes)
             if best is None or score > best[0]:
                 best = (score, int(i), choice)
         if best is None:  # nothing hides here: take the span that idles longest around p, unhidden
-            candidates = np.flatnonzero(free & (first + 1 <= p) & (p < last))
-            if candidates.size == 0:
-                raise InfeasibleBudget(f"no storage can leave the device at op position {p}", -1)
-            i = int(candidates[np.argmax((over[last[candidates]] - over[first[candidates] + 1]) *
-                                         np.minimum(size[candidates], need))])
-            landed = _current_copy(out_until.get(spans[i].storage, ()), spans[i], writes)
-            best = (0.0, i, _Choice(first[i] + 1 if landed is None else -1, first[i] + 1, last[i]))
+            best = _unhidden(p, need, free, over, spans, first, last, size, cyclic, n, writes, out_until)
         _, i, choice = best
         choices[i] = choice
         span = spans[i]
+        if span.first < 0 or span.cyclic:
+            taken_start.add(span.storage)
         if choice.offload >= 0:
-            begin = step.start[choice.offload]
+            begin = choice.offload_begin if choice.offload_begin >= 0 else start_at[choice.offload]
             d2h.reserve(begin, begin + offload_s[i])
-            out_until.setdefault(span.storage, []).append((span.first, begin + offload_s[i]))
+            if not span.cyclic:
+                out_until.setdefault(span.storage, []).append((span.first, begin + offload_s[i]))
         begin = step.start[choice.prefetch]
         h2d.reserve(begin, begin + prefetch_s[i])
-        excess[choice.release:choice.prefetch] -= size[i]
+        for lo, hi in choice.freed(n):
+            excess[lo:hi] -= size[i]
     return _emit(program, spans, choices, budget, n)
+
+
+def _unhidden(p, need, free, over, spans, first, last, size, cyclic, n, writes, out_until):
+    """The span whose whole idle time around ``p`` relieves the most over-budget time, placed without
+    regard to the lanes: out right after its use, back right before its next (the compute stream may
+    wait for the copies, but the budget holds)."""
+    inside = ~cyclic & (first + 1 <= p) & (p < last)
+    wrapped = cyclic & ((first + 1 <= p) | (p < last))
+    candidates = np.flatnonzero(free & (inside | wrapped))
+    if candidates.size == 0:
+        raise InfeasibleBudget(f"no storage can leave the device at op position {p}", -1)
+    lo = first[candidates] + 1
+    hi = last[candidates]
+    idle = np.where(cyclic[candidates], over[n] - over[np.minimum(lo, n)] + over[hi], over[hi] - over[lo])
+    i = int(candidates[np.argmax(idle * np.minimum(size[candidates], need))])
+    span = spans[i]
+    if span.cyclic:
+        return 0.0, i, _Choice(span.first + 1 if writes.get(span.storage) else -1, span.first + 1, span.last, 0)
+    landed = _current_copy(out_until.get(span.storage, ()), span, writes)
+    return 0.0, i, _Choice(span.first + 1 if landed is None else -1, span.first + 1, span.last)
 
 
 def _current_copy(out: list[tuple[int, float]] | tuple, span: Span, writes) -> float | None:
@@ -225,20 +297,25 @@ def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, 
     releases: list[list[int]] = [[] for _ in range(n + 1)]
     prefetches: list[list[int]] = [[] for _ in range(n + 1)]
     waits: list[list[int]] = [[] for _ in range(n + 1)]
+    initial_remote = set()
     for i, choice in choices.items():
         if choice.offload >= 0:
             offloads[choice.offload].append(i)
         releases[choice.release].append(i)
         prefetches[choice.prefetch].append(i)
         waits[spans[i].last].append(i)
+        if spans[i].cyclic:
+            initial_remote.add(spans[i].storage)
     instructions: list[Instr] = []
     pending_offload: set[int] = set()
-    for p in range(n):
+    for p in range(n + 1):
         for i in offloads[p]:
             instructions.append(Instr(Kind.OFFLOAD, spans[i].storage))
             pending_offload.add(spans[i].storage)
         for i in releases[p]:
             instructions.append(Instr(Kind.RELEASE, spans[i].storage))
+        if p == n:
+            break
         for i in sorted(prefetches[p], key=lambda i: spans[i].last):
             s = spans[i].storage
             if s in pending_offload:
@@ -247,4 +324,5 @@ def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, 
             instructions.append(Instr(Kind.PREFETCH, s))
         instructions.extend(Instr(Kind.WAIT, spans[i].storage) for i in waits[p])
         instructions.append(Instr(Kind.COMPUTE, p))
-    return Plan(program=program, instructions=tuple(instructions), policy=POLICY, budget_bytes=budget)
+    return Plan(program=program, instructions=tuple(instructions), policy=POLICY, budget_bytes=budget,
+                initial_remote=frozenset(initial_remote))

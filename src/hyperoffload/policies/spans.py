@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyperoffload.ir import Program
-from hyperoffload.plan import held_storages
+from hyperoffload.plans import held_storages
 
 START = -1
 """``Span.first`` for a span that begins when the step starts."""
@@ -21,7 +21,12 @@ START = -1
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """Storage ``storage`` is not used on the device strictly between positions ``first`` and ``last``."""
+    """Storage ``storage`` is not used on the device strictly between positions ``first`` and ``last``.
+
+    A *cyclic* span (``first > last``) runs from a step input's last use in one step to its first use
+    in the next: the storage lives in remote memory between steps (it starts the step there, comes in
+    before ``last`` and goes out after ``first``), as training state does in ZeRO-Offload.
+    """
 
     storage: int
     first: int
@@ -29,6 +34,10 @@ class Span:
     last: int
     """Position of the use after the span."""
     nbytes: int
+
+    @property
+    def cyclic(self) -> bool:
+        return self.first > self.last
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +77,8 @@ def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
             if p - previous >= 2:
                 spans.append(Span(s, previous, p, size))
             previous = p
+        if s in on_device_at_start:
+            spans.append(Span(s, positions[-1], positions[0], size))
     return spans
 
 

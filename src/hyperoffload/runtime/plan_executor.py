@@ -39,7 +39,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from hyperoffload.plan import Kind, Plan, check_plan
+from hyperoffload.plans import Kind, Plan, check_plan
 from hyperoffload.runtime.reference import _live_storage_bytes
 
 
