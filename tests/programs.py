@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
+from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
 
 
@@ -48,3 +49,10 @@ def random_programs(draw):
         ops.append(op(oid, reads, outs))
     outputs = draw(st.lists(st.integers(n_inputs, len(values) - 1), min_size=1, max_size=2, unique=True))
     return program(values, ops, list(range(n_inputs)), outputs)
+
+
+def simple_hardware(*, bw=1e9, latency=0.0, duplex=1.0) -> Hardware:
+    """1 GFLOP/s compute, so an op of F FLOPs takes F / 1e9 s; no launch cost; memory traffic free."""
+    return Hardware(name="test", description="", memory_bytes=10**15, peak_flops={"float32": 1e9}, hbm_bw=1e30,
+                    h2d_bw=bw, d2h_bw=bw, h2d_latency_s=latency, d2h_latency_s=latency, duplex_share=duplex,
+                    launch_s=0.0, compute_efficiency=1.0, memory_efficiency=1.0)

@@ -4,21 +4,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyperoffload.hardware import Hardware
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
 from hyperoffload.simulate import simulate
 from helpers import random_valid_order
-from programs import op, program, random_programs, value
+from programs import op, program, random_programs, simple_hardware as hardware, value
 
 GB = 10**9
-
-
-def hardware(*, bw=1e9, latency=0.0, duplex=1.0) -> Hardware:
-    """1 GFLOP/s compute, so an op of F FLOPs takes F / 1e9 s; no launch cost; memory traffic free."""
-    return Hardware(name="test", description="", memory_bytes=10**15, peak_flops={"float32": 1e9}, hbm_bw=1e30,
-                    h2d_bw=bw, d2h_bw=bw, h2d_latency_s=latency, d2h_latency_s=latency, duplex_share=duplex,
-                    launch_s=0.0, compute_efficiency=1.0, memory_efficiency=1.0)
 
 
 C, O, P, W, R = Kind.COMPUTE, Kind.OFFLOAD, Kind.PREFETCH, Kind.WAIT, Kind.RELEASE

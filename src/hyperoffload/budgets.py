@@ -11,11 +11,14 @@ from hyperoffload.units import parse_bytes
 
 def hideable_budget(program: Program, hardware: Hardware) -> int:
     """The smallest budget whose ``bound_s`` equals ``compute_s`` (bytes): below it, moving the excess
-    once each way at full link speed takes longer than the step's compute."""
+    once each way at full link speed takes longer than the step's compute. When the link is so fast
+    that this would be below the smallest budget the planner can meet, that budget instead."""
+    from hyperoffload.policies import minimum_budget
+
     peak = memory_profile(program).peak_bytes
     compute_s = sum(op_times(program, hardware))
     movable = int(compute_s * min(hardware.h2d_bw, hardware.d2h_bw))
-    return max(0, peak - movable)
+    return max(peak - movable, minimum_budget(program)[0])
 
 
 def parse_budget(text: str, program: Program, hardware: Hardware) -> int:

@@ -232,14 +232,7 @@ class _Lowering:
             self.in_flight[s] = (Kind.OFFLOAD, node)
             self.remote[s] = node
         elif instr.kind is Kind.WAIT:
-            kind, transfer = self.in_flight.pop(s)
-            node = self._call(cache_ops.WAIT, (transfer,), f"wait_{kind.value}_{name}")
-            if kind is Kind.OFFLOAD:
-                self.remote[s] = node
-            else:
-                self.generation[s] = self.generation.get(s, 0) + 1
-                self.device_base[s] = node
-                self.ready[s] = True
+            self._wait(s, name)
         elif instr.kind is Kind.PREFETCH:
             node = self._call(cache_ops.PREFETCH, (self.remote[s],), f"prefetch_{name}")
             self.in_flight[s] = (Kind.PREFETCH, node)
@@ -266,8 +259,23 @@ class _Lowering:
             if s in self.home and self.generation.get(s, 0):
                 self.dirty.add(s)
 
+    def _wait(self, s: int, name: str) -> None:
+        kind, transfer = self.in_flight.pop(s)
+        node = self._call(cache_ops.WAIT, (transfer,), f"wait_{kind.value}_{name}")
+        if kind is Kind.OFFLOAD:
+            self.remote[s] = node
+        else:
+            self.generation[s] = self.generation.get(s, 0) + 1
+            self.device_base[s] = node
+            self.ready[s] = True
+
     def finish(self) -> None:
         """Copy updated inputs back into the caller's tensors, then return the step's outputs."""
+        # A plan that keeps state in remote memory lets its last offloads overlap the next step; a
+        # step run on its own completes them before handing the state back.
+        for s, (kind, _) in sorted(self.in_flight.items()):
+            if kind is Kind.OFFLOAD:
+                self._wait(s, self._name(s))
         for s in sorted(self.dirty):
             if self.ready.get(s, False):
                 latest = self.device_base[s]

@@ -8,9 +8,11 @@ moved). Rules, in the order a real runtime would follow them:
   every compute-stream instruction before it in the plan has started. An offload also waits
   for the op that last wrote its value; a prefetch for the offload that filled remote memory.
 * Device memory is allocated in plan order (an op's outputs when it starts, a prefetch's
-  buffer when its copy starts) and never above the budget: an allocation that does not fit
-  waits for memory to be freed. Frees happen when the last use of a value finishes (or, for a
-  release, when its offload and the ops before it that read the value have finished).
+  buffer when the compute stream reaches the prefetch, as a caching allocator does when the copy
+  is issued) and never above the budget: an allocation that does not fit waits for memory to be
+  freed, and so does the compute stream behind it (a memory stall). Frees happen when the last
+  use of a value finishes (or, for a release, when its offload and the ops before it that read
+  the value have finished).
 * While both lanes move data, each gets ``duplex_share`` of its bandwidth.
 
 The plan is checked first (``check_plan``); an invalid plan raises ``PlanError`` naming the
@@ -19,7 +21,7 @@ instruction and is never simulated. Results are deterministic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.cost import op_times
@@ -74,6 +76,9 @@ class Figures:
     """max(0, no-offload peak - budget); None without a budget."""
     bound_s: float | None
     """max(compute_s, excess / h2d_bw, excess / d2h_bw); None without a budget."""
+    steady_state: bool = False
+    """True when the plan keeps state in remote memory between steps and ``step_s`` is the period of
+    consecutive steps (two were simulated)."""
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -98,7 +103,44 @@ class _Copy:
 
 
 def simulate(plan: Plan, hardware: Hardware) -> Timeline:
-    """Simulate ``plan`` on ``hardware``; raise ``PlanError`` if the plan is invalid."""
+    """Simulate ``plan`` on ``hardware``; raise ``PlanError`` if the plan is invalid.
+
+    A plan that keeps storages in remote memory between steps (they start the step there and are sent
+    back by its end) is simulated for two consecutive steps and timed in steady state: ``step_s`` is the time from the end of the first
+    step's compute to the end of the second's, the peak and stalls cover both steps, and the timeline
+    shows both.
+    """
+    if not _keeps_state_remote(plan):
+        return _simulate(plan, hardware)
+    from hyperoffload.repeat import repeat_plan
+
+    check_plan(plan)
+    single = plan
+    doubled, starts = repeat_plan(plan, 2)
+    timeline = _simulate(doubled, hardware, per_step=single)
+    ends = [max((iv.end for iv in timeline.intervals if iv.stream == COMPUTE and lo <= iv.instruction < hi),
+                default=0.0) for lo, hi in ((starts[0], starts[1]), (starts[1], len(doubled.instructions)))]
+    f = timeline.figures
+    step_s = max(ends[1] - ends[0], f.compute_s)
+    figures = replace(f, step_s=step_s, exposed_s=step_s - f.compute_s,
+                      slowdown=step_s / f.compute_s if f.compute_s else 1.0, steady_state=True)
+    return replace(timeline, figures=figures)
+
+
+def _keeps_state_remote(plan: Plan) -> bool:
+    """Whether storages that start the step in remote memory are back there when it ends, so that the
+    plan can run step after step."""
+    if not plan.initial_remote:
+        return False
+    on_device = {s: False for s in plan.initial_remote}
+    for ins in plan.instructions:
+        if ins.target in on_device and ins.kind in (Kind.PREFETCH, Kind.RELEASE):
+            on_device[ins.target] = ins.kind is Kind.PREFETCH
+    return not any(on_device.values())
+
+
+def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> Timeline:
+    """Simulate ``plan``; figures that count one step's work (compute, bytes) come from ``per_step``."""
     check = check_plan(plan)
     program, instrs = plan.program, plan.instructions
     values = program.values
@@ -154,6 +196,7 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
 
     finish = [-1.0] * n
     started = [False] * n
+    issued = [alloc[i] == 0 for i in range(n)]
     usage = check.initial_bytes
     peak = usage
     memory: list[tuple[float, int]] = [(0.0, usage)]
@@ -191,12 +234,12 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
                 free((instrs[r].target,), when)
 
     def can_allocate(i: int) -> str:
-        """"" if ``i`` may allocate now, else why not ("copy": an earlier allocation has not happened;
-        "memory": not enough free memory under the budget)."""
+        """"" if ``i`` may allocate now, else "memory": not enough free memory under the budget for it,
+        or for an earlier prefetch that must be issued first."""
         if alloc[i] == 0:
             return ""
         if allocating[next_alloc] != i:
-            return "copy"
+            return "memory"  # an earlier prefetch is waiting for memory to be issued
         if budget is not None and usage + alloc[i] > budget:
             return "memory"
         return ""
@@ -217,6 +260,14 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
         progressed = True
         while progressed:
             progressed = False
+            # Prefetches are issued, and their buffers allocated, when the compute stream reaches them.
+            while next_alloc < len(allocating) and instrs[allocating[next_alloc]].kind is Kind.PREFETCH:
+                i = allocating[next_alloc]
+                if not reached(i) or can_allocate(i):
+                    break
+                allocate(i, t)
+                issued[i] = True
+                progressed = True
             # Compute stream.
             if compute_running < 0 and compute_pos < len(compute_stream):
                 i = compute_stream[compute_pos]
@@ -257,9 +308,10 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
                 if active[lane] is not None or lane_pos[lane] >= len(queue):
                     continue
                 i = queue[lane_pos[lane]]
-                if not reached(i) or (after[i] >= 0 and finish[after[i]] < 0) or can_allocate(i):
+                if not reached(i) or (after[i] >= 0 and finish[after[i]] < 0):
                     continue
-                allocate(i, t)
+                if instrs[i].kind is Kind.PREFETCH and not issued[i]:
+                    continue
                 started[i] = True
                 lane_pos[lane] += 1
                 size = values[instrs[i].target].alloc_bytes
@@ -310,14 +362,15 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
         raise PlanError(i, f"{instrs[i].describe(program)} can never run: the plan deadlocks "
                            f"(device memory {usage} bytes, budget {budget})")
 
-    compute_s = float(sum(cost))
+    step = per_step or plan
+    compute_s = float(sum(op_times(step.program, hardware))) if per_step else float(sum(cost))
     step_s = max((iv.end for iv in intervals), default=0.0)
-    h2d_bytes = sum(values[instrs[i].target].alloc_bytes for i in lane_queue[H2D])
-    d2h_bytes = sum(values[instrs[i].target].alloc_bytes for i in lane_queue[D2H])
+    h2d_bytes = sum(step.program.values[i.target].alloc_bytes for i in step.instructions if i.kind is Kind.PREFETCH)
+    d2h_bytes = sum(step.program.values[i.target].alloc_bytes for i in step.instructions if i.kind is Kind.OFFLOAD)
     lower_bound = max(compute_s, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
     excess = bound = None
     if budget is not None:
-        excess = max(0, memory_profile(program).peak_bytes - budget)
+        excess = max(0, memory_profile(step.program).peak_bytes - budget)
         bound = max(compute_s, excess / hardware.h2d_bw, excess / hardware.d2h_bw)
     memory.sort(key=lambda e: e[0])
     figures = Figures(

@@ -24,7 +24,7 @@ Compute order is the captured order (reordering independent ops is not done yet)
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -163,7 +163,7 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
     prefetch_s = hardware.h2d_latency_s + size / (hardware.h2d_bw * margin)
     # Windows if each span had the lanes to itself (an upper bound used to rank candidates): freed
     # positions [lo1, hi1) and, for cyclic spans, also [0, hi2) at the start of the step.
-    ready = np.where(first >= 0, step.end[np.maximum(first, 0)], 0.0)
+    ready = step.end[first]  # when the use before the span is done
     lo1 = np.minimum(np.maximum(np.searchsorted(start_at, ready + offload_s, side="left"), first + 1), n)
     latest = np.searchsorted(step.start, step.start[last] - prefetch_s, side="right") - 1
     hi1 = np.where(cyclic, n, np.minimum(latest, last))
@@ -172,9 +172,7 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
     d2h, h2d = Lane(), Lane()
     choices: dict[int, _Choice] = {}
     out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed) of chosen spans
-    taken_start: set[int] = set()  # storages whose step-start span or cyclic span is chosen (they overlap)
     excess = (step.live - budget).astype(np.float64)
-    is_start = first < 0
 
     def window(i: int, p: int) -> _Choice | None:
         """Lane-aware placement of span i, if it frees position p."""
@@ -227,8 +225,6 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
         free = np.ones(len(spans), dtype=bool)
         if choices:
             free[list(choices)] = False
-            blocked = np.array([spans[i].storage in taken_start for i in range(len(spans))])
-            free &= ~((is_start | cyclic) & blocked)
         covers = (lo1 <= p) & (p < hi1) | (p < hi2)
         candidates = np.flatnonzero(free & covers)
         covered = over[hi1[candidates]] - over[np.minimum(lo1[candidates], hi1[candidates])] + over[hi2[candidates]]
@@ -243,11 +239,20 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
                 best = (score, int(i), choice)
         if best is None:  # nothing hides here: take the span that idles longest around p, unhidden
             best = _unhidden(p, need, free, over, spans, first, last, size, cyclic, n, writes, out_until)
+        if best is None:  # every span that could free p is taken: stretch one to its whole idle time
+            i = _widen(p, choices, spans, size, cyclic, first, last, n, writes)
+            for lo, hi in choices[i].freed(n):
+                excess[lo:hi] += size[i]
+            had_offload = choices[i].offload >= 0
+            choices[i] = _full_window(spans[i], writes, out_until)
+            if had_offload:  # it copies itself out; the copy it would otherwise reuse is its own
+                choices[i] = replace(choices[i], offload=spans[i].first + 1)
+            for lo, hi in choices[i].freed(n):
+                excess[lo:hi] -= size[i]
+            continue
         _, i, choice = best
         choices[i] = choice
         span = spans[i]
-        if span.first < 0 or span.cyclic:
-            taken_start.add(span.storage)
         if choice.offload >= 0:
             begin = choice.offload_begin if choice.offload_begin >= 0 else start_at[choice.offload]
             d2h.reserve(begin, begin + offload_s[i])
@@ -268,16 +273,34 @@ def _unhidden(p, need, free, over, spans, first, last, size, cyclic, n, writes, 
     wrapped = cyclic & ((first + 1 <= p) | (p < last))
     candidates = np.flatnonzero(free & (inside | wrapped))
     if candidates.size == 0:
-        raise InfeasibleBudget(f"no storage can leave the device at op position {p}", -1)
+        return None
     lo = first[candidates] + 1
     hi = last[candidates]
     idle = np.where(cyclic[candidates], over[n] - over[np.minimum(lo, n)] + over[hi], over[hi] - over[lo])
     i = int(candidates[np.argmax(idle * np.minimum(size[candidates], need))])
-    span = spans[i]
+    return 0.0, i, _full_window(spans[i], writes, out_until)
+
+
+def _full_window(span: Span, writes, out_until) -> _Choice:
+    """Out right after the use before the span, back right before the use after it."""
     if span.cyclic:
-        return 0.0, i, _Choice(span.first + 1 if writes.get(span.storage) else -1, span.first + 1, span.last, 0)
+        return _Choice(span.first + 1 if writes.get(span.storage) else -1, span.first + 1, span.last, 0)
     landed = _current_copy(out_until.get(span.storage, ()), span, writes)
-    return 0.0, i, _Choice(span.first + 1 if landed is None else -1, span.first + 1, span.last)
+    return _Choice(span.first + 1 if landed is None else -1, span.first + 1, span.last)
+
+
+def _widen(p, choices, spans, size, cyclic, first, last, n, writes) -> int:
+    """A chosen span whose whole idle time covers ``p`` but whose window does not: the largest."""
+    best = -1
+    for i, choice in choices.items():
+        span = spans[i]
+        idle = (span.first + 1 <= p or p < span.last) if span.cyclic else (span.first + 1 <= p < span.last)
+        window = any(lo <= p < hi for lo, hi in choice.freed(n))
+        if idle and not window and (best < 0 or size[i] > size[best]):
+            best = i
+    if best < 0:
+        raise InfeasibleBudget(f"no storage can leave the device at op position {p}", -1)
+    return best
 
 
 def _current_copy(out: list[tuple[int, float]] | tuple, span: Span, writes) -> float | None:

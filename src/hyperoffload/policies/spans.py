@@ -2,8 +2,8 @@
 
 A storage is *used on the device* by every op that reads or writes it. Between two consecutive
 uses it idles; if the span is long enough it can go to remote memory after the first use and come
-back before the second. Step inputs (parameters, optimizer state, KV cache) are on the device when
-the step starts, so their first span starts at the step's start (``first == -1``).
+back before the second. Step inputs (parameters, optimizer state, KV cache) persist from step to
+step, so each also has a cyclic span from its last use to its first use in the next step.
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ import numpy as np
 
 from hyperoffload.ir import Program
 from hyperoffload.plans import held_storages
-
-START = -1
-"""``Span.first`` for a span that begins when the step starts."""
-
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -30,7 +26,7 @@ class Span:
 
     storage: int
     first: int
-    """Position of the use before the span (``START``: the step's start)."""
+    """Position of the use before the span."""
     last: int
     """Position of the use after the span."""
     nbytes: int
@@ -72,11 +68,11 @@ def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
         size = values[s].alloc_bytes
         if size < min_bytes:
             continue
-        previous = START if s in on_device_at_start else positions[0]
-        for p in (positions if s in on_device_at_start else positions[1:]):
+        # A step input's idle time before its first use is covered by its cyclic span (it arrives from
+        # remote memory), which also frees it after its last use: no separate span from the start.
+        for previous, p in zip(positions, positions[1:]):
             if p - previous >= 2:
                 spans.append(Span(s, previous, p, size))
-            previous = p
         if s in on_device_at_start:
             spans.append(Span(s, positions[-1], positions[0], size))
     return spans
@@ -89,4 +85,4 @@ def positions_arrays(spans: list[Span]) -> tuple[np.ndarray, np.ndarray, np.ndar
             np.fromiter((s.nbytes for s in spans), np.int64, len(spans)))
 
 
-__all__ = ["START", "Span", "Uses", "held_storages", "idle_spans", "positions_arrays", "storage_uses"]
+__all__ = ["Span", "Uses", "held_storages", "idle_spans", "positions_arrays", "storage_uses"]

@@ -1,0 +1,70 @@
+"""Consecutive steps of a plan, for the steady state of plans that keep state in remote memory.
+
+A plan whose storages start the step in remote memory (``Plan.initial_remote``) sends them back out
+at the end of the step, and in a training loop those copies overlap the next step's start. One
+simulated step would count them as exposed and would start on idle lanes; simulating two steps back
+to back and timing the second gives the period a training loop actually sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hyperoffload.ir import Op, Program, Value
+from hyperoffload.plans import Instr, Kind, Plan
+
+
+def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
+    """``plan`` run ``times`` times in a row as one plan, and the index of each step's first instruction.
+
+    Step inputs and constants are shared by all steps (the state they hold carries over); every other
+    value is new in each step. An offload left in flight at the end of one step is waited for before
+    the next step prefetches the same storage.
+    """
+    program = plan.program
+    shared = set(program.inputs) | set(program.constants)
+    values: list[Value] = list(program.values)
+    ops: list[Op] = list(program.ops)
+    maps: list[dict[int, int]] = [{v.id: v.id for v in program.values}]
+    for k in range(1, times):
+        mapping: dict[int, int] = {}
+        for v in program.values:
+            if v.id in shared:
+                mapping[v.id] = v.id
+                continue
+            mapping[v.id] = len(values)
+            values.append(replace(v, id=len(values), name=f"{v.name}#{k + 1}", storage=mapping[v.storage]))
+        for op in program.ops:
+            ops.append(replace(op, id=len(ops), name=f"{op.name}#{k + 1}",
+                               inputs=tuple(mapping[v] for v in op.inputs),
+                               outputs=tuple(mapping[v] for v in op.outputs),
+                               mutates=tuple(mapping[v] for v in op.mutates)))
+        maps.append(mapping)
+    # Earlier steps' outputs are handed to the caller when their step ends, not held through later steps.
+    outputs = tuple(maps[-1][v] for v in program.outputs)
+    repeated = Program(name=program.name, mode=program.mode, values=tuple(values), ops=tuple(ops),
+                       inputs=program.inputs, outputs=outputs, constants=program.constants, meta=program.meta)
+
+    in_flight: set[int] = set()  # storages whose offload is not waited for by the end of a step
+    for ins in plan.instructions:
+        if ins.kind is Kind.OFFLOAD:
+            in_flight.add(ins.target)
+        elif ins.kind is Kind.WAIT:
+            in_flight.discard(ins.target)
+    instructions: list[Instr] = []
+    starts: list[int] = []
+    n_ops = len(program.ops)
+    for k, mapping in enumerate(maps):
+        starts.append(len(instructions))
+        waiting = set(in_flight) if k else set()
+        for ins in plan.instructions:
+            if ins.kind is Kind.COMPUTE:
+                instructions.append(Instr(Kind.COMPUTE, ins.target + k * n_ops))
+                continue
+            target = mapping[ins.target]
+            if ins.kind is Kind.PREFETCH and target in waiting:
+                instructions.append(Instr(Kind.WAIT, target))
+                waiting.discard(target)
+            instructions.append(Instr(ins.kind, target))
+    return (Plan(program=repeated, instructions=tuple(instructions), policy=plan.policy,
+                 budget_bytes=plan.budget_bytes, initial_remote=plan.initial_remote), tuple(starts))

@@ -1,0 +1,128 @@
+"""The HyperOffload planner: valid, within budget, exact on real tensors, clear about infeasible budgets."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hyperoffload
+from hyperoffload.analysis import memory_profile
+from hyperoffload.budgets import hideable_budget, parse_budget
+from hyperoffload.cli import main
+from hyperoffload.hardware import get_hardware
+from hyperoffload.plans import Kind, check_plan
+from hyperoffload.policies import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
+from hyperoffload.runtime import run_plan, run_reference
+from hyperoffload.verify import verify
+from hyperoffload.workloads import capture_workload, get_workload
+from programs import random_programs, simple_hardware
+
+TINY = get_workload("tiny-llama")
+H100 = get_hardware("h100-sxm")
+
+
+@pytest.fixture(scope="module")
+def tiny_train():
+    return capture_workload(TINY, "train", fake=False)
+
+
+@pytest.mark.parametrize("share", [0.9, 0.7, 0.5])
+def test_tiny_plans_meet_their_budget(tiny_train, share):
+    program = tiny_train.program
+    budget = int(memory_profile(program).peak_bytes * share)
+    plan = plan_hyperoffload(program, H100, budget)
+    timeline = verify(plan, H100)
+    assert check_plan(plan).peak_bytes <= budget
+    assert timeline.figures.peak_bytes <= budget
+    assert timeline.figures.h2d_bytes > 0
+
+
+def test_planned_step_at_half_the_peak_is_bit_identical_on_real_tensors(tiny_train):
+    """The issue's correctness check: tiny-llama training at 50% of its no-offload peak, run with
+    synchronous copies, gives the unplanned step's loss, gradients and updated state bit for bit."""
+    program = tiny_train.program
+    budget = parse_budget("50%", program, H100)
+    plan = hyperoffload.plan(program, H100, budget)
+    planned_inputs = [t.clone() for t in tiny_train.inputs]
+    reference_inputs = [t.clone() for t in tiny_train.inputs]
+    planned = run_plan(plan, planned_inputs)
+    reference = run_reference(program, reference_inputs)
+    assert all(torch.equal(a, b) for a, b in zip(planned.outputs, reference.outputs))  # the loss
+    assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))  # parameters and AdamW state
+    assert planned.peak_bytes <= budget < reference.peak_bytes
+    assert planned.h2d_bytes > 0 and planned.d2h_bytes > 0
+
+
+def test_no_offload_needed_gives_the_captured_step(tiny_train):
+    program = tiny_train.program
+    plan = plan_hyperoffload(program, H100, memory_profile(program).peak_bytes)
+    assert all(i.kind is Kind.COMPUTE for i in plan.instructions)
+
+
+def test_infeasible_budget_names_the_smallest_one(tiny_train):
+    program = tiny_train.program
+    least, why = minimum_budget(program)
+    assert 0 < least < memory_profile(program).peak_bytes
+    with pytest.raises(InfeasibleBudget, match="below the smallest this planner can meet") as error:
+        plan_hyperoffload(program, H100, least - 1)
+    assert error.value.min_budget_bytes == least
+    assert "needs" in str(error.value) and why.split()[1] in str(error.value)  # names the op that sets it
+    verify(plan_hyperoffload(program, H100, least), H100)  # and that budget itself works
+
+
+def test_budget_parsing(tiny_train):
+    program = tiny_train.program
+    peak = memory_profile(program).peak_bytes
+    assert parse_budget("50%", program, H100) == peak // 2
+    assert parse_budget("3MiB", program, H100) == 3 * 2**20
+    assert parse_budget("hideable", program, H100) == hideable_budget(program, H100)
+    for bad in ("lots", "0%", "150%"):
+        with pytest.raises(ValueError):
+            parse_budget(bad, program, H100)
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_programs(), st.floats(0.3, 1.0), st.floats(0.5, 50.0))
+def test_random_programs_plans_are_valid_and_within_budget(program, share, bandwidth):
+    hardware = simple_hardware(bw=bandwidth * 100)
+    peak = memory_profile(program).peak_bytes
+    budget = int(peak * share)
+    config = PlannerConfig(min_span_bytes=1)
+    least, _ = minimum_budget(program, config)
+    if budget < least:
+        with pytest.raises(InfeasibleBudget):
+            plan_hyperoffload(program, hardware, budget, config)
+        return
+    plan = plan_hyperoffload(program, hardware, budget, config)
+    timeline = verify(plan, hardware)
+    assert timeline.figures.peak_bytes <= budget
+
+
+def test_plan_command_json_and_graph(tmp_path, capsys):
+    graph = tmp_path / "planned.py"
+    args = ["plan", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm", "--budget", "60%",
+            "--json", "--graph", str(graph)]
+    assert main(args) == 0
+    figures = json.loads(capsys.readouterr().out)
+    for key in ("compute_s", "step_s", "bound_s", "lower_bound_s", "excess_bytes", "peak_bytes", "budget_bytes",
+                "plan_s", "policy", "exposed_s", "slowdown", "h2d_bytes", "d2h_bytes", "stalls"):
+        assert key in figures
+    assert figures["peak_bytes"] <= figures["budget_bytes"] and figures["policy"] == "hyperoffload"
+    code = graph.read_text()
+    assert "hyperoffload.offload" in code and "hyperoffload.prefetch" in code and "hyperoffload.wait" in code
+
+
+def test_plan_command_rejects_an_infeasible_budget(capsys):
+    assert main(["plan", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm",
+                 "--budget", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "below the smallest this planner can meet" in err
+
+
+def test_plan_command_hideable_budget(capsys):
+    assert main(["plan", "--workload", "tiny-llama", "--mode", "decode", "--hardware", "a100-80g",
+                 "--budget", "hideable", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["bound_s"] == pytest.approx(figures["compute_s"])
