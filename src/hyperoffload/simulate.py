@@ -122,8 +122,11 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
                 default=0.0) for lo, hi in ((starts[0], starts[1]), (starts[1], len(doubled.instructions)))]
     f = timeline.figures
     step_s = max(ends[1] - ends[0], f.compute_s)
+    second = [st for st in timeline.stalls if st.instruction >= starts[1]]  # the steady step's own stalls
     figures = replace(f, step_s=step_s, exposed_s=step_s - f.compute_s,
-                      slowdown=step_s / f.compute_s if f.compute_s else 1.0, steady_state=True)
+                      slowdown=step_s / f.compute_s if f.compute_s else 1.0, steady_state=True, stalls=len(second),
+                      stall_copy_s=sum(st.end - st.start for st in second if st.cause == "copy"),
+                      stall_memory_s=sum(st.end - st.start for st in second if st.cause == "memory"))
     return replace(timeline, figures=figures)
 
 

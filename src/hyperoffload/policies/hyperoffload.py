@@ -47,10 +47,12 @@ class PlannerConfig:
     min_span_bytes: int | None = None
     """Storages smaller than this (bytes) stay on the device, where a copy's latency would dominate and
     the choice would not matter; None: 1/10,000 of the step's no-offload peak."""
-    bandwidth_margins: tuple[float, ...] = (1.0, 0.85, 0.7)
+    bandwidth_margins: tuple[float, ...] = (1.0, 0.7)
     """Shares of the link bandwidth the schedule assumes; one plan per margin is simulated."""
-    candidates_per_step: int = 48
+    candidates_per_step: int = 16
     """How many of the best-ranked spans get an exact, lane-aware placement at each selection step."""
+    early_prefetch: bool = True
+    """After selection, move each prefetch as early as the budget allows (in deadline order)."""
 
 
 class InfeasibleBudget(ValueError):
@@ -262,7 +264,25 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
         h2d.reserve(begin, begin + prefetch_s[i])
         for lo, hi in choice.freed(n):
             excess[lo:hi] -= size[i]
+    if config.early_prefetch:
+        _prefetch_early(choices, spans, excess, size, n)
     return _emit(program, spans, choices, budget, n)
+
+
+def _prefetch_early(choices: dict[int, _Choice], spans: list[Span], excess: np.ndarray, size, n: int) -> None:
+    """Move each prefetch earlier while the budget allows (``excess`` stays <= 0), keeping prefetches
+    in the order of their deadlines so the H2D lane serves them first-due first."""
+    floor = 0
+    for i in sorted(choices, key=lambda i: (spans[i].last, i)):
+        choice = choices[i]
+        lowest = max(floor, choice.release + 1 if choice.prefetch >= choice.release else choice.resumes + 1)
+        p = choice.prefetch
+        while p - 1 >= lowest and excess[p - 1] + size[i] <= 0:
+            p -= 1
+        if p < choice.prefetch:
+            excess[p:choice.prefetch] += size[i]
+            choices[i] = replace(choice, prefetch=p)
+        floor = choices[i].prefetch
 
 
 def _unhidden(p, need, free, over, spans, first, last, size, cyclic, n, writes, out_until):
