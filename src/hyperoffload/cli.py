@@ -237,6 +237,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         timeline = verify(plan, hardware)
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
+    if figures.steady_state:
+        title += " (two consecutive steps: state stays in remote memory between them)"
     _write_outputs(args, timeline, title=title, limit_bytes=budget, err=err)
     if args.graph:
         from hyperoffload.lower import plan_code

@@ -37,10 +37,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
 from hyperoffload.plans import Kind, Plan, check_plan
-from hyperoffload.runtime.reference import _live_storage_bytes
+from hyperoffload.runtime.reference import live_storage_bytes, run_op
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,7 +131,7 @@ def run_plan(plan: Plan, inputs: Sequence[torch.Tensor]) -> PlanRun:
     def lookup(node: torch.fx.Node) -> torch.Tensor:
         return env[program.node_values[node.name]]
 
-    initial_bytes = _live_storage_bytes(env.values())
+    initial_bytes = live_storage_bytes(env.values())
     pending: dict[int, Kind] = {}
     live: list[int] = []
     h2d = d2h = 0
@@ -141,19 +140,10 @@ def run_plan(plan: Plan, inputs: Sequence[torch.Tensor]) -> PlanRun:
             s = ins.target
             if ins.kind is Kind.COMPUTE:
                 op = program.ops[s]
-                node = nodes[op.name]
-                args = torch.fx.node.map_arg(node.args, lookup)
-                kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
-                result = node.target(*args, **kwargs)
-                produced = [x for x in tree_flatten(result)[0] if isinstance(x, torch.Tensor)]
-                if len(produced) != len(op.outputs):
-                    raise RuntimeError(f"{op.name} produced {len(produced)} tensors, the capture recorded "
-                                       f"{len(op.outputs)}")
-                for vid, tensor in zip(op.outputs, produced):
+                for vid, tensor in zip(op.outputs, run_op(program, op, nodes[op.name], lookup)):
                     put(vid, tensor)
                 for w in {storage_of[v] for v in op.mutates}:
                     remote.pop(w, None)  # stale now; check_plan forbids prefetching it
-                del args, kwargs, result, produced
             elif ins.kind is Kind.OFFLOAD:
                 copy = _device_storage(env, aliases, s, i).clone()
                 remote[s] = copy
@@ -188,7 +178,7 @@ def run_plan(plan: Plan, inputs: Sequence[torch.Tensor]) -> PlanRun:
                 done = s in remote if kind is Kind.OFFLOAD else s in aliases
                 if kind is None or not done:
                     raise RuntimeError(f"instruction #{i}: wait for {values[s].name}, whose transfer never happened")
-            live.append(_live_storage_bytes(env.values()))
+            live.append(live_storage_bytes(env.values()))
             for freed in checked.frees_after[i]:
                 drop_storage(freed)
 

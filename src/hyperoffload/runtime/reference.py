@@ -32,7 +32,20 @@ class ReferenceRun:
     peak_bytes: int
 
 
-def _live_storage_bytes(tensors) -> int:
+def run_op(program: Program, op, node: torch.fx.Node, lookup) -> list[torch.Tensor]:
+    """Run one captured op on real tensors (``lookup`` maps an fx node to its tensor); return the
+    tensors it produced, in the order of ``op.outputs``. Shared by every executor of captured graphs."""
+    args = torch.fx.node.map_arg(node.args, lookup)
+    kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
+    result = node.target(*args, **kwargs)
+    produced = [x for x in tree_flatten(result)[0] if isinstance(x, torch.Tensor)]
+    if len(produced) != len(op.outputs):
+        raise RuntimeError(f"{op.name} produced {len(produced)} tensors, the capture recorded {len(op.outputs)}")
+    return produced
+
+
+def live_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (what they hold in memory)."""
     sizes: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -70,16 +83,8 @@ def run_reference(program: Program, inputs: Sequence[torch.Tensor], order: Seque
     with torch.no_grad():
         for position, op_id in enumerate(order):
             op = program.ops[op_id]
-            node = nodes[op.name]
-            args = torch.fx.node.map_arg(node.args, lookup)
-            kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
-            result = node.target(*args, **kwargs)
-            produced = [x for x in tree_flatten(result)[0] if isinstance(x, torch.Tensor)]
-            if len(produced) != len(op.outputs):
-                raise RuntimeError(f"{op.name} produced {len(produced)} tensors, the capture recorded {len(op.outputs)}")
-            env.update(zip(op.outputs, produced))
-            del args, kwargs, result, produced
-            live.append(_live_storage_bytes(env.values()))
+            env.update(zip(op.outputs, run_op(program, op, nodes[op.name], lookup)))
+            live.append(live_storage_bytes(env.values()))
             for vid in frees[position]:
                 env.pop(vid, None)
     outputs = tuple(env[v] for v in program.outputs)

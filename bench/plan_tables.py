@@ -1,0 +1,75 @@
+"""Planner tables: step time against the bound at budgets from 90% of the no-offload peak down to the
+smallest feasible one, on the issue's scenarios (simulated; BENCHMARKS.md figures).
+
+Each row plans with the hyperoffload policy, verifies the plan (budget and invariants) and simulates it.
+Columns: step_s / bound_s (the project's target is <= 1.05), step_s / lower_bound_s (against the plan's
+own traffic), and step_s / duplex_bound_s, where duplex_bound_s also charges the link's
+both-directions penalty: moving the excess E each way takes at least E * min(1 / duplex_share, 2) / bw.
+
+    .venv/bin/python bench/plan_tables.py                          # every scenario (several minutes)
+    .venv/bin/python bench/plan_tables.py --scenario llama3-8b:h100-sxm
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from hyperoffload.analysis import memory_profile
+from hyperoffload.budgets import hideable_budget
+from hyperoffload.hardware import get_hardware
+from hyperoffload.policies import minimum_budget, plan_hyperoffload
+from hyperoffload.verify import verify
+from hyperoffload.workloads import capture_workload, get_workload
+
+SCENARIOS = ("llama3-8b:h100-sxm", "llama3-8b:ascend-910c", "llama3-8b:gh200", "llama3-8b:a100-80g",
+             "llama3-70b:h200")
+SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+
+
+def duplex_bound(figures, hardware) -> float:
+    excess = figures.excess_bytes or 0
+    both_ways = min(1 / hardware.duplex_share, 2.0)
+    return max(figures.compute_s, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
+
+
+def table_for(name: str, console: Console) -> None:
+    workload, hardware_name = name.split(":")
+    hardware = get_hardware(hardware_name)
+    program = capture_workload(get_workload(workload), "train").program
+    peak = memory_profile(program).peak_bytes
+    least, _ = minimum_budget(program)
+    hideable = hideable_budget(program, hardware)
+    budgets = [("hideable", hideable)] + [(f"{share:.0%}", int(peak * share)) for share in SHARES
+                                          if peak * share >= least] + [("smallest", least)]
+    table = Table(title=f"{workload} training (batch 1, seq 4096, bf16 / fp32 AdamW) on {hardware_name}: "
+                        f"no-offload peak {peak / 2**30:.1f} GiB", title_justify="left")
+    for column in ("budget", "GiB", "step_s", "bound_s", "step/bound", "step/lower", "step/duplex", "slowdown",
+                   "moved GiB", "stalls", "plan_s"):
+        table.add_column(column, justify="right")
+    for label, budget in budgets:
+        start = time.perf_counter()
+        plan = plan_hyperoffload(program, hardware, budget)
+        plan_s = time.perf_counter() - start
+        f = verify(plan, hardware).figures
+        table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
+                      f"{f.step_s / f.bound_s:.3f}", f"{f.step_s / f.lower_bound_s:.3f}",
+                      f"{f.step_s / duplex_bound(f, hardware):.3f}", f"{f.slowdown:.3f}",
+                      f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), f"{plan_s:.1f}")
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="workload:hardware (repeatable)")
+    args = parser.parse_args()
+    console = Console(width=140)
+    for name in args.scenario or SCENARIOS:
+        table_for(name, console)
+
+
+if __name__ == "__main__":
+    main()
