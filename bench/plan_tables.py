@@ -3,8 +3,8 @@ smallest feasible one, on the issue's scenarios (simulated; BENCHMARKS.md figure
 
 Each row plans with the hyperoffload policy, verifies the plan (budget and invariants) and simulates it.
 Columns: step_s / bound_s (the project's target is <= 1.05), step_s / lower_bound_s (against the plan's
-own traffic), and step_s / duplex_bound_s, where duplex_bound_s also charges the link's
-both-directions penalty: moving the excess E each way takes at least E * min(1 / duplex_share, 2) / bw.
+own traffic), and step_s / duplex_bound_s, where duplex_bound_s (a simulator figure) also charges the
+link's both-directions penalty: moving the excess E each way takes at least E * min(1 / duplex_share, 2) / bw.
 
     .venv/bin/python bench/plan_tables.py                          # every scenario (several minutes)
     .venv/bin/python bench/plan_tables.py --scenario llama3-8b:h100-sxm
@@ -30,12 +30,6 @@ SCENARIOS = ("llama3-8b:h100-sxm", "llama3-8b:ascend-910c", "llama3-8b:gh200", "
 SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 
 
-def duplex_bound(figures, hardware) -> float:
-    excess = figures.excess_bytes or 0
-    both_ways = min(1 / hardware.duplex_share, 2.0)
-    return max(figures.compute_s, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
-
-
 def table_for(name: str, console: Console) -> None:
     workload, hardware_name = name.split(":")
     hardware = get_hardware(hardware_name)
@@ -57,7 +51,7 @@ def table_for(name: str, console: Console) -> None:
         f = verify(plan, hardware).figures
         table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
                       f"{f.step_s / f.bound_s:.3f}", f"{f.step_s / f.lower_bound_s:.3f}",
-                      f"{f.step_s / duplex_bound(f, hardware):.3f}", f"{f.slowdown:.3f}",
+                      f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.slowdown:.3f}",
                       f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), f"{plan_s:.1f}")
     console.print(table)
 

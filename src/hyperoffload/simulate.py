@@ -76,6 +76,10 @@ class Figures:
     """max(0, no-offload peak - budget); None without a budget."""
     bound_s: float | None
     """max(compute_s, excess / h2d_bw, excess / d2h_bw); None without a budget."""
+    duplex_bound_s: float | None = None
+    """``bound_s`` with the link's both-directions penalty: moving the excess each way at once takes at
+    least excess * min(1 / duplex_share, 2) / bandwidth (both lanes at the shared rate, or one after the
+    other, whichever is faster). None without a budget."""
     steady_state: bool = False
     """True when the plan keeps state in remote memory between steps and ``step_s`` is the period of
     consecutive steps (two were simulated)."""
@@ -371,10 +375,12 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     h2d_bytes = sum(step.program.values[i.target].alloc_bytes for i in step.instructions if i.kind is Kind.PREFETCH)
     d2h_bytes = sum(step.program.values[i.target].alloc_bytes for i in step.instructions if i.kind is Kind.OFFLOAD)
     lower_bound = max(compute_s, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
-    excess = bound = None
+    excess = bound = duplex_bound = None
     if budget is not None:
         excess = max(0, memory_profile(step.program).peak_bytes - budget)
         bound = max(compute_s, excess / hardware.h2d_bw, excess / hardware.d2h_bw)
+        both_ways = min(1 / hardware.duplex_share, 2.0)
+        duplex_bound = max(compute_s, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
     memory.sort(key=lambda e: e[0])
     figures = Figures(
         compute_s=compute_s, step_s=step_s, exposed_s=step_s - compute_s, lower_bound_s=lower_bound,
@@ -382,5 +388,5 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         d2h_bytes=d2h_bytes, stalls=len(stalls),
         stall_copy_s=sum(s.end - s.start for s in stalls if s.cause == "copy"),
         stall_memory_s=sum(s.end - s.start for s in stalls if s.cause == "memory"),
-        budget_bytes=budget, excess_bytes=excess, bound_s=bound)
+        budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound)
     return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), figures=figures)

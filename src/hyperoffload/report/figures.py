@@ -32,6 +32,8 @@ def figures_table(figures: Figures, *, title: str, hardware: Hardware) -> Table:
             ("budget_bytes", format_bytes(figures.budget_bytes), "the plan's device-memory budget"),
             ("excess_bytes", format_bytes(figures.excess_bytes), "no-offload peak minus budget: what must leave"),
             ("bound_s", format_seconds(figures.bound_s), "step time if the excess crossed once each way, hidden"),
+            ("duplex_bound_s", format_seconds(figures.duplex_bound_s),
+             "bound_s when both directions share the link at once"),
         ]
     for row in rows:
         table.add_row(*row)
