@@ -30,10 +30,7 @@ def test_preset_numbers_follow_the_references():
     assert get_hardware("ascend-910c").flops_for("float32") == 752e12
 
 
-def test_user_profile_from_toml(tmp_path):
-    path = tmp_path / "mine.toml"
-    path.write_text('''
-name = "mine"
+USER_PROFILE = '''name = "mine"
 memory = "24GiB"
 hbm_bw = "1TB/s"
 h2d_bw = "16GB/s"
@@ -46,9 +43,12 @@ compute_efficiency = 0.7
 memory_efficiency = 0.8
 [peak_flops]
 bfloat16 = "100TFLOP/s"
-[sources]
-h2d_bw = "my measurement"
-''')
+'''
+
+
+def test_user_profile_from_toml(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(USER_PROFILE + '[sources]\nh2d_bw = "my measurement"\n')
     h = get_hardware(str(path))
     assert (h.memory_bytes, h.h2d_bw, h.d2h_bw, h.h2d_latency_s) == (24 * 2**30, 16e9, 12e9, 1e-5)
     assert h.sources["h2d_bw"] == "my measurement"
@@ -64,22 +64,8 @@ h2d_bw = "my measurement"
     (lambda t: t.replace('name = "mine"', 'name = "mine'), "not valid TOML"),
 ])
 def test_malformed_profiles_are_clear_errors(tmp_path, edit, message):
-    text = '''name = "mine"
-memory = "24GiB"
-hbm_bw = "1TB/s"
-h2d_bw = "16GB/s"
-d2h_bw = "16GB/s"
-h2d_latency = "10us"
-d2h_latency = "10us"
-duplex_share = 0.6
-launch = "4us"
-compute_efficiency = 0.7
-memory_efficiency = 0.8
-[peak_flops]
-bfloat16 = "100TFLOP/s"
-'''
     path = tmp_path / "bad.toml"
-    path.write_text(edit(text))
+    path.write_text(edit(USER_PROFILE))
     with pytest.raises(HardwareError, match=message):
         load_hardware_file(path)
 

@@ -202,7 +202,6 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
             blocked_releases.setdefault(x, []).append(r)
 
     finish = [-1.0] * n
-    started = [False] * n
     issued = [alloc[i] == 0 for i in range(n)]
     usage = check.initial_bytes
     peak = usage
@@ -297,7 +296,6 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                         if t > stall_since + _EPS:
                             stalls.append(Stall(stall_cause, stall_since, t, i))
                         stall_since = None
-                    started[i] = True
                     compute_pos += 1
                     progressed = True
                     if ins.kind is Kind.WAIT:
@@ -319,7 +317,6 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                     continue
                 if instrs[i].kind is Kind.PREFETCH and not issued[i]:
                     continue
-                started[i] = True
                 lane_pos[lane] += 1
                 size = values[instrs[i].target].alloc_bytes
                 active[lane] = _Copy(i, t, t + latency[lane], float(size))

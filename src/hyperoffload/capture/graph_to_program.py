@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
 from hyperoffload.capture.tags import KIND_KEY, PHASE_KEY
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind

@@ -8,7 +8,6 @@ Nothing is downloaded: weights are random, or absent when built on the meta devi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
