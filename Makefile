@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml | $(PY)
 
 demo: $(STAMP)
 	$(VENV)/bin/hyperoffload inspect --workload tiny-llama --mode train --verify
+	$(VENV)/bin/hyperoffload plan --workload tiny-llama --mode train --hardware h100-sxm --budget 50%
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2

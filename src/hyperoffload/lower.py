@@ -234,6 +234,8 @@ class _Lowering:
         elif instr.kind is Kind.WAIT:
             self._wait(s, name)
         elif instr.kind is Kind.PREFETCH:
+            if self.in_flight.get(s, (None,))[0] is Kind.OFFLOAD:  # the copy back reads the landed offload
+                self._wait(s, name)
             node = self._call(cache_ops.PREFETCH, (self.remote[s],), f"prefetch_{name}")
             self.in_flight[s] = (Kind.PREFETCH, node)
             self.ready[s] = False

@@ -6,7 +6,8 @@ instructions are issued in order, as one host thread would issue them to three s
 * ``COMPUTE op``   runs ``op`` on the compute stream; its outputs are allocated when it starts.
 * ``OFFLOAD s``    copies storage ``s`` device -> remote on the D2H lane, once the op that last
                    wrote ``s`` has finished. The device copy stays until released.
-* ``PREFETCH s``   allocates ``s`` on the device and copies it remote -> device on the H2D lane.
+* ``PREFETCH s``   allocates ``s`` on the device and copies it remote -> device on the H2D lane,
+                   once the offload that filled remote memory (if still in flight) has landed.
 * ``WAIT s``       the compute stream waits until the latest transfer of ``s`` has finished.
 * ``RELEASE s``    drops the device copy of ``s``; its memory is returned once the offload of
                    ``s`` and the ops issued before that read it have finished.
@@ -17,8 +18,8 @@ enforces the rules below statically and reports the first broken one by instruct
 nothing invalid is ever simulated.
 
 Rules: an op reads only values that are on the device and ready (produced, or prefetched and
-waited for); a prefetch needs a finished (waited-for) offload and a value not already on the
-device; a release must not lose data that is used later or returned (an offload since the last
+waited for); a prefetch needs a copy in remote memory (an offload since the last write, landed or
+still in flight: the copy lanes keep that order) and a value not already on the device; a release must not lose data that is used later or returned (an offload since the last
 write); an op must not overwrite a value while its offload may still be reading it; every op
 runs once, after the ops it depends on; at the end every held storage is on the device or in
 remote memory; and, with a budget, the bytes allocated in instruction order never exceed it.
@@ -193,9 +194,10 @@ def check_plan(plan: Plan) -> PlanCheck:
             if on_device.get(s, False):
                 raise PlanError(i, f"prefetch of {name(s)}: it is already on the device")
             if remote.get(s) == "pending":
-                raise PlanError(i, f"prefetch of {name(s)} before its offload #{pending[s][1]} finished; "
-                                   f"wait for the offload first")
-            if remote.get(s) != "valid":
+                # The H2D lane starts this copy once the offload has landed (a stream-to-stream wait, as
+                # a runtime records it); the compute stream does not stop for it.
+                remote[s] = "valid"
+            elif remote.get(s) != "valid":
                 raise PlanError(i, f"prefetch of {name(s)}: it has no copy in remote memory; offload it first")
             on_device[s], ready[s] = True, False
             pending[s] = (Kind.PREFETCH, i)

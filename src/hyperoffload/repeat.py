@@ -18,8 +18,8 @@ def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
     """``plan`` run ``times`` times in a row as one plan, and the index of each step's first instruction.
 
     Step inputs and constants are shared by all steps (the state they hold carries over); every other
-    value is new in each step. An offload left in flight at the end of one step is waited for before
-    the next step prefetches the same storage.
+    value is new in each step. An offload left in flight at the end of one step is ordered before the
+    next step's prefetch of the same storage by the copy lanes, not by the compute stream.
     """
     program = plan.program
     shared = set(program.inputs) | set(program.constants)
@@ -45,26 +45,15 @@ def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
     repeated = Program(name=program.name, mode=program.mode, values=tuple(values), ops=tuple(ops),
                        inputs=program.inputs, outputs=outputs, constants=program.constants, meta=program.meta)
 
-    in_flight: set[int] = set()  # storages whose offload is not waited for by the end of a step
-    for ins in plan.instructions:
-        if ins.kind is Kind.OFFLOAD:
-            in_flight.add(ins.target)
-        elif ins.kind is Kind.WAIT:
-            in_flight.discard(ins.target)
     instructions: list[Instr] = []
     starts: list[int] = []
     n_ops = len(program.ops)
     for k, mapping in enumerate(maps):
         starts.append(len(instructions))
-        waiting = set(in_flight) if k else set()
         for ins in plan.instructions:
             if ins.kind is Kind.COMPUTE:
                 instructions.append(Instr(Kind.COMPUTE, ins.target + k * n_ops))
-                continue
-            target = mapping[ins.target]
-            if ins.kind is Kind.PREFETCH and target in waiting:
-                instructions.append(Instr(Kind.WAIT, target))
-                waiting.discard(target)
-            instructions.append(Instr(ins.kind, target))
+            else:
+                instructions.append(Instr(ins.kind, mapping[ins.target]))
     return (Plan(program=repeated, instructions=tuple(instructions), policy=plan.policy,
                  budget_bytes=plan.budget_bytes, initial_remote=plan.initial_remote), tuple(starts))

@@ -395,21 +395,13 @@ def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, 
         if spans[i].cyclic:
             initial_remote.add(spans[i].storage)
     instructions: list[Instr] = []
-    pending_offload: set[int] = set()
     for p in range(n + 1):
-        for i in offloads[p]:
-            instructions.append(Instr(Kind.OFFLOAD, spans[i].storage))
-            pending_offload.add(spans[i].storage)
-        for i in releases[p]:
-            instructions.append(Instr(Kind.RELEASE, spans[i].storage))
+        instructions.extend(Instr(Kind.OFFLOAD, spans[i].storage) for i in offloads[p])
+        instructions.extend(Instr(Kind.RELEASE, spans[i].storage) for i in releases[p])
         if p == n:
             break
-        for i in sorted(prefetches[p], key=lambda i: spans[i].last):
-            s = spans[i].storage
-            if s in pending_offload:
-                instructions.append(Instr(Kind.WAIT, s))
-                pending_offload.discard(s)
-            instructions.append(Instr(Kind.PREFETCH, s))
+        instructions.extend(Instr(Kind.PREFETCH, spans[i].storage)
+                            for i in sorted(prefetches[p], key=lambda i: spans[i].last))
         instructions.extend(Instr(Kind.WAIT, spans[i].storage) for i in waits[p])
         instructions.append(Instr(Kind.COMPUTE, p))
     return Plan(program=program, instructions=tuple(instructions), policy=POLICY, budget_bytes=budget,
