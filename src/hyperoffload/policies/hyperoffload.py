@@ -216,7 +216,8 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
     hi1 = np.where(cyclic, n, np.minimum(latest, last))
     hi2 = np.where(cyclic, np.maximum(latest, 0), 0)
     latency_bytes = hardware.h2d_latency_s * hardware.h2d_bw
-    d2h, h2d = Lane(), Lane()
+    d2h, h2d = Lane(float(offload_s.min(initial=np.inf))), Lane(float(prefetch_s.min(initial=np.inf)))
+    starts, starts_at = step.start.tolist(), start_at.tolist()  # lanes search these with bisect
     choices: dict[int, _Choice] = {}
     out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed) of chosen spans
     excess = (step.live - budget).astype(np.float64)
@@ -228,7 +229,7 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
             return _cyclic_window(i, p)
         landed = _current_copy(out_until.get(span.storage, ()), span, writes)
         if landed is None:
-            q = d2h.earliest(step.start, span.first + 1, offload_s[i], p + 1)
+            q = d2h.earliest(starts, span.first + 1, offload_s[i], p + 1)
             if q < 0:
                 return None
             done, offload = step.start[q] + offload_s[i], q
@@ -237,19 +238,19 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
         release = max(int(np.searchsorted(step.start, done, side="left")), span.first + 1)
         if release > p:
             return None
-        q = h2d.latest(step.start, span.last, prefetch_s[i], step.start[span.last], p + 1)
+        q = h2d.latest(starts, span.last, prefetch_s[i], starts[span.last], p + 1)
         if q < 0:
             return None
         return _Choice(offload, release, q)
 
     def _cyclic_window(i: int, p: int) -> _Choice | None:
         span = spans[i]
-        prefetch = h2d.latest(step.start, span.last, prefetch_s[i], step.start[span.last], 0)
+        prefetch = h2d.latest(starts, span.last, prefetch_s[i], starts[span.last], 0)
         if prefetch < 0:
             return None
         begin = -1.0
         if writes.get(span.storage):  # changed this step: the copy from the last step is stale
-            q = d2h.earliest(start_at, span.first + 1, offload_s[i], n + 1)
+            q = d2h.earliest(starts_at, span.first + 1, offload_s[i], n + 1)
             if q < 0:  # the lane is booked to the end: go out after the step, once the lane is free
                 q, begin = n, max(total, max(d2h.ends, default=total))
             landed, offload = (begin if begin >= 0 else start_at[q]) + offload_s[i], q

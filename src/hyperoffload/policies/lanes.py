@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
-
 
 class Lane:
-    """Disjoint busy intervals [start, end) in seconds."""
+    """Disjoint busy intervals [start, end) in seconds.
 
-    def __init__(self) -> None:
+    Reservations closer than ``min_gap`` seconds are merged: no copy shorter than that will be
+    booked, so such a gap could never be used, and merging keeps searches short on a busy lane.
+    """
+
+    def __init__(self, min_gap: float = 0.0) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.min_gap = min_gap
 
     def _overlap(self, begin: float, end: float) -> int:
         """Index of a reservation overlapping [begin, end), or -1."""
@@ -27,27 +30,36 @@ class Lane:
                 return j
         return -1
 
-    def earliest(self, op_start: np.ndarray, lowest: int, duration: float, limit: int) -> int:
-        """The first position q in [lowest, limit) whose start leaves ``duration`` free, or -1."""
+    def earliest(self, op_start: list[float], lowest: int, duration: float, limit: int) -> int:
+        """The first position q in [lowest, limit) whose start (``op_start``, ascending, seconds) leaves
+        ``duration`` free, or -1."""
         q = lowest
         while q < limit:
             j = self._overlap(op_start[q], op_start[q] + duration)
             if j < 0:
                 return q
-            q = max(q + 1, int(np.searchsorted(op_start, self.ends[j], side="left")))
+            q = max(q + 1, bisect.bisect_left(op_start, self.ends[j]))
         return -1
 
-    def latest(self, op_start: np.ndarray, highest: int, duration: float, deadline: float, lowest: int) -> int:
+    def latest(self, op_start: list[float], highest: int, duration: float, deadline: float, lowest: int) -> int:
         """The last position q in [lowest, highest] with start + duration <= deadline and free, or -1."""
-        q = min(highest, int(np.searchsorted(op_start, deadline - duration, side="right")) - 1)
+        q = min(highest, bisect.bisect_right(op_start, deadline - duration) - 1)
         while q >= lowest:
             j = self._overlap(op_start[q], op_start[q] + duration)
             if j < 0:
                 return q
-            q = min(q - 1, int(np.searchsorted(op_start, self.starts[j] - duration, side="right")) - 1)
+            q = min(q - 1, bisect.bisect_right(op_start, self.starts[j] - duration) - 1)
         return -1
 
     def reserve(self, begin: float, end: float) -> None:
         k = bisect.bisect_left(self.starts, begin)
+        if k > 0 and self.ends[k - 1] + self.min_gap > begin:  # join the reservation before
+            k -= 1
+            begin = self.starts[k]
+            end = max(end, self.ends[k])
+            del self.starts[k], self.ends[k]
+        while k < len(self.starts) and end + self.min_gap > self.starts[k]:  # and those after
+            end = max(end, self.ends[k])
+            del self.starts[k], self.ends[k]
         self.starts.insert(k, begin)
         self.ends.insert(k, end)
