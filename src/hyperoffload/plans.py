@@ -82,7 +82,9 @@ class PlanCheck:
     """What ``check_plan`` derives from a valid plan."""
 
     live_bytes: tuple[int, ...]
-    """Device bytes allocated while each instruction is issued (instruction-order accounting)."""
+    """Device bytes allocated at each instruction, after its own allocation or release and before the
+    automatic frees that follow it (instruction-order accounting; for a compute, its inputs and
+    outputs together)."""
     peak_bytes: int
     frees_after: tuple[tuple[int, ...], ...]
     """Storages freed automatically once each instruction has finished (their last device use)."""
