@@ -58,7 +58,18 @@ def test_planned_step_at_half_the_peak_is_bit_identical_on_real_tensors(tiny_tra
 def test_no_offload_needed_gives_the_captured_step(tiny_train):
     program = tiny_train.program
     plan = plan_hyperoffload(program, H100, memory_profile(program).peak_bytes)
+    verify(plan, H100)
     assert all(i.kind is Kind.COMPUTE for i in plan.instructions)
+
+
+def test_policy_none_says_it_does_not_fit(capsys):
+    assert main(["plan", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm", "--budget", "50%",
+                 "--policy", "none", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["feasible"] is False and figures["peak_bytes"] > figures["budget_bytes"]
+    assert main(["plan", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm", "--budget", "50%",
+                 "--policy", "none"]) == 0
+    assert "does not meet the budget" in capsys.readouterr().out
 
 
 def test_infeasible_budget_names_the_smallest_one(tiny_train):
@@ -110,6 +121,7 @@ def test_plan_command_json_and_graph(tmp_path, capsys):
                 "plan_s", "policy", "exposed_s", "slowdown", "h2d_bytes", "d2h_bytes", "stalls"):
         assert key in figures
     assert figures["peak_bytes"] <= figures["budget_bytes"] and figures["policy"] == "hyperoffload"
+    assert figures["feasible"] is True
     code = graph.read_text()
     assert "hyperoffload.offload" in code and "hyperoffload.prefetch" in code and "hyperoffload.wait" in code
 

@@ -245,14 +245,21 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         Path(args.graph).write_text(plan_code(plan))
         err.print(f"planned graph written to {args.graph}")
+    # A policy may not meet the budget (``none`` never offloads): say so rather than hide it.
+    feasible = figures.peak_bytes <= budget
     if args.json:
         print(json.dumps({"workload": program.meta.get("workload", program.name), "mode": program.mode,
                           "hardware": hardware.name, "policy": args.policy, **figures.as_dict(),
-                          "plan_s": plan_s, "instructions": len(plan.instructions)}))
+                          "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
+                          "instructions": len(plan.instructions)}))
         return 0
     out.print(figures_table(figures, title=title, hardware=hardware))
-    out.print(f"planned in {plan_s:.1f} s; step_s / bound_s = {figures.step_s / figures.bound_s:.3f}, "
-              f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}")
+    if not feasible:
+        out.print(f"[yellow]policy {args.policy} does not meet the budget: it needs "
+                  f"{format_bytes(figures.peak_bytes)}, the budget is {format_bytes(budget)}[/yellow]")
+    elif figures.bound_s is not None:
+        out.print(f"planned in {plan_s:.1f} s; step_s / bound_s = {figures.step_s / figures.bound_s:.3f}, "
+                  f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}")
     return 0
 
 
