@@ -251,3 +251,21 @@ def test_prefetch_right_after_an_offload_waits_on_the_lane_not_on_compute():
     copies = {iv.stream: (iv.start, iv.end) for iv in timeline.intervals if iv.stream != "compute"}
     assert copies == {"d2h": pytest.approx((1.0, 2.0)), "h2d": pytest.approx((2.0, 3.0))}
     assert timeline.figures.step_s == pytest.approx(4.0) and timeline.figures.stalls == 0
+
+
+def test_verify_checks_the_timeline_it_is_given():
+    """verify re-checks ordering on the timeline itself: a timeline whose prefetch starts before the
+    offload landed (here edited by hand) is rejected, and a steady-state timeline is read against the
+    two-step plan it was simulated from."""
+    from dataclasses import replace as with_
+
+    from hyperoffload.simulate import Interval
+    from hyperoffload.verify import VerificationError, _check_timeline
+
+    plan = round_trip_plan(activation_round_trip(GB // 2))
+    timeline = simulate(plan, hardware())
+    _check_timeline(plan, timeline)
+    broken = tuple(with_(iv, start=0.5) if iv.stream == "h2d" else iv for iv in timeline.intervals)
+    assert any(isinstance(iv, Interval) and iv.stream == "h2d" for iv in broken)
+    with pytest.raises(VerificationError, match="before the offload it reads from has landed"):
+        _check_timeline(plan, with_(timeline, intervals=broken))

@@ -37,7 +37,12 @@ def _positive(text: str) -> int:
 
 
 def _non_negative(text: str) -> int:
-    value = _positive(text) if text.strip() not in ("0", "+0") else 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 

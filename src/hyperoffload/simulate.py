@@ -97,6 +97,9 @@ class Timeline:
     """(time, device bytes after the change), in time order."""
     stalls: tuple[Stall, ...]
     figures: Figures
+    plan: Plan
+    """The plan these instruction indices refer to: the plan given, or two consecutive steps of it
+    when it was timed in steady state."""
 
 
 class _Copy:
@@ -386,4 +389,5 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         stall_copy_s=sum(s.end - s.start for s in stalls if s.cause == "copy"),
         stall_memory_s=sum(s.end - s.start for s in stalls if s.cause == "memory"),
         budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound)
-    return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), figures=figures)
+    return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), figures=figures,
+                    plan=plan)

@@ -35,7 +35,8 @@ def verify(plan: Plan, hardware: Hardware | None = None) -> Timeline | None:
 
 
 def _check_timeline(plan: Plan, timeline: Timeline) -> None:
-    program, instrs = plan.program, plan.instructions
+    # Interval indices refer to the simulated plan (two steps of ``plan`` in steady state).
+    program, instrs = timeline.plan.program, timeline.plan.instructions
     fail = lambda i, why: VerificationError(  # noqa: E731
         f"plan from policy {plan.policy!r}, instruction #{i} ({instrs[i].describe(program)}): {why}")
     budget = plan.budget_bytes

@@ -34,7 +34,7 @@ from hyperoffload.ir import Program
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies.lanes import Lane
 from hyperoffload.policies.spans import Span, idle_spans, positions_arrays, storage_uses
-from hyperoffload.simulate import simulate
+from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.units import format_bytes
 
 POLICY = "hyperoffload"
@@ -123,32 +123,45 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
     step = _Step(start=end - times, end=end, times=times, live=live)
     uses = storage_uses(program, list(range(len(program.ops))))
     spans = idle_spans(program, uses, min_bytes=_min_span_bytes(config, live))
-    best: tuple[float, Plan, object] | None = None
+    best: _Tried | None = None
     for margin in config.bandwidth_margins:
         plan = _plan_for_margin(program, hardware, budget_bytes, step, spans, uses.writes, margin, config)
-        timeline = simulate(plan, hardware)
-        if best is None or timeline.figures.step_s < best[0]:
-            best = (timeline.figures.step_s, plan, timeline, margin)
+        tried = _Tried(plan, simulate(plan, hardware), margin)
+        if best is None or tried.step_s < best.step_s:
+            best = tried
     # Refine with the simulator: plan again against the op times the best plan really ran at (its
     # stalls included), so the lane model sees the gaps the copies actually have; keep what is faster.
     for _ in range(config.refinements):
-        stretched = _observed_step(best[2], best[1], live)
+        stretched = _observed_step(best.timeline, live)
         if stretched is None:
             break
-        plan = _plan_for_margin(program, hardware, budget_bytes, stretched, spans, uses.writes, best[3], config)
-        timeline = simulate(plan, hardware)
-        if timeline.figures.step_s >= best[0]:
+        plan = _plan_for_margin(program, hardware, budget_bytes, stretched, spans, uses.writes, best.margin, config)
+        tried = _Tried(plan, simulate(plan, hardware), best.margin)
+        if tried.step_s >= best.step_s:
             break
-        best = (timeline.figures.step_s, plan, timeline, best[3])
-    return best[1]
+        best = tried
+    return best.plan
 
 
-def _observed_step(timeline, plan: Plan, live: np.ndarray) -> _Step | None:
+@dataclass(frozen=True, slots=True)
+class _Tried:
+    """A candidate plan, how it simulated, and the bandwidth margin it was made for."""
+
+    plan: Plan
+    timeline: Timeline
+    margin: float
+
+    @property
+    def step_s(self) -> float:
+        return self.timeline.figures.step_s
+
+
+def _observed_step(timeline: Timeline, live: np.ndarray) -> _Step | None:
     """Per-position start and end times of the ops as simulated (the last simulated step)."""
     n = live.size
     compute = [iv for iv in timeline.intervals if iv.stream == "compute"]
     per_position: dict[int, tuple[float, float]] = {}
-    op_of = {i: ins.target % n for i, ins in enumerate(_repeat_instructions(plan, timeline))}
+    op_of = {i: ins.target % n for i, ins in enumerate(timeline.plan.instructions)}
     for iv in compute:
         per_position[op_of[iv.instruction]] = (iv.start, iv.end)  # later steps overwrite earlier ones
     if len(per_position) < 2:
@@ -164,15 +177,6 @@ def _observed_step(timeline, plan: Plan, live: np.ndarray) -> _Step | None:
             start[p] = end[p] = previous_end
         previous_end = end[p]
     return _Step(start=start, end=end, times=end - start, live=live)
-
-
-def _repeat_instructions(plan: Plan, timeline):
-    """The instruction list the timeline was simulated from (two steps for steady-state plans)."""
-    if timeline.figures.steady_state:
-        from hyperoffload.repeat import repeat_plan
-
-        return repeat_plan(plan, 2)[0].instructions
-    return plan.instructions
 
 
 @dataclass

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyperoffload.ir import Program
-from hyperoffload.plans import held_storages
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -85,4 +84,4 @@ def positions_arrays(spans: list[Span]) -> tuple[np.ndarray, np.ndarray, np.ndar
             np.fromiter((s.nbytes for s in spans), np.int64, len(spans)))
 
 
-__all__ = ["Span", "Uses", "held_storages", "idle_spans", "positions_arrays", "storage_uses"]
+__all__ = ["Span", "Uses", "idle_spans", "positions_arrays", "storage_uses"]
