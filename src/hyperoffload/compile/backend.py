@@ -1,0 +1,277 @@
+"""``hyperoffload.backend(...)``: a ``torch.compile`` backend that plans offloads under a budget.
+
+For each graph TorchDynamo hands it, the backend runs aot_autograd, which traces the forward and
+the backward and partitions them (``default_partition``: the backward reads exactly what eager
+autograd would have saved, nothing is recomputed). Then, inside aot_autograd's ``partition_fn``:
+
+1. join the forward and backward graphs into one step (``join_graphs``): saved activations are
+   values produced in the forward and read in the backward;
+2. convert it to a Program and plan it with the chosen policy under the budget, on the chosen
+   hardware profile (a percentage is of this joint step's no-offload peak);
+3. keep prefetches of the tangents out of the forward (``keep_backward_inputs_in_backward``);
+4. lower the plan onto the joint graph with the cache operators (``lower_plan``);
+5. cut the lowered graph back into a forward and a backward (``split_lowered``): an offloaded
+   saved activation crosses as its remote buffer and is prefetched in the backward;
+6. simulate the plan on the hardware profile and record it (``Backend.compiled``).
+
+aot_autograd then runs the two graphs as the compiled function's forward and backward, so
+``loss.backward()`` and the optimizer work as usual. Graphs run without gradients (``no_grad``,
+inference) are planned alone. The cache operators run synchronously on CPU tensors
+(``hyperoffload.cache_ops``): the graphs say where each transfer starts and where its result is
+first needed, and the results are bit-identical to eager.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from hyperoffload import cache_ops
+from hyperoffload.analysis import memory_profile
+from hyperoffload.budgets import parse_budget
+from hyperoffload.capture.graph_to_program import program_from_graph
+from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
+from hyperoffload.compile.split import keep_backward_inputs_in_backward, split_lowered
+from hyperoffload.hardware import Hardware, get_hardware
+from hyperoffload.ir import Program, ValueKind
+from hyperoffload.lower import lower_plan
+from hyperoffload.plans import Kind, Plan, check_plan
+from hyperoffload.policies import get_policy
+from hyperoffload.simulate import Figures, simulate
+from hyperoffload.units import parse_bytes
+from hyperoffload.verify import verify
+
+CACHE_OPERATORS = {cache_ops.OFFLOAD: Kind.OFFLOAD, cache_ops.PREFETCH: Kind.PREFETCH, cache_ops.WAIT: Kind.WAIT,
+                   cache_ops.RELEASE: Kind.RELEASE}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompiledGraph:
+    """One graph ``torch.compile`` handed to the backend, as planned and lowered."""
+
+    index: int
+    """Which graph of this backend it is (0 for the first; a graph break makes several)."""
+    mode: str
+    """``"train"``: forward and backward planned as one step; ``"inference"``: a graph run without gradients."""
+    program: Program
+    """The planned step (for ``"train"``, the joint forward + backward)."""
+    plan: Plan
+    figures: Figures
+    """The plan simulated on the backend's hardware profile (seconds, bytes)."""
+    budget_bytes: int
+    """The budget the graph was planned for (bytes; a percentage resolved against ``unplanned_peak_bytes``)."""
+    unplanned_peak_bytes: int
+    """Device bytes the step needs with nothing offloaded (what a percentage budget is of)."""
+    planned_peak_bytes: int
+    """Device bytes at the plan's peak, in plan order (``check_plan``); never above ``plan.budget_bytes``."""
+    plan_s: float
+    """Wall time planning, lowering and splitting took (seconds)."""
+    forward: torch.fx.GraphModule
+    """The graph that runs as the forward (or the whole inference graph), cache operators included."""
+    backward: torch.fx.GraphModule | None
+    """The graph that runs as the backward; None for an inference graph."""
+    input_names: tuple[str, ...] = ()
+    """Readable names of the step's inputs (TorchDynamo's, where they line up), in ``program.inputs`` order."""
+    joint: JointGraph | None = None
+    """For ``"train"``: the joint graph the program was made from (where the forward ends, which inputs are
+    tangents)."""
+
+    @property
+    def feasible(self) -> bool:
+        """Whether the plan stays within the budget (the ``none`` policy does not when the step needs more)."""
+        return self.planned_peak_bytes <= self.budget_bytes
+
+    def cache_op_counts(self) -> dict[str, int]:
+        """How many calls of each cache operator the compiled graphs make (offload, prefetch, wait, release)."""
+        counts = {kind.value: 0 for kind in CACHE_OPERATORS.values()}
+        for gm in (self.forward, self.backward):
+            if gm is None:
+                continue
+            for n in gm.graph.nodes:
+                if n.op == "call_function" and n.target in CACHE_OPERATORS:
+                    counts[CACHE_OPERATORS[n.target].value] += 1
+        return counts
+
+    def offloaded(self) -> list[str]:
+        """Names of the values the plan sends to remote memory (or keeps there at the start), in plan order."""
+        values = self.program.values
+        names = [values[s].name for s in sorted(self.plan.initial_remote)]
+        names += [values[i.target].name for i in self.plan.instructions if i.kind is Kind.OFFLOAD]
+        return list(dict.fromkeys(names))
+
+
+def check_budget_text(budget: int | str) -> None:
+    """Raise ``ValueError`` unless ``budget`` reads as a budget: bytes, ``"40GiB"``, ``"50%"`` or ``"hideable"``.
+
+    The bytes a percentage stands for are known only once a graph is compiled; this catches typos when
+    the backend is made.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise ValueError(f"budget must be bytes (an int) or text such as '40GiB', '50%' or 'hideable', "
+                         f"got {type(budget).__name__}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"a budget must be a positive number of bytes, got {budget}")
+        return
+    text = budget.strip()
+    if text.lower() == "hideable":
+        return
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"cannot read {budget!r} as a budget; write 40GiB, 60GB, 50% or hideable") from None
+        if not 0 < share <= 100:
+            raise ValueError(f"a budget percentage must be in (0, 100], got {budget}")
+        return
+    try:
+        parse_bytes(text)
+    except ValueError:
+        raise ValueError(f"cannot read {budget!r} as a budget; write 40GiB, 60GB, 50% (of the step's no-offload "
+                         f"peak) or hideable") from None
+
+
+@dataclass(eq=False)
+class Backend:
+    """A ``torch.compile`` backend planning every compiled graph under ``budget`` on ``hardware``.
+
+    Use ``hyperoffload.backend(...)`` to make one. ``compiled`` lists every graph it planned, in the
+    order they were compiled, and ``last`` is the latest: inspect the plan, its simulated figures and
+    the graphs that run.
+    """
+
+    budget: int | str
+    """Bytes, or text: ``"40GiB"``, ``"50%"`` (of each compiled step's no-offload peak), ``"hideable"``."""
+    hardware: Hardware
+    """The profile plans are made and simulated for."""
+    policy: str = "hyperoffload"
+    """A name in ``hyperoffload.policies.POLICIES``."""
+    compiled: list[CompiledGraph] = field(default_factory=list)
+    __name__ = "hyperoffload"  # TorchDynamo names a backend by this attribute in its messages (not a field)
+
+    @property
+    def last(self) -> CompiledGraph:
+        """The latest compiled graph; ``LookupError`` before anything was compiled."""
+        if not self.compiled:
+            raise LookupError("nothing has been compiled with this backend yet; call the compiled model first")
+        return self.compiled[-1]
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch.partitioners import default_partition
+
+        names = tuple(_readable_name(n) for n in gm.graph.find_nodes(op="placeholder"))
+        index = len(self.compiled)
+
+        def partition(joint_module, joint_inputs, *, num_fwd_outputs: int, static_lifetime_input_indices=None,
+                      **kwargs):
+            forward, backward = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                  static_lifetime_input_indices=static_lifetime_input_indices,
+                                                  **kwargs)
+            record = self._plan_training(index, forward, backward, num_fwd_outputs,
+                                         static_lifetime_input_indices or (), names)
+            return record.forward, record.backward
+
+        def inference(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+            return make_boxed_func(self._plan_inference(index, gm, names).forward)
+
+        def run_as_is(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+            return make_boxed_func(gm)  # already planned and lowered by ``partition``
+
+        return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, inference_compiler=inference,
+                            partition_fn=partition)(gm, example_inputs)
+
+    # --- planning ------------------------------------------------------------------------------------
+    def _plan(self, program: Program) -> tuple[Plan, int]:
+        budget = self.budget if isinstance(self.budget, int) else parse_budget(self.budget, program, self.hardware)
+        plan = get_policy(self.policy)(program, self.hardware, budget)
+        verify(plan)
+        return plan, budget
+
+    def _plan_training(self, index: int, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
+                       num_user_outputs: int, static_inputs: Sequence[int], names: Sequence[str]) -> CompiledGraph:
+        start = time.perf_counter()
+        joint = join_graphs(forward, backward, num_user_outputs)
+        input_names = _input_names(joint, names)
+        program = program_from_graph(joint.module, input_kinds(joint, static_inputs), name=f"graph {index}",
+                                     mode="train", input_names=input_names, meta={"backend": "hyperoffload"})
+        plan, budget = self._plan(program)
+        plan = keep_backward_inputs_in_backward(plan, joint)
+        forward_planned, backward_planned = split_lowered(lower_plan(plan), joint)
+        return self._record(index, "train", program, plan, budget, start, forward_planned, backward_planned,
+                            input_names, joint)
+
+    def _plan_inference(self, index: int, gm: torch.fx.GraphModule, names: Sequence[str]) -> CompiledGraph:
+        start = time.perf_counter()
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        static = set(_static_input_indices())
+        kinds = [ValueKind.PARAMETER if i in static else ValueKind.INPUT for i in range(len(placeholders))]
+        input_names = tuple(names) if len(names) == len(placeholders) else tuple(n.name for n in placeholders)
+        program = program_from_graph(gm, kinds, name=f"graph {index}", mode="inference", input_names=input_names,
+                                     meta={"backend": "hyperoffload"})
+        plan, budget = self._plan(program)
+        return self._record(index, "inference", program, plan, budget, start, lower_plan(plan), None, input_names)
+
+    def _record(self, index, mode, program, plan, budget, start, forward, backward, input_names,
+                joint=None) -> CompiledGraph:
+        plan_s = time.perf_counter() - start
+        record = CompiledGraph(
+            index=index, mode=mode, program=program, plan=plan, figures=simulate(plan, self.hardware).figures,
+            budget_bytes=budget,
+            unplanned_peak_bytes=memory_profile(program).peak_bytes, planned_peak_bytes=check_plan(plan).peak_bytes,
+            plan_s=plan_s, forward=forward, backward=backward, input_names=tuple(input_names), joint=joint)
+        self.compiled.append(record)
+        return record
+
+
+def _readable_name(placeholder: torch.fx.Node) -> str:
+    """``layers.0.ffn.w2.weight`` for TorchDynamo's input from ``L['self']._modules['layers']._modules['0']...``,
+    ``tokens`` for ``L['tokens']``; the placeholder's own name when TorchDynamo left no source."""
+    source = getattr(placeholder.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    keys = [a or b for a, b in re.findall(r"\[(?:'([^']+)'|(\d+))\]", name)] if isinstance(name, str) else []
+    if len(keys) > 1 and keys[0] in ("self", "fn"):  # the module itself (``fn`` when called through a wrapper)
+        keys = keys[1:]
+    return ".".join(keys) or placeholder.name
+
+
+def _input_names(joint: JointGraph, names: Sequence[str]) -> list[str]:
+    """TorchDynamo's placeholder names for the primals when they line up one to one, else aot's; tangents
+    keep aot's names."""
+    primals = list(names) if len(names) == len(joint.primals) else list(joint.primals)
+    return [*primals, *joint.backward_inputs]
+
+
+def _static_input_indices() -> list[int]:
+    """Indices of the inputs aot_autograd knows to be parameters or buffers, for the graph being compiled."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    return list(getattr(metadata, "static_input_indices", None) or ())
+
+
+def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", policy: str = "hyperoffload") -> Backend:
+    """A ``torch.compile`` backend that plans offloads of each compiled step under ``budget``.
+
+    ``torch.compile(model, backend=hyperoffload.backend(budget="50%", hardware="h100-sxm"))``: forward
+    and backward are planned as one step (saved activations can leave the device after the forward
+    and come back for the backward), the cache operators run inside the compiled graphs, and loss
+    and gradients equal eager. ``budget`` is bytes, ``"40GiB"``, ``"50%"`` of the step's no-offload
+    peak, or ``"hideable"``; ``hardware`` a profile or its name; ``policy`` a registered policy.
+    Bad values raise ``ValueError`` here; a budget below what the policy can meet raises
+    ``InfeasibleBudget`` when the graph is compiled (TorchDynamo wraps it in ``BackendCompilerFailed``).
+    """
+    check_budget_text(budget)
+    get_policy(policy)
+    return Backend(budget=budget, hardware=get_hardware(hardware) if isinstance(hardware, str) else hardware,
+                   policy=policy)
+
+
+__all__ = ["Backend", "CompiledGraph", "backend", "check_budget_text"]

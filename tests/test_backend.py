@@ -1,0 +1,247 @@
+"""The torch.compile backend: compiled training under a budget equals eager bit for bit (float32, CPU),
+while the compiled graphs really move data: saved activations leave in the forward and come back in the
+backward, and the plan's peak stays within the budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hyperoffload
+from hyperoffload import cache_ops
+from hyperoffload.compile import Backend, SplitError, keep_backward_inputs_in_backward, split_lowered
+from hyperoffload.compile.split import cut_index
+from hyperoffload.lower import lower_plan
+from hyperoffload.ir import Phase, ValueKind
+from hyperoffload.plans import Instr, Kind, Plan, check_plan
+from hyperoffload.policies import InfeasibleBudget
+from hyperoffload.workloads import Llama, get_workload
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own model; a clean cache keeps earlier tests' graphs and recompile limits out."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def train_side_by_side(model: nn.Module, backend: Backend, batches, loss_of, steps: int = 2) -> None:
+    """Train ``model`` compiled with ``backend`` and an eager copy with AdamW for ``steps`` steps; loss,
+    every gradient and every parameter must be bit-identical after each step."""
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    named_e = dict(eager.named_parameters())
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        loss_c = loss_of(compiled, batch)
+        loss_c.backward()
+        loss_e = loss_of(eager, batch)
+        loss_e.backward()
+        assert torch.equal(loss_c, loss_e), f"step {step}: loss {loss_c.item()} != eager {loss_e.item()}"
+        for name, p in model.named_parameters():
+            assert p.grad is not None, f"step {step}: no gradient for {name}"
+            assert torch.equal(p.grad, named_e[name].grad), f"step {step}: gradient of {name} differs from eager"
+        opt_c.step()
+        opt_e.step()
+        opt_c.zero_grad()
+        opt_e.zero_grad()
+        for name, p in model.named_parameters():
+            assert torch.equal(p, named_e[name]), f"step {step}: {name} differs from eager after the update"
+        for (name, b), e in zip(model.named_buffers(), eager.buffers()):
+            assert torch.equal(b, e), f"step {step}: buffer {name} differs from eager"
+
+
+def assert_really_offloads(backend: Backend) -> None:
+    """The last training graph's plan meets its budget, sends saved activations to remote memory in the
+    forward and brings them back in the backward, with the cache operators in both compiled graphs."""
+    record = backend.last
+    assert record.mode == "train" and record.backward is not None
+    assert record.budget_bytes < record.unplanned_peak_bytes
+    assert record.planned_peak_bytes <= record.budget_bytes and record.feasible
+    assert record.figures.peak_bytes <= record.budget_bytes
+    counts = record.cache_op_counts()
+    assert counts["offload"] > 0 and counts["prefetch"] > 0 and counts["release"] > 0
+    assert counts["wait"] == counts["offload"] + counts["prefetch"]
+
+    program, plan = record.program, record.plan
+    offloaded = [i.target for i in plan.instructions if i.kind is Kind.OFFLOAD]
+    activations = [s for s in offloaded if program.values[s].kind is ValueKind.ACTIVATION]
+    assert activations, "the plan offloads no saved activation"
+    # Saved activations cross from the forward to the backward as remote buffers ...
+    crossing = next(iter(record.forward.graph.find_nodes(op="output"))).args[0]
+    remote = [n for n in crossing if isinstance(n, torch.fx.Node) and n.target in (cache_ops.OFFLOAD, cache_ops.WAIT)]
+    assert remote, "no remote buffer crosses from the forward to the backward"
+    # ... which the backward prefetches.
+    placeholders = {n.name for n in record.backward.graph.find_nodes(op="placeholder")}
+    prefetched = [n for n in record.backward.graph.nodes if n.target is cache_ops.PREFETCH]
+    assert any(_root(n.args[0]).name in placeholders for n in prefetched)
+    # The forward runs only forward ops, the backward only backward ones.
+    forward_ops = {n.name for n in record.forward.graph.nodes if n.op == "call_function"}
+    for op in program.ops:
+        if op.phase is Phase.BACKWARD:
+            assert op.name not in forward_ops, f"backward op {op.name} runs in the forward graph"
+
+
+def _root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node a chain of ``wait`` calls starts from."""
+    while node.target is cache_ops.WAIT:
+        node = node.args[0]
+    return node
+
+
+# --- built-in workload ---------------------------------------------------------------------------------
+
+def tiny_llama() -> tuple[nn.Module, list]:
+    workload = get_workload("tiny-llama")
+    torch.manual_seed(0)
+    model = Llama(workload.config)
+    vocab = workload.config.vocab_size
+    batches = [(torch.randint(0, vocab, (2, 64)), torch.randint(0, vocab, (2, 64))) for _ in range(2)]
+    return model, batches
+
+
+def llama_loss(model, batch):
+    tokens, targets = batch
+    return F.cross_entropy(model(tokens).flatten(0, -2), targets.flatten())
+
+
+def test_tiny_llama_trains_like_eager_at_half_its_peak():
+    model, batches = tiny_llama()
+    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
+    train_side_by_side(model, backend, batches, llama_loss)
+    assert len(backend.compiled) == 1  # one graph, reused by the second step
+    assert_really_offloads(backend)
+    record = backend.last
+    assert record.budget_bytes == record.unplanned_peak_bytes // 2
+    assert record.input_names[1] == "embed.weight"  # TorchDynamo's sources, made readable
+    # Parameters enter as inputs; the tangent (the logits' gradient) only exists in the backward.
+    kinds = {record.program.values[v].kind for v in record.program.inputs}
+    assert ValueKind.PARAMETER in kinds
+    tangents = [n for n in record.backward.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    assert tangents and not any(n.name.startswith("tangents") for n in record.forward.graph.find_nodes(op="placeholder"))
+
+
+def test_inference_graph_is_planned_alone_and_matches_eager():
+    model, batches = tiny_llama()
+    model.eval()
+    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    tokens = batches[0][0]
+    with torch.no_grad():
+        assert torch.equal(compiled(tokens), model(tokens))
+    record = backend.last
+    assert record.mode == "inference" and record.backward is None
+    assert record.planned_peak_bytes <= record.budget_bytes < record.unplanned_peak_bytes
+    assert record.cache_op_counts()["prefetch"] > 0
+    # Parameters are known as such, so the plan may keep them in remote memory between calls.
+    assert any(record.program.values[s].kind is ValueKind.PARAMETER for s in record.plan.initial_remote)
+
+
+def test_policy_none_compiles_without_cache_operators():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    backend = hyperoffload.backend(budget="50%", policy="none")
+    x = torch.randn(8, 16)
+    train_side_by_side(model, backend, [(x,)], lambda m, b: m(b[0]).square().mean(), steps=1)
+    record = backend.last
+    assert sum(record.cache_op_counts().values()) == 0
+    assert not record.feasible  # what the step needs, over the budget asked for
+
+
+def test_batch_norm_buffers_update_as_in_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                          nn.Linear(128, 8))
+    backend = hyperoffload.backend(budget="60%")
+    x = torch.randn(256, 32)
+    before = [b.clone() for b in model.buffers()]
+    train_side_by_side(model, backend, [(x,)], lambda m, b: m(b[0]).square().mean())  # buffers compared too
+    assert sum(backend.last.cache_op_counts().values()) > 0
+    assert not all(torch.equal(a, b) for a, b in zip(model.buffers(), before))  # running statistics did move
+
+
+# --- Hugging Face --------------------------------------------------------------------------------------
+
+def test_tiny_hugging_face_llama_trains_like_eager():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    batches = [(torch.randint(0, 128, (2, 64)),) for _ in range(2)]
+    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
+    train_side_by_side(model, backend, batches, lambda m, b: m(input_ids=b[0], labels=b[0]).loss)
+    assert_really_offloads(backend)
+
+
+# --- the plan's boundary -----------------------------------------------------------------------------
+
+def test_tangent_prefetch_issued_in_the_forward_moves_to_the_backward():
+    model, batches = tiny_llama()
+    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
+    llama_loss(torch.compile(model, backend=backend, dynamic=False), batches[0]).backward()
+    record = backend.last
+    program, joint = record.program, record.joint
+    tangent = program.values[program.node_values[joint.backward_inputs[0]]].storage  # the logits' gradient
+    # The plan, but with the tangent starting in remote memory and brought in before the forward's first op.
+    others = [i for i in record.plan.instructions if i.target != tangent or i.kind is Kind.COMPUTE]
+    cut = cut_index(record.plan, joint)
+    cut -= sum(1 for i in record.plan.instructions[:cut] if i.target == tangent and i.kind is not Kind.COMPUTE)
+    early = Plan(program=program, instructions=(Instr(Kind.PREFETCH, tangent), *others[:cut + 1],
+                                                Instr(Kind.WAIT, tangent), *others[cut + 1:]),
+                 policy="test", initial_remote=record.plan.initial_remote | {tangent})
+    check_plan(early)
+    with pytest.raises(SplitError, match="reads the backward input tangents_1"):
+        split_lowered(lower_plan(early), joint)
+
+    moved = keep_backward_inputs_in_backward(early, joint)
+    position = next(i for i, ins in enumerate(moved.instructions) if ins.kind is Kind.PREFETCH and ins.target == tangent)
+    assert position == cut_index(moved, joint) + 1
+    # Later means less on the device in between: the moved plan never holds more than the early one.
+    size = program.values[tangent].alloc_bytes
+    later, sooner = check_plan(moved).live_bytes[:position], check_plan(early).live_bytes[1:position + 1]
+    assert all(a + size == b for a, b in zip(later, sooner))
+    forward, backward = split_lowered(lower_plan(moved), joint)
+    assert "tangents_1" not in {n.name for n in forward.graph.find_nodes(op="placeholder")}
+    assert "tangents_1" in {n.name for n in backward.graph.find_nodes(op="placeholder")}
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget, message", [
+    ("half", "cannot read 'half' as a budget"),
+    ("0%", "must be in (0, 100]"),
+    ("150%", "must be in (0, 100]"),
+    (-5, "positive number of bytes"),
+    (2.5, "got float"),
+])
+def test_bad_budget_is_refused_when_the_backend_is_made(budget, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        hyperoffload.backend(budget=budget)
+
+
+def test_unknown_hardware_and_policy_are_refused_with_the_valid_names():
+    with pytest.raises(ValueError, match="unknown hardware 'h1000'.*h100-sxm"):
+        hyperoffload.backend(hardware="h1000")
+    with pytest.raises(ValueError, match="unknown policy 'fastest'.*hyperoffload"):
+        hyperoffload.backend(policy="fastest")
+
+
+def test_budget_below_what_the_planner_meets_fails_at_compile_time_with_the_smallest_budget():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    backend = hyperoffload.backend(budget="1KiB")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with pytest.raises(Exception, match="below the smallest this planner can meet") as error:
+        compiled(torch.randn(8, 16)).sum().backward()
+    assert isinstance(error.value, InfeasibleBudget) or isinstance(error.value.__cause__, InfeasibleBudget) or \
+        "InfeasibleBudget" in str(error.value)
+    with pytest.raises(LookupError, match="nothing has been compiled"):
+        backend.last
