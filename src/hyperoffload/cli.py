@@ -89,6 +89,28 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
     return hardware.replace(**overrides) if overrides else hardware
 
 
+def _add_budget_argument(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument("--budget", required=required, metavar="SIZE|PCT%|hideable",
+                        help="device-memory budget: bytes with units (40GiB, 60GB), a percentage of the step's "
+                             "no-offload peak (50%%), or 'hideable'")
+
+
+def _add_policies_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policies", metavar="P1,P2,...",
+                        help="comma-separated policies to compare (default: all of them)")
+
+
+def _policy_names(args: argparse.Namespace) -> list[str] | None:
+    from hyperoffload.policies import get_policy
+
+    if not args.policies:
+        return None
+    names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    for name in names:
+        get_policy(name)  # an unknown name fails here, listing the valid ones
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyperoffload",
@@ -114,6 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--policy", default="hyperoffload", help="which planner (default: hyperoffload)")
     plan.add_argument("--graph", metavar="FILE", help="write the planned FX graph, cache operators included, as code")
     _add_output_arguments(plan)
+    compare = commands.add_parser("compare", help="plan with every policy at one budget and compare the simulated steps")
+    _add_step_arguments(compare)
+    _add_hardware_arguments(compare)
+    _add_budget_argument(compare)
+    _add_policies_argument(compare)
+    compare.add_argument("--plot", metavar="FILE", help="write a PNG of the step time of each policy")
+    sweep = commands.add_parser("sweep", help="compare every policy at each value of a bandwidth or the budget")
+    _add_step_arguments(sweep)
+    _add_hardware_arguments(sweep)
+    _add_budget_argument(sweep, required=False)
+    _add_policies_argument(sweep)
+    sweep.add_argument("--vary", required=True, choices=("h2d-bw", "d2h-bw", "budget"), help="what to vary")
+    sweep.add_argument("--values", required=True, metavar="V1,V2,...",
+                       help="comma-separated values: rates (8GB/s,16GB/s) or budgets (40GiB,60%%,hideable)")
+    sweep.add_argument("--plot", metavar="FILE", help="write a PNG of step time against the varied quantity")
     hardware = commands.add_parser("hardware", help="list hardware profiles, or show one with its sources")
     hardware.add_argument("name", nargs="?", metavar="NAME|FILE.toml", help="the profile to show")
     hardware.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -268,6 +305,56 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.budgets import parse_budget
+    from hyperoffload.compare import compare
+    from hyperoffload.report.compare import compare_table, plot_compare, verdict
+
+    hardware = hardware_from_args(args)
+    names = _policy_names(args)
+    program = _capture(args, err).program
+    budget = parse_budget(args.budget, program, hardware)
+    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name} with every "
+                    f"policy..."):
+        results = compare(program, hardware, budget, names)
+    title = (f"{program.name} {program.mode} on {hardware.name}, budget {format_bytes(budget)} "
+             f"({args.budget})")
+    if args.plot:
+        plot_compare(results, args.plot, title=title)
+        err.print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps([{"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                           "hardware": hardware.name, **r.as_dict()} for r in results]))
+        return 0
+    out.print(compare_table(results, title=title))
+    out.print(verdict(results))
+    return 0
+
+
+def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.compare import sweep
+    from hyperoffload.report.compare import plot_sweep, sweep_table
+
+    hardware = hardware_from_args(args)
+    names = _policy_names(args)
+    values = [v for v in args.values.split(",") if v.strip()]
+    program = _capture(args, err).program
+    with err.status(f"Comparing every policy at {len(values)} values of {args.vary}..."):
+        points = sweep(program, hardware, vary=args.vary, values=values, budget=args.budget, policies=names)
+    budget = f", budget {args.budget}" if args.vary != "budget" else ""
+    title = f"{program.name} {program.mode} on {hardware.name}{budget}: simulated step time against {args.vary}"
+    if args.plot:
+        plot_sweep(points, args.plot, vary=args.vary, title=title)
+        err.print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps([{"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                           "hardware": point.hardware.name, "vary": args.vary, "value": point.value, "x": point.x,
+                           **r.as_dict()} for point in points for r in point.results]))
+        return 0
+    out.print(sweep_table(points, vary=args.vary, title=title))
+    return 0
+
+
 def _write_outputs(args: argparse.Namespace, timeline, *, title: str, limit_bytes: int | None, err: Console,
                    limit_label: str = "budget") -> None:
     if args.trace:
@@ -313,7 +400,7 @@ def profile_dict(hardware: Hardware) -> dict:
 
 
 COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate, "plan": _plan,
-            "hardware": _hardware}
+            "hardware": _hardware, "compare": _compare, "sweep": _sweep}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,12 @@ from collections.abc import Callable
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
+from hyperoffload.policies.distance import DistanceConfig, plan_distance
 from hyperoffload.policies.hyperoffload import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
+from hyperoffload.policies.layerwise import LayerwiseConfig, plan_layerwise
+from hyperoffload.policies.reactive import ReactiveConfig, plan_reactive
+from hyperoffload.policies.xla_hidden import XlaHiddenConfig, plan_xla_hidden
+from hyperoffload.policies.zero_infinity import ZeroInfinityConfig, plan_zero_infinity
 
 Policy = Callable[[Program, Hardware, int], Plan]
 
@@ -15,7 +20,11 @@ def plan_none(program: Program, hardware: Hardware, budget_bytes: int) -> Plan:
     return plan_without_offload(program)
 
 
-POLICIES: dict[str, Policy] = {"hyperoffload": plan_hyperoffload, "none": plan_none}
+POLICIES: dict[str, Policy] = {"hyperoffload": plan_hyperoffload, "none": plan_none, "reactive": plan_reactive,
+                               "distance": plan_distance, "zero-infinity": plan_zero_infinity,
+                               "layerwise": plan_layerwise, "xla-hidden": plan_xla_hidden}
+BASELINES = tuple(name for name in POLICIES if name != "hyperoffload")
+"""Every policy but ours, in the order tables list them."""
 
 
 def get_policy(name: str) -> Policy:
@@ -25,5 +34,6 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
 
 
-__all__ = ["POLICIES", "InfeasibleBudget", "PlannerConfig", "Policy", "get_policy", "minimum_budget", "plan_hyperoffload",
-           "plan_none"]
+__all__ = ["BASELINES", "POLICIES", "DistanceConfig", "InfeasibleBudget", "LayerwiseConfig", "PlannerConfig", "Policy",
+           "ReactiveConfig", "XlaHiddenConfig", "ZeroInfinityConfig", "get_policy", "minimum_budget", "plan_distance",
+           "plan_hyperoffload", "plan_layerwise", "plan_none", "plan_reactive", "plan_xla_hidden", "plan_zero_infinity"]

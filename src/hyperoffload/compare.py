@@ -1,0 +1,163 @@
+"""Several policies on one step, hardware profile and budget; and sweeps of one quantity.
+
+Each policy plans the same Program for the same budget; every plan is verified (``verify``) and
+simulated on the same profile, and its figures are those of ``shared/BENCHMARKS.md``. A policy that
+does not meet the budget is reported, not dropped: ``feasible`` is False and ``peak_bytes`` is what
+it needs (the HyperOffload planner, which refuses budgets below the smallest it can meet, is shown
+planned at that smallest budget). ``excess_bytes``, ``bound_s`` and ``duplex_bound_s`` are always
+those of the compared budget, so rows can be read against each other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from hyperoffload.analysis import memory_profile
+from hyperoffload.budgets import parse_budget
+from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
+from hyperoffload.plans import Plan, check_plan
+from hyperoffload.policies import POLICIES, InfeasibleBudget, get_policy
+from hyperoffload.simulate import Timeline
+from hyperoffload.units import parse_bandwidth
+from hyperoffload.verify import verify
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyResult:
+    """One policy's plan for the compared budget, verified and simulated."""
+
+    policy: str
+    budget_bytes: int
+    """The compared budget (bytes); the plan itself may carry another (see ``feasible``)."""
+    feasible: bool
+    """Whether the plan's device memory stays within ``budget_bytes``, in plan order and simulated."""
+    plan_s: float
+    """Wall time the policy took to plan (seconds, a real CPU timing)."""
+    plan: Plan
+    timeline: Timeline
+    note: str = ""
+    """Why the budget is not met, when it is not."""
+
+    @property
+    def step_s(self) -> float:
+        return self.timeline.figures.step_s
+
+    def as_dict(self) -> dict:
+        """The figures of ``shared/BENCHMARKS.md`` with ``policy``, ``feasible`` and ``budget_bytes``."""
+        figures = self.timeline.figures.as_dict()
+        return {"policy": self.policy, "feasible": self.feasible, **figures, "budget_bytes": self.budget_bytes,
+                "plan_s": self.plan_s, "instructions": len(self.plan.instructions), "note": self.note}
+
+
+def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: str,
+               peak_bytes: int | None = None) -> PolicyResult:
+    """Plan ``program`` with ``policy`` for ``budget_bytes``, verify the plan and simulate it on ``hardware``."""
+    planner = get_policy(policy)
+    note = ""
+    start = time.perf_counter()
+    try:
+        plan = planner(program, hardware, budget_bytes)
+    except InfeasibleBudget as error:
+        if error.min_budget_bytes <= budget_bytes:
+            raise
+        note = f"refuses the budget; planned at the smallest it can meet ({error.min_budget_bytes} bytes)"
+        plan = planner(program, hardware, error.min_budget_bytes)
+    plan_s = time.perf_counter() - start
+    timeline = verify(plan, hardware)
+    peak = max(check_plan(plan).peak_bytes, timeline.figures.peak_bytes)
+    feasible = peak <= budget_bytes
+    if not feasible and not note:
+        note = "does not meet the budget: the peak shown is what it needs"
+    timeline = _with_budget_figures(timeline, program, hardware, budget_bytes, peak_bytes)
+    return PolicyResult(policy=policy, budget_bytes=budget_bytes, feasible=feasible, plan_s=plan_s, plan=plan,
+                        timeline=timeline, note=note)
+
+
+def _with_budget_figures(timeline: Timeline, program: Program, hardware: Hardware, budget: int,
+                         peak_bytes: int | None) -> Timeline:
+    """``timeline`` whose figures state the compared budget's excess and bounds (a plan that does not
+    meet the budget was simulated without one, or with the one it could meet)."""
+    f = timeline.figures
+    if f.budget_bytes == budget:
+        return timeline
+    peak = memory_profile(program).peak_bytes if peak_bytes is None else peak_bytes
+    excess = max(0, peak - budget)
+    bound = max(f.compute_s, excess / hardware.h2d_bw, excess / hardware.d2h_bw)
+    both_ways = min(1 / hardware.duplex_share, 2.0)
+    duplex = max(f.compute_s, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
+    return replace(timeline, figures=replace(f, budget_bytes=budget, excess_bytes=excess, bound_s=bound,
+                                             duplex_bound_s=duplex))
+
+
+def compare(program: Program, hardware: Hardware, budget_bytes: int,
+            policies: Sequence[str] | None = None) -> list[PolicyResult]:
+    """Every policy in ``policies`` (default: all registered) for the same budget, in that order."""
+    names = list(POLICIES) if policies is None else list(policies)
+    peak = memory_profile(program).peak_bytes
+    return [run_policy(program, hardware, budget_bytes, name, peak) for name in names]
+
+
+# --- sweeps -------------------------------------------------------------------------------------------
+
+Setting = Callable[[Program, Hardware, str, str], tuple[Hardware, int, float]]
+"""(program, hardware, budget text, value text) -> (hardware, budget bytes, x for plotting)."""
+
+
+def _vary_h2d(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
+    varied = hardware.replace(h2d_bw=parse_bandwidth(value))
+    return varied, parse_budget(budget, program, varied), varied.h2d_bw
+
+
+def _vary_d2h(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
+    varied = hardware.replace(d2h_bw=parse_bandwidth(value))
+    return varied, parse_budget(budget, program, varied), varied.d2h_bw
+
+
+def _vary_budget(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
+    budget_bytes = parse_budget(value, program, hardware)
+    return hardware, budget_bytes, float(budget_bytes)
+
+
+VARIES: dict[str, tuple[Setting, str]] = {
+    "h2d-bw": (_vary_h2d, "host-to-device bandwidth (bytes/s)"),
+    "d2h-bw": (_vary_d2h, "device-to-host bandwidth (bytes/s)"),
+    "budget": (_vary_budget, "device-memory budget (bytes)"),
+}
+"""What a sweep can vary: how one value sets up the hardware and budget, and the x axis's meaning."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepPoint:
+    """The comparison at one value of the varied quantity."""
+
+    value: str
+    """The value as given (``"16GB/s"``, ``"60%"``)."""
+    x: float
+    """The value in base units (bytes/s or bytes)."""
+    hardware: Hardware
+    results: tuple[PolicyResult, ...]
+
+
+def sweep(program: Program, hardware: Hardware, *, vary: str, values: Sequence[str], budget: str | None,
+          policies: Sequence[str] | None = None) -> list[SweepPoint]:
+    """``compare`` at each of ``values`` of ``vary`` (a key of ``VARIES``). The budget text is parsed at each
+    point against that point's profile (so ``hideable`` follows the bandwidth); unused when varying the budget."""
+    if vary not in VARIES:
+        raise ValueError(f"cannot vary {vary!r}; choose one of: {', '.join(VARIES)}")
+    if not values:
+        raise ValueError("a sweep needs at least one value, e.g. --values 8GB/s,16GB/s,32GB/s")
+    if budget is None and vary != "budget":
+        raise ValueError(f"varying {vary} needs a --budget (bytes, a percentage or hideable)")
+    setting, _ = VARIES[vary]
+    points = []
+    for value in values:
+        varied, budget_bytes, x = setting(program, hardware, budget or "", value.strip())
+        points.append(SweepPoint(value=value.strip(), x=x, hardware=varied,
+                                 results=tuple(compare(program, varied, budget_bytes, policies))))
+    return points
+
+
+__all__ = ["PolicyResult", "SweepPoint", "VARIES", "compare", "run_policy", "sweep"]
