@@ -1,6 +1,10 @@
 """Executors of captured steps and plans."""
 
-from hyperoffload.runtime.plan_executor import PlanRun, run_plan
+from hyperoffload.runtime.async_executor import AsyncExecutor, run_async
+from hyperoffload.runtime.emulated_link import EmulatedLink, Transfer
+from hyperoffload.runtime.plan_executor import BudgetExceeded, PlanRun, TransferError, execute_plan, run_plan
 from hyperoffload.runtime.reference import EagerComparison, ReferenceRun, compare_with_eager, run_reference
 
-__all__ = ["EagerComparison", "PlanRun", "ReferenceRun", "compare_with_eager", "run_plan", "run_reference"]
+__all__ = ["AsyncExecutor", "BudgetExceeded", "EagerComparison", "EmulatedLink", "PlanRun", "ReferenceRun",
+           "Transfer", "TransferError", "compare_with_eager", "execute_plan", "run_async", "run_plan",
+           "run_reference"]

@@ -1,61 +1,155 @@
-"""Run a Plan on real CPU tensors with synchronous copies: the reference for planned steps.
+"""Run a Plan on real tensors: one interpreter loop, with the copies done by a swappable transfer backend.
 
 There are two tiers. The *device* tier is an environment of live tensors, as in
-``run_reference``; the *remote* tier maps a storage id to a copy of that storage's bytes in a
-separate CPU buffer. Instructions act on them in plan order:
+``run_reference``; the *remote* tier maps a storage id to a buffer holding a copy of that
+storage's bytes. Instructions act on them in plan order:
 
-* ``COMPUTE op`` runs the op's fx node. Storages are freed after their last device use exactly
-  as ``check_plan(plan).frees_after`` says, by dropping every value aliasing them at once.
-* ``OFFLOAD s`` copies the whole untyped storage of ``s`` into a new remote buffer, so any view
-  into it can be rebuilt.
+* ``COMPUTE op`` runs the op's fx node on the caller's thread. Storages are freed after their last
+  device use exactly as ``check_plan(plan).frees_after`` says, by dropping every value aliasing
+  them at once.
+* ``OFFLOAD s`` starts a copy of the whole untyped storage of ``s`` into a remote buffer, so any
+  view into it can be rebuilt.
 * ``RELEASE s`` drops every value aliasing ``s`` from the device tier and remembers the view
   metadata of those read again later or returned.
-* ``PREFETCH s`` allocates a new device storage from the remote copy and rebuilds the remembered
-  views into it, so later ops read exactly the bytes that were offloaded.
-* ``WAIT s`` has nothing to wait for (copies are synchronous); it checks that the transfer it
-  waits for was issued.
+* ``PREFETCH s`` allocates a new device storage and starts a copy of the remote buffer into it.
+* ``WAIT s`` waits for the latest transfer of ``s``; only then are the remembered views rebuilt on
+  a prefetched storage, so no op can read a copy that has not landed.
 
-Device bytes are measured from the tensors themselves (distinct storages referenced by the
-device tier) after each instruction, like ``run_reference``, so they check ``check_plan``'s
-accounting against reality. The caller's own references to its input tensors are not part of
-the device tier: once the plan releases an input's storage, that memory counts as remote.
+How copies run is the transfer backend's business (``Transfers``): ``SyncTransfers`` copies at
+once on the caller's thread (``run_plan``, the reference); ``hyperoffload.runtime.emulated_link``
+runs them on throttled copy threads and ``hyperoffload.runtime.cuda_streams`` on CUDA side streams.
 
-Caller tensors (step inputs and graph constants) whose storage the plan released are no longer
-the tensors the step updates: the step continues on a rebuilt storage. So that in-place updates
-(optimizer state, parameters, KV cache) land in the caller's tensors as in the unplanned step,
-the final bytes of every replaced storage are copied back into the caller's storage at the end,
-from the device tier or, if the plan leaves it in remote memory, from the remote copy; returned
-values aliasing such a storage are returned as views of the caller's storage. This copy-back
-emulates the caller's tensors living wherever the plan left them and is not counted as a
-transfer.
+Device bytes are measured from the tensors themselves: the distinct storages (by address) that the
+device tier references, plus device storages an unfinished transfer still holds (a prefetch not yet
+waited for, or an offload still reading a storage the plan has already released or freed). The
+count is kept incrementally, so measuring after every instruction costs nothing. With a budget,
+an allocation that would not fit while a released storage is still being copied out waits for that
+copy (as the simulator's memory stall does); if the measured bytes exceed the budget anyway the
+step fails with ``BudgetExceeded``. The caller's own references to its input tensors are not part
+of the device tier: once the plan releases an input's storage, that memory counts as remote.
+
+Inputs that start the step in remote memory (``plan.initial_remote``) are their own remote copy:
+prefetches read the caller's storage, and an offload of such a storage writes back into it.
+
+What the step leaves behind depends on ``donate``:
+
+* ``donate=False`` (in place, like the unplanned step): caller tensors (step inputs and graph
+  constants) whose storage the plan released are no longer the tensors the step updates, so the
+  final bytes of every such storage are copied back into the caller's storage at the end, from the
+  device tier or, if the plan leaves it in remote memory, from its remote copy; returned values
+  aliasing such a storage are returned as views of the caller's storage. This copy-back emulates
+  the caller's tensors living wherever the plan left them and is not counted as a transfer.
+* ``donate=True`` (a training loop that hands its state to the executor): the executor takes the
+  input tensors out of the list it is given (so it holds the only references and released memory
+  is really given back) and returns the state where the plan left it, in ``PlanRun.state``, to be
+  passed to the next step. Nothing is copied back. The plan must leave every input where it found
+  it, so that it can run again on its own result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.fx
 
-from hyperoffload.plans import Kind, Plan, check_plan
-from hyperoffload.runtime.reference import live_storage_bytes, run_op
+from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan
+from hyperoffload.runtime.reference import run_op
+
+
+class BudgetExceeded(RuntimeError):
+    """The executor measured more device bytes than the plan's budget: the budget promise is broken."""
+
+
+class TransferError(RuntimeError):
+    """A copy failed (or was cancelled because the step stopped); raised on the thread that runs the step."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanRun:
-    """Result of ``run_plan``."""
+    """Result of running one step of a plan."""
 
     outputs: tuple[torch.Tensor, ...]
     """The step's outputs, in ``program.outputs`` order."""
     live_bytes: tuple[int, ...]
-    """Device-tier bytes of distinct storages referenced after each instruction (before its automatic frees)."""
+    """Device-tier bytes measured after each instruction (before its automatic frees)."""
     peak_bytes: int
     """Largest entry of ``live_bytes`` (the inputs' device bytes for a plan with no instructions)."""
     h2d_bytes: int
     """Bytes copied remote -> device by PREFETCH instructions."""
     d2h_bytes: int
     """Bytes copied device -> remote by OFFLOAD instructions."""
+    state: tuple[torch.Tensor, ...] = ()
+    """With ``donate=True``: the step's inputs after the step, where the plan left them (pass them to the
+    next step). Empty otherwise."""
+    wall_s: float = 0.0
+    """Seconds from the first instruction to the step's return."""
+    copy_wait_s: float = 0.0
+    """Seconds the caller's thread spent waiting for copies (WAIT instructions and the end of the step)."""
+    memory_wait_s: float = 0.0
+    """Seconds the caller's thread waited for a released storage's offload to finish so an allocation fits."""
+    carried: int = 0
+    """Offloads still in flight when the step returned (``carry=True``): the next step or the backend's
+    ``synchronize`` completes them."""
+
+
+class Transfers(Protocol):
+    """How copies between the tiers run. A *handle* is whatever ``offload``/``prefetch`` return."""
+
+    def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        """A new device storage of ``nbytes`` (for a prefetch), allocated where ``like``'s tier lives."""
+
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        """A remote buffer of ``nbytes`` for storage id ``key`` (the destination of an offload)."""
+
+    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Any:
+        """Start copying device ``src`` into remote ``dst`` once the work issued so far has written ``src``."""
+
+    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage, after: Any | None) -> Any:
+        """Start copying remote ``src`` into device ``dst``, after the transfer ``after`` (which fills ``src``)."""
+
+    def wait(self, handle: Any) -> None:
+        """Make later compute wait for the transfer; raise ``TransferError`` if it failed."""
+
+    def is_done(self, handle: Any) -> bool:
+        """Whether the transfer has finished (without blocking)."""
+
+    def synchronize(self, handle: Any) -> None:
+        """Block the caller's thread until the transfer has finished; raise ``TransferError`` if it failed."""
+
+    def abort(self, handles: Sequence[Any]) -> None:
+        """Stop or finish every transfer in ``handles`` so none touches any buffer afterwards; never raises."""
+
+
+class SyncTransfers:
+    """The reference backend: every copy happens at once, on the caller's thread."""
+
+    def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes, device=like.device)
+
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes, device=like.device)
+
+    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> None:
+        dst.copy_(src)
+
+    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage, after: Any | None) -> None:
+        dst.copy_(src)
+
+    def wait(self, handle: Any) -> None:
+        pass
+
+    def is_done(self, handle: Any) -> bool:
+        return True
+
+    def synchronize(self, handle: Any) -> None:
+        pass
+
+    def abort(self, handles: Sequence[Any]) -> None:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,138 +171,412 @@ class _ViewMeta:
             storage, self.storage_offset, self.size, self.stride)
 
 
+class _DeviceBytes:
+    """Bytes of the distinct storages the device tier holds, counted by address as references come and go.
+
+    Every holder (a value in the environment, an unfinished transfer) takes a reference on the storage it
+    holds; a storage's bytes count while any reference is left. This is what ``live_storage_bytes`` would
+    measure over the holders' tensors, kept up to date in O(1) per change.
+    """
+
+    __slots__ = ("_refs", "total")
+
+    def __init__(self) -> None:
+        self._refs: dict[int, list[int]] = {}  # data_ptr -> [nbytes, references]
+        self.total = 0
+
+    def hold(self, storage: torch.UntypedStorage) -> None:
+        nbytes = storage.nbytes()
+        if not nbytes:
+            return
+        entry = self._refs.get(storage.data_ptr())
+        if entry is None:
+            self._refs[storage.data_ptr()] = [nbytes, 1]
+            self.total += nbytes
+        else:
+            entry[1] += 1
+
+    def let_go(self, storage: torch.UntypedStorage) -> None:
+        if not storage.nbytes():
+            return
+        entry = self._refs[storage.data_ptr()]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._refs[storage.data_ptr()]
+            self.total -= entry[0]
+
+    def references(self, storage: torch.UntypedStorage) -> int:
+        """How many holders reference ``storage`` (0 for an empty one)."""
+        entry = self._refs.get(storage.data_ptr()) if storage.nbytes() else None
+        return entry[1] if entry else 0
+
+
+@dataclass(slots=True, eq=False)
+class _InFlight:
+    """A transfer the step started."""
+
+    kind: Kind
+    storage: int
+    handle: Any
+    device: torch.UntypedStorage
+    """The device-side storage the copy reads (offload) or writes (prefetch); counted while ``held``."""
+    remote: torch.UntypedStorage
+    held: bool = True
+    """Whether the device bytes still count on the transfer's behalf (until the step sees it finish)."""
+
+
 def run_plan(plan: Plan, inputs: Sequence[torch.Tensor]) -> PlanRun:
-    """Execute ``plan`` (whose program must carry its fx graph) on ``inputs``; see the module docstring.
+    """Execute ``plan`` (whose program must carry its fx graph) on ``inputs`` with synchronous copies.
 
     Raises ``PlanError`` (from ``check_plan``) if the plan is invalid, before anything runs. Inputs
-    are used as given, as in ``run_reference``: pass clones to keep the originals.
+    are used as given and updated in place, as in ``run_reference``: pass clones to keep the originals.
     """
+    return execute_plan(plan, inputs, SyncTransfers())
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PreparedPlan:
+    """What every step of a plan needs that does not depend on the tensors (``prepare_plan``)."""
+
+    plan: Plan
+    checked: PlanCheck
+    storage_of: tuple[int, ...]
+    """Storage id of every value."""
+    nodes: dict[str, torch.fx.Node]
+    last_read: tuple[int, ...]
+    """Index of the last instruction reading each value (-1 if none)."""
+    alloc: tuple[int, ...]
+    """Bytes each instruction allocates in the plan's accounting (what must fit under the budget)."""
+    repeatable: str | None
+    """Why the plan cannot run step after step on its own state, or None if it can."""
+
+
+def prepare_plan(plan: Plan) -> PreparedPlan:
+    """Check ``plan`` (``PlanError`` if invalid) and precompute what running it needs; reuse it across steps."""
     program = plan.program
     if program.graph is None:
         raise ValueError(f"program {program.name} has no fx graph to execute; build it with a capture function")
-    if len(inputs) != len(program.inputs):
-        raise ValueError(f"program {program.name} takes {len(program.inputs)} inputs, got {len(inputs)}")
     checked = check_plan(plan)
-    instrs = plan.instructions
     values = program.values
-    storage_of = [v.storage for v in values]
-    nodes = {n.name: n for n in program.graph.graph.nodes}
-
-    # A released value is rebuilt on prefetch only if an instruction after it reads it or the step returns it.
     last_read = [-1] * len(values)
-    for i, ins in enumerate(instrs):
+    alloc = [0] * len(plan.instructions)
+    for i, ins in enumerate(plan.instructions):
         if ins.kind is Kind.COMPUTE:
-            for v in program.ops[ins.target].inputs:
+            op = program.ops[ins.target]
+            for v in op.inputs:
                 last_read[v] = i
-    returned = set(program.outputs)
-
-    caller: dict[int, torch.Tensor] = dict(zip(program.inputs, inputs))
-    for vid in program.constants:
-        caller[vid] = getattr(program.graph, nodes[values[vid].name].target)
-    caller_storages = {storage_of[v]: t.untyped_storage() for v, t in caller.items()}
-
-    env: dict[int, torch.Tensor] = {}
-    aliases: dict[int, set[int]] = {}  # storage id -> ids of the values in env that alias it
-    remote: dict[int, torch.UntypedStorage] = {}
-    remembered: dict[int, dict[int, _ViewMeta]] = {}  # storage id -> released value id -> its view
-    replaced: set[int] = set()  # caller storages the step no longer runs on
-
-    def put(vid: int, tensor: torch.Tensor) -> None:
-        env[vid] = tensor
-        aliases.setdefault(storage_of[vid], set()).add(vid)
-
-    def drop_storage(s: int) -> dict[int, torch.Tensor]:
-        return {v: env.pop(v) for v in aliases.pop(s, ())}
-
-    for vid, tensor in caller.items():
-        if storage_of[vid] in plan.initial_remote:
-            remote[storage_of[vid]] = tensor.untyped_storage().clone()
-            remembered.setdefault(storage_of[vid], {})[vid] = _ViewMeta.of(tensor)
-            replaced.add(storage_of[vid])
-        else:
-            put(vid, tensor)
-
-    def lookup(node: torch.fx.Node) -> torch.Tensor:
-        return env[program.node_values[node.name]]
-
-    initial_bytes = live_storage_bytes(env.values())
-    pending: dict[int, Kind] = {}
-    live: list[int] = []
-    h2d = d2h = 0
-    with torch.no_grad():
-        for i, ins in enumerate(instrs):
-            s = ins.target
-            if ins.kind is Kind.COMPUTE:
-                op = program.ops[s]
-                for vid, tensor in zip(op.outputs, run_op(program, op, nodes[op.name], lookup)):
-                    put(vid, tensor)
-                for w in {storage_of[v] for v in op.mutates}:
-                    remote.pop(w, None)  # stale now; check_plan forbids prefetching it
-            elif ins.kind is Kind.OFFLOAD:
-                copy = _device_storage(env, aliases, s, i).clone()
-                remote[s] = copy
-                d2h += copy.nbytes()
-                pending[s] = Kind.OFFLOAD
-            elif ins.kind is Kind.RELEASE:
-                storage = _device_storage(env, aliases, s, i)
-                dropped = drop_storage(s)
-                # The owner is always kept so a prefetched storage stays referenced, hence measured, even
-                # if no alias of it is read again.
-                remembered[s] = {v: _ViewMeta.of(t) for v, t in dropped.items()
-                                 if v == s or last_read[v] > i or v in returned}
-                if s in caller_storages:
-                    replaced.add(s)
-                # The IR's aliasing must match the tensors', or the measured bytes would silently disagree.
-                if storage.nbytes() and any(t.untyped_storage().data_ptr() == storage.data_ptr()
-                                            for t in env.values()):
-                    raise RuntimeError(f"instruction #{i}: {values[s].name} is still referenced after its release "
-                                       f"by a value the program does not record as aliasing it")
-                del storage, dropped
-            elif ins.kind is Kind.PREFETCH:
-                source = remote[s]
-                storage = torch.UntypedStorage(source.nbytes(), device=source.device)
-                storage.copy_(source)
-                h2d += storage.nbytes()
-                for vid, meta in remembered.pop(s, {}).items():
-                    put(vid, meta.view_into(storage))
-                pending[s] = Kind.PREFETCH
-                del storage
-            elif ins.kind is Kind.WAIT:
-                kind = pending.pop(s, None)
-                done = s in remote if kind is Kind.OFFLOAD else s in aliases
-                if kind is None or not done:
-                    raise RuntimeError(f"instruction #{i}: wait for {values[s].name}, whose transfer never happened")
-            live.append(live_storage_bytes(env.values()))
-            for freed in checked.frees_after[i]:
-                drop_storage(freed)
-
-    _copy_back(caller_storages, replaced, env, aliases, remote)
-    outputs = []
-    for vid in program.outputs:
-        s = storage_of[vid]
-        if s in replaced:
-            meta = _ViewMeta.of(env[vid]) if vid in env else remembered[s][vid]
-            outputs.append(meta.view_into(caller_storages[s]))
-        elif vid in env:
-            outputs.append(env[vid])
-        else:  # the plan leaves it in remote memory: return it from there
-            outputs.append(remembered[s][vid].view_into(remote[s]))
-    return PlanRun(outputs=tuple(outputs), live_bytes=tuple(live), peak_bytes=max(live, default=initial_bytes),
-                   h2d_bytes=h2d, d2h_bytes=d2h)
+            alloc[i] = sum(values[o].alloc_bytes for o in op.outputs if values[o].owns_storage)
+        elif ins.kind is Kind.PREFETCH:
+            alloc[i] = values[ins.target].alloc_bytes
+    return PreparedPlan(plan=plan, checked=checked, storage_of=tuple(v.storage for v in values),
+                        nodes={n.name: n for n in program.graph.graph.nodes}, last_read=tuple(last_read),
+                        alloc=tuple(alloc), repeatable=_why_not_repeatable(plan))
 
 
-def _device_storage(env: dict[int, torch.Tensor], aliases: dict[int, set[int]], s: int,
-                    index: int) -> torch.UntypedStorage:
-    """The device storage of ``s``, through any value aliasing it."""
-    members = aliases.get(s)
-    if not members:
-        raise RuntimeError(f"instruction #{index}: storage {s} is not on the device")
-    return env[next(iter(members))].untyped_storage()
+def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor] | Sequence[torch.Tensor],
+                 transfers: Transfers, *, donate: bool = False, carry: bool = False,
+                 carried: dict[int, Any] | None = None,
+                 on_instruction: Callable[[int], None] | None = None) -> PlanRun:
+    """Run one step of ``plan`` on ``inputs`` with ``transfers`` doing the copies (see the module docstring).
+
+    ``plan`` may be a ``PreparedPlan`` (``prepare_plan``), to check and analyse it once for many steps.
+    ``donate``: take the tensors out of ``inputs`` (a list, emptied) and return the state in ``PlanRun.state``
+    instead of updating the caller's tensors. ``carry``: leave offloads that write a donated input's final
+    state into its remote copy in flight when the step returns, recorded in ``carried`` (remote storage
+    address -> handle) so that the next step (given the same dict) orders its prefetches after them; the
+    caller completes them with the backend before reading that state. ``on_instruction(i)`` is called after
+    each instruction (progress, or stopping a step from outside by raising).
+
+    If anything raises (a failed copy, an op, ``on_instruction``), every transfer of the step is stopped or
+    finished before the exception propagates, so no copy thread or stream touches a buffer afterwards.
+    """
+    prepared = plan if isinstance(plan, PreparedPlan) else prepare_plan(plan)
+    return _Step(prepared, inputs, transfers, donate=donate, carry=carry, carried=carried).run(on_instruction)
 
 
-def _copy_back(caller_storages: dict[int, torch.UntypedStorage], replaced: set[int], env: dict[int, torch.Tensor],
-               aliases: dict[int, set[int]], remote: dict[int, torch.UntypedStorage]) -> None:
-    """Copy the final bytes of every replaced caller storage into the caller's storage."""
-    for s in replaced:
-        final = _device_storage(env, aliases, s, -1) if aliases.get(s) else remote[s]
-        caller_storages[s].copy_(final)
+class _Step:
+    """Mutable state of one step; ``run`` is the interpreter loop."""
+
+    def __init__(self, prepared: PreparedPlan, inputs, transfers: Transfers, *, donate: bool, carry: bool,
+                 carried: dict[int, Any] | None) -> None:
+        plan = prepared.plan
+        program = plan.program
+        if len(inputs) != len(program.inputs):
+            raise ValueError(f"program {program.name} takes {len(program.inputs)} inputs, got {len(inputs)}")
+        if carry and not donate:
+            raise ValueError("carry=True needs donate=True: in place, the final state must be in the caller's "
+                             "tensors when the step returns")
+        if donate and prepared.repeatable is not None:
+            raise ValueError(prepared.repeatable)
+        self.plan, self.program, self.transfers = plan, program, transfers
+        self.checked = prepared.checked
+        self.storage_of, self.nodes = prepared.storage_of, prepared.nodes
+        self.last_read, self.alloc = prepared.last_read, prepared.alloc
+        self.donate, self.carry = donate, carry
+        self.carried = carried if carried is not None else {}
+        values = program.values
+        self.returned = set(program.outputs)
+
+        self.caller: dict[int, torch.Tensor] = dict(zip(program.inputs, inputs))
+        if donate:
+            del inputs[:]  # the executor holds the only references from here on
+        for vid in program.constants:
+            self.caller[vid] = getattr(program.graph, self.nodes[values[vid].name].target)
+        self.caller_storages = {self.storage_of[v]: t.untyped_storage() for v, t in self.caller.items()}
+
+        self.env: dict[int, torch.Tensor] = {}
+        self.aliases: dict[int, set[int]] = {}  # storage id -> ids of the values in env that alias it
+        self.remote: dict[int, torch.UntypedStorage] = {}
+        # Inputs starting in remote memory: the caller's storage is their remote copy, and offloads write it.
+        self.remote_home = {s: self.caller_storages[s] for s in plan.initial_remote}
+        self.remembered: dict[int, dict[int, _ViewMeta]] = {}  # storage id -> released value id -> its view
+        self.replaced: set[int] = set()  # caller storages the step no longer runs on
+        self.bytes = _DeviceBytes()
+        self.in_flight: dict[int, _InFlight] = {}  # storage id -> its latest transfer not yet waited for
+        self.holding: list[_InFlight] = []  # offloads whose device storage still counts on their behalf
+        self.started: list[_InFlight] = []
+        self.h2d = self.d2h = 0
+        self.copy_wait_s = self.memory_wait_s = 0.0
+
+        for vid, tensor in self.caller.items():
+            s = self.storage_of[vid]
+            if s in plan.initial_remote:
+                self.remote[s] = tensor.untyped_storage()
+                self.remembered.setdefault(s, {})[vid] = _ViewMeta.of(tensor)
+                self.replaced.add(s)
+            else:
+                self._wait_carried(tensor.untyped_storage())
+                self.put(vid, tensor)
+
+    # --- the device tier --------------------------------------------------------------------------
+    def put(self, vid: int, tensor: torch.Tensor) -> None:
+        self.env[vid] = tensor
+        self.aliases.setdefault(self.storage_of[vid], set()).add(vid)
+        self.bytes.hold(tensor.untyped_storage())
+
+    def drop_storage(self, s: int) -> dict[int, torch.Tensor]:
+        dropped = {v: self.env.pop(v) for v in self.aliases.pop(s, ())}
+        for t in dropped.values():
+            self.bytes.let_go(t.untyped_storage())
+        return dropped
+
+    def device_storage(self, s: int, index: int) -> torch.UntypedStorage:
+        """The device storage of ``s``, through any value aliasing it."""
+        members = self.aliases.get(s)
+        if not members:
+            raise RuntimeError(f"instruction #{index}: storage {self.program.values[s].name} is not on the device")
+        return self.env[next(iter(members))].untyped_storage()
+
+    def lookup(self, node: torch.fx.Node) -> torch.Tensor:
+        return self.env[self.program.node_values[node.name]]
+
+    # --- transfers --------------------------------------------------------------------------------
+    def _wait_carried(self, storage: torch.UntypedStorage) -> None:
+        """A previous step may still be writing this caller storage (a carried offload): finish that first."""
+        handle = self.carried.pop(storage.data_ptr(), None) if self.carried else None
+        if handle is not None:
+            self._block(handle)
+
+    def _block(self, handle: Any) -> None:
+        start = time.perf_counter()
+        self.transfers.synchronize(handle)
+        self.copy_wait_s += time.perf_counter() - start
+
+    def _finished(self, flight: _InFlight) -> None:
+        """The step has seen ``flight`` finish: its device storage no longer counts on its behalf."""
+        if flight.held:
+            flight.held = False
+            self.bytes.let_go(flight.device)
+
+    def _poll(self) -> None:
+        """Let go of the device storages held by offloads that have finished."""
+        if self.holding:
+            for flight in self.holding:
+                if self.transfers.is_done(flight.handle):
+                    self._finished(flight)
+            self.holding = [f for f in self.holding if f.held]
+
+    def _make_room(self, nbytes: int) -> None:
+        """Wait for offloads of storages the device tier has let go of, oldest first, until ``nbytes`` more
+        fit under the budget (the simulator's memory stall)."""
+        budget = self.plan.budget_bytes
+        if budget is None or self.bytes.total + nbytes <= budget:
+            return
+        self._poll()
+        start = time.perf_counter()
+        for flight in list(self.holding):
+            if self.bytes.total + nbytes <= budget:
+                break
+            if not self._in_env(flight.device):
+                self.transfers.synchronize(flight.handle)
+                self._finished(flight)
+        self.holding = [f for f in self.holding if f.held]
+        self.memory_wait_s += time.perf_counter() - start
+
+    def _in_env(self, storage: torch.UntypedStorage) -> bool:
+        """Whether something besides one transfer (the device tier, another transfer) references ``storage``."""
+        return self.bytes.references(storage) > 1
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def run(self, on_instruction: Callable[[int], None] | None) -> PlanRun:
+        start = time.perf_counter()
+        initial_bytes = self.bytes.total
+        live: list[int] = []
+        try:
+            with torch.no_grad():
+                for i, ins in enumerate(self.plan.instructions):
+                    if self.alloc[i]:
+                        self._make_room(self.alloc[i])
+                    self._execute(i, ins)
+                    self._poll()
+                    live.append(self.bytes.total)
+                    if self.plan.budget_bytes is not None and self.bytes.total > self.plan.budget_bytes:
+                        raise BudgetExceeded(
+                            f"instruction #{i} ({ins.describe(self.program)}): measured {self.bytes.total} device "
+                            f"bytes, over the budget of {self.plan.budget_bytes}")
+                    for freed in self.checked.frees_after[i]:
+                        self.drop_storage(freed)
+                    if on_instruction is not None:
+                        on_instruction(i)
+                outputs, state = self._finish()
+        except BaseException:
+            self.transfers.abort([f.handle for f in self.started])
+            raise
+        carried = len(self.carried)
+        return PlanRun(outputs=outputs, live_bytes=tuple(live), peak_bytes=max(live, default=initial_bytes),
+                       h2d_bytes=self.h2d, d2h_bytes=self.d2h, state=state,
+                       wall_s=time.perf_counter() - start, copy_wait_s=self.copy_wait_s,
+                       memory_wait_s=self.memory_wait_s, carried=carried)
+
+    def _execute(self, i: int, ins) -> None:
+        s = ins.target
+        program, values = self.program, self.program.values
+        if ins.kind is Kind.COMPUTE:
+            op = program.ops[s]
+            for vid, tensor in zip(op.outputs, run_op(program, op, self.nodes[op.name], self.lookup)):
+                self.put(vid, tensor)
+            for w in {self.storage_of[v] for v in op.mutates}:
+                self.remote.pop(w, None)  # stale now; check_plan forbids prefetching it
+        elif ins.kind is Kind.OFFLOAD:
+            source = self.device_storage(s, i)
+            target = self.remote_home.get(s)
+            if target is None:
+                target = self.transfers.remote_storage(s, source.nbytes(), source)
+            handle = self.transfers.offload(values[s].name, source, target)
+            self._track(_InFlight(Kind.OFFLOAD, s, handle, source, target))
+            self.remote[s] = target
+            self.d2h += source.nbytes()
+        elif ins.kind is Kind.RELEASE:
+            storage = self.device_storage(s, i)
+            dropped = self.drop_storage(s)
+            # The owner is always kept so a prefetched storage stays referenced, hence measured, even
+            # if no alias of it is read again.
+            self.remembered[s] = {v: _ViewMeta.of(t) for v, t in dropped.items()
+                                  if v == s or self.last_read[v] > i or v in self.returned}
+            if s in self.caller_storages:
+                self.replaced.add(s)
+            # The IR's aliasing must match the tensors', or the measured bytes would silently disagree.
+            copies = sum(f.held and f.device.data_ptr() == storage.data_ptr() for f in self.holding)
+            if self.bytes.references(storage) > copies:
+                raise RuntimeError(f"instruction #{i}: {values[s].name} is still referenced after its release "
+                                   f"by a value the program does not record as aliasing it")
+            del storage, dropped
+        elif ins.kind is Kind.PREFETCH:
+            source = self.remote[s]
+            storage = self.transfers.device_storage(source.nbytes(), source)
+            previous = self.in_flight.get(s)
+            if previous is not None and previous.kind is Kind.OFFLOAD:
+                dependency = previous.handle  # the lanes order the prefetch after the offload that fills `source`
+            else:
+                dependency = self.carried.pop(source.data_ptr(), None) if self.carried else None
+            handle = self.transfers.prefetch(values[s].name, source, storage, dependency)
+            self._track(_InFlight(Kind.PREFETCH, s, handle, storage, source))
+            self.h2d += storage.nbytes()
+        elif ins.kind is Kind.WAIT:
+            flight = self.in_flight.pop(s, None)
+            if flight is None:
+                raise RuntimeError(f"instruction #{i}: wait for {values[s].name}, whose transfer never happened")
+            start = time.perf_counter()
+            self.transfers.wait(flight.handle)
+            self.copy_wait_s += time.perf_counter() - start
+            self._landed(flight)
+
+    def _track(self, flight: _InFlight) -> None:
+        self.bytes.hold(flight.device)
+        self.started.append(flight)
+        if flight.kind is Kind.OFFLOAD:
+            self.holding.append(flight)
+        self.in_flight[flight.storage] = flight  # a prefetch after an offload replaces it: the lanes order them
+
+    def _landed(self, flight: _InFlight) -> None:
+        """A waited transfer: a prefetched storage's views become readable; the transfer's hold ends."""
+        if flight.kind is Kind.PREFETCH:
+            for vid, meta in self.remembered.pop(flight.storage, {}).items():
+                self.put(vid, meta.view_into(flight.device))
+        self._finished(flight)
+
+    def _finish(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Complete the step's transfers (or carry the last offloads of donated state), then build results."""
+        program = self.program
+        returned = {self.storage_of[v] for v in program.outputs}
+        for s, flight in sorted(self.in_flight.items()):
+            if (self.carry and flight.kind is Kind.OFFLOAD and flight.remote is self.remote_home.get(s)
+                    and s not in returned):
+                self.carried[flight.remote.data_ptr()] = flight.handle
+                continue
+            self._block(flight.handle)
+            self._landed(flight)
+        carried = {id(h) for h in self.carried.values()}
+        for flight in self.started:  # superseded transfers too (an offload whose prefetch was waited)
+            if flight.held and id(flight.handle) not in carried:
+                self._block(flight.handle)
+                self._finished(flight)
+        self.in_flight.clear()
+        self.started = []  # the step is over: what is carried belongs to the next step
+
+        if self.donate:
+            state = tuple(self._result(vid, in_place=False) for vid in program.inputs)
+            outputs = tuple(self._result(vid, in_place=False) for vid in program.outputs)
+            return outputs, state
+        for s in self.replaced:
+            final = self.device_storage(s, -1) if self.aliases.get(s) else self.remote[s]
+            if final.data_ptr() != self.caller_storages[s].data_ptr():
+                self.caller_storages[s].copy_(final)
+        return tuple(self._result(vid, in_place=True) for vid in program.outputs), ()
+
+    def _result(self, vid: int, *, in_place: bool) -> torch.Tensor:
+        """The tensor of ``vid`` after the step: on the device, in remote memory, or (in place) in the caller's.
+
+        A value left in a remote buffer of the backend's (not a caller's tensor) is returned as a copy: backends
+        may reuse their buffers in the next step."""
+        s = self.storage_of[vid]
+        if in_place and s in self.replaced:
+            meta = _ViewMeta.of(self.env[vid]) if vid in self.env else self.remembered[s][vid]
+            return meta.view_into(self.caller_storages[s])
+        if vid in self.env:
+            return self.env[vid]
+        meta = self.remembered[s].get(vid)
+        if meta is None:  # an alias that was not read again: rebuild it from the caller's tensor's layout
+            meta = _ViewMeta.of(self.caller[vid])
+        view = meta.view_into(self.remote[s])
+        return view if self.remote[s] is self.remote_home.get(s) else view.clone()
+
+
+def _why_not_repeatable(plan: Plan) -> str | None:
+    """Why ``plan`` cannot run on its own results (it leaves an input in another tier than it starts in)."""
+    program = plan.program
+    on_device = {program.values[v].storage: program.values[v].storage not in plan.initial_remote
+                 for v in program.inputs}
+    for ins in plan.instructions:
+        if ins.target in on_device and ins.kind in (Kind.PREFETCH, Kind.RELEASE):
+            on_device[ins.target] = ins.kind is Kind.PREFETCH
+    moved = [program.values[s].name for s, here in on_device.items() if here != (s not in plan.initial_remote)]
+    if not moved:
+        return None
+    return (f"the plan leaves {moved[0]} (and {len(moved) - 1} more) in a different tier than it starts in, so "
+            f"it cannot run step after step on its own state; run it in place (donate=False) or add the missing "
+            f"prefetch or offload")
+
+
+__all__ = ["BudgetExceeded", "PlanRun", "PreparedPlan", "SyncTransfers", "TransferError", "Transfers", "execute_plan",
+           "prepare_plan", "run_plan"]

@@ -1,0 +1,148 @@
+"""Run plans with real asynchronous transfers: an emulated link on CPU, or CUDA side streams.
+
+``run_async(plan, inputs, link=...)`` runs one step, in place, like ``run_plan`` but with the
+copies overlapping compute. ``AsyncExecutor`` runs step after step on one link (its copy threads
+or streams are made once) and can leave a step's last offloads in flight while the next step
+starts, as a training loop would::
+
+    from hyperoffload.runtime import AsyncExecutor, EmulatedLink
+
+    with AsyncExecutor(EmulatedLink(h2d_bw=2e9, d2h_bw=2e9, h2d_latency_s=50e-6, d2h_latency_s=50e-6)) as ex:
+        state = list(inputs)
+        for _ in range(steps):
+            run = ex.step(plan, state)       # donated: state moves to where the plan leaves it
+            state = list(run.state)
+        ex.synchronize()                     # before reading the state
+
+The instruction handling is ``hyperoffload.runtime.plan_executor.execute_plan``, shared with the
+synchronous reference; only the transfer backend differs. Every step measures device-tier bytes
+after every instruction and fails with ``BudgetExceeded`` if they pass the plan's budget; a copy
+that fails, or a step stopped by an exception (``KeyboardInterrupt`` included), raises on the
+caller's thread only after every copy of that step has stopped, and the executor can run the next
+step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableSequence, Sequence
+from typing import Any
+
+import torch
+
+from hyperoffload.hardware import Hardware
+from hyperoffload.plans import Plan
+from hyperoffload.runtime.emulated_link import EmulatedLink
+from hyperoffload.runtime.plan_executor import PlanRun, PreparedPlan, Transfers, execute_plan, prepare_plan
+
+CUDA = "cuda"
+
+
+def make_transfers(link: Transfers | Hardware | str) -> tuple[Transfers, bool]:
+    """The transfer backend ``link`` names, and whether it was made here (so is ours to close).
+
+    ``link`` is a backend (an ``EmulatedLink``, a ``CudaStreams``, or anything with the ``Transfers``
+    methods), a ``Hardware`` profile (an emulated link with its bandwidths and latencies), or ``"cuda"``
+    (CUDA side streams on the current device).
+    """
+    if isinstance(link, Hardware):
+        return EmulatedLink.for_hardware(link), True
+    if isinstance(link, str):
+        if link != CUDA:
+            raise ValueError(f"unknown link {link!r}: pass 'cuda', a Hardware profile, or an EmulatedLink")
+        from hyperoffload.runtime.cuda_streams import CudaStreams
+
+        return CudaStreams(), True
+    missing = [m for m in ("offload", "prefetch", "wait", "synchronize", "abort") if not hasattr(link, m)]
+    if missing:
+        raise TypeError(f"{type(link).__name__} is not a transfer backend (no {', '.join(missing)}); pass an "
+                        f"EmulatedLink, a CudaStreams, a Hardware profile or 'cuda'")
+    return link, False
+
+
+class AsyncExecutor:
+    """Runs steps of plans over one transfer backend, carrying a step's last offloads into the next."""
+
+    def __init__(self, link: Transfers | Hardware | str) -> None:
+        self.transfers, self._owned = make_transfers(link)
+        self._carried: dict[int, Any] = {}
+        self._prepared: dict[int, PreparedPlan] = {}
+
+    def prepare(self, plan: Plan) -> PreparedPlan:
+        """``plan`` checked and analysed once (``PlanError`` if invalid); later steps of it reuse this."""
+        prepared = self._prepared.get(id(plan))
+        if prepared is None or prepared.plan is not plan:
+            prepared = self._prepared[id(plan)] = prepare_plan(plan)
+        return prepared
+
+    def run(self, plan: Plan, inputs: Sequence[torch.Tensor], *,
+            on_instruction: Callable[[int], None] | None = None) -> PlanRun:
+        """One step in place, like ``run_plan``: inputs are updated in the caller's tensors, and every copy
+        has finished when it returns."""
+        self.synchronize()
+        return execute_plan(self.prepare(plan), inputs, self.transfers, on_instruction=on_instruction)
+
+    def step(self, plan: Plan, state: MutableSequence[torch.Tensor], *, overlap: bool = True,
+             on_instruction: Callable[[int], None] | None = None) -> PlanRun:
+        """One step on donated ``state`` (a list, emptied): the result's ``state`` is the inputs after the
+        step, where the plan left them, for the next step. If the step fails, the donated state is lost with it
+        (restart from your own copy); the executor itself can run the next step. With ``overlap``, offloads that send state back
+        to remote memory at the end may still be in flight when this returns; the next step orders its
+        prefetches after them, and ``synchronize`` completes them."""
+        if not isinstance(state, list):
+            raise TypeError("step() takes the state as a list, which it empties (the executor holds the tensors "
+                            "from then on); pass list(tensors)")
+        try:
+            return execute_plan(self.prepare(plan), state, self.transfers, donate=True, carry=overlap, carried=self._carried,
+                                on_instruction=on_instruction)
+        except BaseException:
+            self._finish_carried()
+            raise
+
+    def synchronize(self) -> None:
+        """Wait for the offloads carried over from the last step; raise ``TransferError`` if one failed."""
+        carried, self._carried = self._carried, {}
+        try:
+            for handle in carried.values():
+                self.transfers.synchronize(handle)
+        except BaseException:
+            self.transfers.abort(list(carried.values()))
+            raise
+
+    def _finish_carried(self) -> None:
+        """After a failed step: let the previous step's last offloads land (they hold finished state); their
+        own errors, if any, are secondary to the one being raised."""
+        carried, self._carried = self._carried, {}
+        for handle in carried.values():
+            try:
+                self.transfers.synchronize(handle)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def close(self) -> None:
+        """Complete carried copies and stop a backend this executor made."""
+        try:
+            self.synchronize()
+        finally:
+            if self._owned and hasattr(self.transfers, "close"):
+                self.transfers.close()
+
+    def __enter__(self) -> AsyncExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_async(plan: Plan, inputs: Sequence[torch.Tensor], *, link: Transfers | Hardware | str,
+              on_instruction: Callable[[int], None] | None = None) -> PlanRun:
+    """Run one step of ``plan`` on ``inputs`` (updated in place) with copies on ``link``; see ``make_transfers``.
+
+    A lowered plan is run through its ``Plan``: ``lower_plan(plan)`` and this function execute the same
+    instructions. Raises ``PlanError`` before anything runs if the plan is invalid, ``TransferError`` if a
+    copy fails, ``BudgetExceeded`` if the measured device bytes pass the budget.
+    """
+    with AsyncExecutor(link) as executor:
+        return executor.run(plan, inputs, on_instruction=on_instruction)
+
+
+__all__ = ["CUDA", "AsyncExecutor", "make_transfers", "run_async"]

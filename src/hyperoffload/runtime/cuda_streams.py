@@ -1,0 +1,147 @@
+"""The CUDA transfer backend: a side stream per direction, an event per copy, pinned remote buffers.
+
+Compute runs on the current CUDA stream as the interpreter issues ops (the host runs ahead of the
+GPU). Copies run on two side streams, one per direction, so each direction has its own copy engine
+and copies overlap kernels, as on the simulator's lanes. The rules that keep this correct follow
+CUDA's stream semantics (the CUDA C Programming Guide, "Streams" and "Events"; PyTorch's "CUDA
+semantics" note on streams and ``record_stream``):
+
+* **Ordering.** An offload is issued on the D2H stream after it waits (``wait_stream``) for
+  everything issued so far on the compute stream, which includes the op that last wrote the
+  storage. A prefetch is issued on the H2D stream after it waits for the compute stream too (its
+  new device block may have just been freed by an op still queued there: the caching allocator
+  reuses a block for the *same* stream at once) and for the event of the offload that filled its
+  source, if that is still in flight. A ``WAIT`` makes the compute stream wait for the copy's event
+  (``Stream.wait_event``); the host does not block.
+* **No block reused under a copy.** The device storage a copy reads or writes is marked with
+  ``record_stream(side stream)``: when the interpreter lets go of it (a release right after an
+  offload), the caching allocator does not hand the block out again until the copy has finished.
+  The byte count still holds it until the copy's event has completed, and an allocation that would
+  not fit under the budget waits for that event on the host (``Event.synchronize``).
+* **Pinned remote memory, allocated once.** Remote buffers are page-locked host buffers (so copies
+  are truly asynchronous DMA), one per storage id and size, allocated on first use and reused by
+  later offloads of that storage, in this step and the next. Reuse is safe because a storage's next
+  offload is ordered after the compute stream has waited for its previous prefetch. Buffers never
+  leave the backend: a step output left in remote memory is returned as a copy.
+* **Errors.** CUDA reports a failed copy when its event is synchronized; ``synchronize`` raises it
+  as ``TransferError``. Copies cannot be cancelled, so ``abort`` waits for them.
+
+Importing this module never touches CUDA; making a ``CudaStreams`` without a GPU raises a clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hyperoffload.runtime.plan_executor import TransferError
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A one-dimensional uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class CudaTransfer:
+    """One copy on a side stream: its completion event and the buffers it must keep alive until then."""
+
+    __slots__ = ("label", "direction", "nbytes", "event", "_buffers")
+
+    def __init__(self, label: str, direction: str, nbytes: int, event: torch.cuda.Event,
+                 buffers: tuple[torch.UntypedStorage, ...]) -> None:
+        self.label, self.direction, self.nbytes, self.event = label, direction, nbytes, event
+        self._buffers = buffers  # the host side of a DMA must outlive it
+
+    def __repr__(self) -> str:
+        return f"CudaTransfer({self.direction} {self.label}, {self.nbytes} bytes)"
+
+
+class CudaStreams:
+    """Copies between CUDA device memory and pinned host memory on two side streams (a ``Transfers`` backend)."""
+
+    def __init__(self, device: torch.device | int | str | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the CUDA runtime needs a CUDA GPU and a CUDA build of torch; on this machine use "
+                               "the emulated link (hyperoffload.runtime.EmulatedLink)")
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        if device.type != "cuda":
+            raise ValueError(f"CudaStreams runs on a CUDA device, not {device}")
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.h2d = torch.cuda.Stream(self.device)
+        self.d2h = torch.cuda.Stream(self.device)
+        self._pinned: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self.pinned_bytes = 0
+        """Bytes of pinned remote buffers allocated so far (each once)."""
+
+    def _compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        # Allocated while the compute stream is current, so the block belongs to the compute stream's pool.
+        return torch.UntypedStorage(nbytes, device=self.device)
+
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        buffer = self._pinned.get((key, nbytes))
+        if buffer is None:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+            self._pinned[(key, nbytes)] = buffer
+            self.pinned_bytes += nbytes
+        return buffer
+
+    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> CudaTransfer:
+        self.d2h.wait_stream(self._compute_stream())
+        source = _bytes(src)
+        with torch.cuda.stream(self.d2h):
+            _bytes(dst).copy_(source, non_blocking=True)
+        if source.is_cuda:
+            source.record_stream(self.d2h)
+        return self._done(label, "d2h", self.d2h, (src, dst))
+
+    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
+                 after: CudaTransfer | None) -> CudaTransfer:
+        self.h2d.wait_stream(self._compute_stream())
+        if after is not None:
+            self.h2d.wait_event(after.event)
+        target = _bytes(dst)
+        with torch.cuda.stream(self.h2d):
+            target.copy_(_bytes(src), non_blocking=True)
+        if target.is_cuda:
+            target.record_stream(self.h2d)
+        return self._done(label, "h2d", self.h2d, (src, dst))
+
+    def _done(self, label: str, direction: str, stream: torch.cuda.Stream,
+              buffers: tuple[torch.UntypedStorage, ...]) -> CudaTransfer:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return CudaTransfer(label, direction, buffers[0].nbytes(), event, buffers)
+
+    def wait(self, handle: CudaTransfer) -> None:
+        self._compute_stream().wait_event(handle.event)
+
+    def is_done(self, handle: CudaTransfer) -> bool:
+        return handle.event.query()
+
+    def synchronize(self, handle: CudaTransfer) -> None:
+        try:
+            handle.event.synchronize()
+        except RuntimeError as error:
+            raise TransferError(f"{handle.direction} copy of {handle.label} ({handle.nbytes} bytes) failed: "
+                                f"{error}") from error
+
+    def abort(self, handles: Sequence[CudaTransfer]) -> None:
+        # Queued copies cannot be taken back; waiting for them is what makes their buffers safe to drop.
+        for handle in handles:
+            try:
+                handle.event.synchronize()
+            except RuntimeError:
+                pass
+
+    def close(self) -> None:
+        """Wait for both side streams and let go of the pinned buffers."""
+        self.h2d.synchronize()
+        self.d2h.synchronize()
+        self._pinned.clear()
+
+
+__all__ = ["CudaStreams", "CudaTransfer"]

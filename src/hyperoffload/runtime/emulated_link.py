@@ -1,0 +1,229 @@
+"""An emulated link between two pools of host memory: one copy-engine thread per direction.
+
+The device tier and the remote tier are both host memory on a CPU-only machine; what makes the
+remote tier remote is that every copy between them goes through a ``CopyEngine``, a thread that
+performs the copies of one direction in the order they were issued and takes as long as the
+link would: ``latency + bytes / bandwidth`` per copy, the cost model's transfer time
+(``hyperoffload.cost.transfer_time``). Compute runs meanwhile on the caller's thread; the copy
+(``Tensor.copy_``) and the waits release the GIL, so the overlap is real.
+
+Timing is kept on an ideal clock per engine: a copy starts at the latest of the moment it was
+issued, the moment the previous copy of the engine ended *on the ideal clock*, and the ideal end
+of the copy it depends on; it ends ``latency + bytes / bandwidth`` later, or when the real copy
+finishes if the memory system is slower than the link. The engine sleeps until that moment, so
+late wake-ups of the thread (scheduling, the GIL) delay when a copy is seen to finish but never
+pile up into a slower link.
+
+Faults: an exception in a copy is caught on the engine's thread and stored in the copy's
+``Transfer``; ``Transfer.wait`` raises it on the waiting thread as a ``TransferError`` naming
+the copy. A copy that depends on a failed one fails too. ``cancel`` stops copies that have not
+started and cuts short the throttling sleep of one that has (its bytes are already copied), so a
+step that stops can hand the link back idle. Engines are daemon threads; ``close`` stops them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hyperoffload.hardware import Hardware
+from hyperoffload.runtime.plan_executor import TransferError
+
+H2D, D2H = "h2d", "d2h"
+
+
+class Transfer:
+    """One copy on an engine: a handle the issuing thread can poll or wait on."""
+
+    __slots__ = ("label", "direction", "nbytes", "issued_s", "start_s", "end_s", "error", "_done", "_cancel")
+
+    def __init__(self, label: str, direction: str, nbytes: int) -> None:
+        self.label, self.direction, self.nbytes = label, direction, nbytes
+        self.issued_s = time.perf_counter()
+        self.start_s = self.end_s = 0.0
+        """Ideal start and end on the engine's clock (``time.perf_counter`` seconds)."""
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._cancel = threading.Event()
+
+    def done(self) -> bool:
+        """Whether the copy has finished, failed or been cancelled (never blocks)."""
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Block until the copy has finished; raise ``TransferError`` on this thread if it failed."""
+        self._done.wait()
+        if self.error is not None:
+            raise TransferError(f"{self.direction} copy of {self.label} ({self.nbytes} bytes) failed: "
+                                f"{self.error}") from self.error
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this copy if it has not started, or to stop throttling it if it has."""
+        self._cancel.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "done" if self.done() else "in flight"
+        return f"Transfer({self.direction} {self.label}, {self.nbytes} bytes, {state})"
+
+
+class _Job:
+    __slots__ = ("transfer", "src", "dst", "after")
+
+    def __init__(self, transfer: Transfer, src: torch.UntypedStorage, dst: torch.UntypedStorage,
+                 after: Transfer | None) -> None:
+        self.transfer, self.src, self.dst, self.after = transfer, src, dst, after
+
+
+def _copy_bytes(dst: torch.UntypedStorage, src: torch.UntypedStorage) -> None:
+    """Copy ``src`` into ``dst`` with one ``memmove``: single-threaded, and ctypes releases the GIL for it.
+
+    ``Tensor.copy_`` would split a large copy over ATen's OpenMP pool, whose threads then compete with
+    the compute thread's own pool for the same cores and spin at its barriers.
+    """
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes())
+
+
+class CopyEngine:
+    """A thread that runs one direction's copies in issue order, throttled to a bandwidth and latency."""
+
+    def __init__(self, direction: str, bandwidth: float, latency_s: float,
+                 fault: Callable[[Transfer], None] | None = None) -> None:
+        if not bandwidth > 0:
+            raise ValueError(f"{direction} bandwidth must be positive bytes/s, got {bandwidth}")
+        if latency_s < 0:
+            raise ValueError(f"{direction} latency must be >= 0 seconds, got {latency_s}")
+        self.direction, self.bandwidth, self.latency_s = direction, bandwidth, latency_s
+        self._fault = fault
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._clock = 0.0  # ideal end of the previous copy
+        self.busy_s = 0.0
+        """Ideal seconds this engine spent copying (latency included), over its life."""
+        self._thread = threading.Thread(target=self._loop, name=f"hyperoffload-{direction}", daemon=True)
+        self._thread.start()
+
+    def submit(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
+               after: Transfer | None = None) -> Transfer:
+        """Queue a copy of ``src`` into ``dst`` (same size) that starts after ``after`` has finished."""
+        if src.nbytes() != dst.nbytes():
+            raise ValueError(f"copy of {label}: source has {src.nbytes()} bytes, destination {dst.nbytes()}")
+        if not self._thread.is_alive():
+            raise TransferError(f"the {self.direction} copy engine is closed; create a new link")
+        transfer = Transfer(label, self.direction, src.nbytes())
+        self._queue.put(_Job(transfer, src, dst, after))
+        return transfer
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            transfer = job.transfer
+            try:
+                self._copy(job)
+            except BaseException as error:  # noqa: BLE001 - every failure goes to the waiting thread
+                transfer.error = error
+            finally:
+                job.src = job.dst = job.after = None  # let go of the buffers before anyone is told
+                transfer._done.set()
+
+    def _copy(self, job: _Job) -> None:
+        transfer = job.transfer
+        after = job.after
+        if after is not None:
+            after._done.wait()
+            if after.error is not None:
+                raise TransferError(f"it needed {after.direction} copy of {after.label}, which failed") from after.error
+        if transfer._cancel.is_set():
+            raise TransferError("cancelled before it started")
+        start = max(self._clock, transfer.issued_s, after.end_s if after is not None else 0.0)
+        if self._fault is not None:
+            self._fault(transfer)
+        if transfer.nbytes:
+            _copy_bytes(job.dst, job.src)
+        ideal_end = start + self.latency_s + transfer.nbytes / self.bandwidth
+        now = time.perf_counter()
+        if ideal_end > now:
+            transfer._cancel.wait(ideal_end - now)  # a sleep that ``cancel`` cuts short
+        end = max(ideal_end, now)
+        transfer.start_s, transfer.end_s = start, end
+        self.busy_s += end - start
+        self._clock = end
+
+
+class EmulatedLink:
+    """Two copy engines, remote -> device (H2D) and device -> remote (D2H), each with its own bandwidth.
+
+    A transfer backend for ``hyperoffload.runtime.plan_executor.execute_plan``: both tiers are host
+    memory, so storages are plain CPU storages and only the copies cost link time.
+    """
+
+    def __init__(self, *, h2d_bw: float, d2h_bw: float, h2d_latency_s: float = 0.0, d2h_latency_s: float = 0.0,
+                 fault: Callable[[Transfer], None] | None = None) -> None:
+        """Bandwidths in bytes/s, latencies in seconds per copy. ``fault(transfer)``, if given, is called on the
+        engine's thread before each copy; what it raises fails that copy (for testing fault handling)."""
+        self.h2d = CopyEngine(H2D, h2d_bw, h2d_latency_s, fault)
+        self.d2h = CopyEngine(D2H, d2h_bw, d2h_latency_s, fault)
+
+    @classmethod
+    def for_hardware(cls, hardware: Hardware, **kwargs) -> EmulatedLink:
+        """A link with ``hardware``'s bandwidths and latencies (``duplex_share`` is not emulated: the two
+        engines never slow each other down beyond what the memory system does)."""
+        return cls(h2d_bw=hardware.h2d_bw, d2h_bw=hardware.d2h_bw, h2d_latency_s=hardware.h2d_latency_s,
+                   d2h_latency_s=hardware.d2h_latency_s, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"EmulatedLink(h2d {self.h2d.bandwidth:.3g} B/s + {self.h2d.latency_s:.3g} s, "
+                f"d2h {self.d2h.bandwidth:.3g} B/s + {self.d2h.latency_s:.3g} s)")
+
+    def close(self) -> None:
+        """Stop both engines (after the copies already queued)."""
+        self.h2d.close()
+        self.d2h.close()
+
+    def __enter__(self) -> EmulatedLink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the Transfers protocol -----------------------------------------------------------------
+    def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes)
+
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes)
+
+    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Transfer:
+        # Ops run synchronously on the caller's thread, so whatever last wrote ``src`` has finished.
+        return self.d2h.submit(label, src, dst)
+
+    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
+                 after: Transfer | None) -> Transfer:
+        return self.h2d.submit(label, src, dst, after)
+
+    def wait(self, handle: Transfer) -> None:
+        handle.wait()
+
+    def is_done(self, handle: Transfer) -> bool:
+        return handle.done()
+
+    def synchronize(self, handle: Transfer) -> None:
+        handle.wait()
+
+    def abort(self, handles: Sequence[Transfer]) -> None:
+        for t in handles:
+            t.cancel()
+        for t in handles:
+            t._done.wait()
+
+
+__all__ = ["D2H", "H2D", "CopyEngine", "EmulatedLink", "Transfer"]

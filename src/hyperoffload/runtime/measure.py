@@ -1,0 +1,160 @@
+"""Measure a plan for real: step time, device bytes and exactness against the unplanned step, next to the
+simulator's prediction for the same plan.
+
+``measure_run`` runs, on real tensors and over one transfer backend:
+
+1. the unplanned step (``run_plan`` of the no-offload plan) on copies of the inputs: the reference;
+2. one planned step in place on other copies, compared with the reference over outputs and updated
+   inputs (``max_abs_diff``; 0.0 means bit-identical);
+3. the unplanned step through the same executor, step after step (``unplanned_wall_s``: what compute
+   alone costs when run this way, the simulator's ``compute_s`` as measured);
+4. the planned step, step after step on donated state with each step's last offloads overlapping the
+   next step, as a training loop runs it: ``wall_s`` is the median step time after ``warmup`` steps;
+5. the simulator on ``hardware`` (for the emulated link: ``cpu-emulated`` at the link's speed):
+   ``sim_step_s`` and ``sim_error = |sim_step_s - wall_s| / wall_s``.
+
+Figure names follow ``shared/BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hyperoffload.hardware import Hardware
+from hyperoffload.plans import Plan, plan_without_offload
+from hyperoffload.runtime.async_executor import AsyncExecutor
+from hyperoffload.runtime.plan_executor import PlanRun, Transfers, run_plan
+from hyperoffload.simulate import simulate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    """How many steps ``measure_run`` times."""
+
+    steps: int = 5
+    """Timed steps of the planned (and of the unplanned) step, after warm-up."""
+    warmup: int = 2
+    """Untimed steps first (allocator, caches, copy threads reaching their rhythm)."""
+    overlap: bool = True
+    """Let a step's last offloads of state overlap the next step, as a training loop does."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be 0 or more, got {self.warmup}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunFigures:
+    """What ``measure_run`` measured (seconds, bytes)."""
+
+    wall_s: float
+    """Median planned step time after warm-up."""
+    step_walls_s: tuple[float, ...]
+    """Every timed planned step."""
+    unplanned_wall_s: float
+    """Median step time of the unplanned step through the same executor."""
+    measured_peak_bytes: int
+    """Largest device-tier bytes the executor held over every planned step."""
+    budget_bytes: int | None
+    max_abs_diff: float
+    """Largest difference of outputs and updated inputs between the planned and the unplanned step."""
+    sim_step_s: float
+    """The simulator's ``step_s`` for the plan on ``hardware``."""
+    sim_compute_s: float
+    """The simulator's ``compute_s`` (the unplanned step's predicted time)."""
+    sim_error: float
+    """``|sim_step_s - wall_s| / wall_s``."""
+    h2d_bytes: int
+    d2h_bytes: int
+    copy_wait_s: float
+    """Median per step: time the compute thread waited for copies."""
+    memory_wait_s: float
+    """Median per step: time the compute thread waited for an offload to free memory under the budget."""
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def max_abs_diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
+    """Largest absolute difference over pairs of tensors (inf if shapes, dtypes or counts differ)."""
+    if len(got) != len(want):
+        return float("inf")
+    worst = 0.0
+    for a, b in zip(got, want):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return float("inf")
+        if a.numel() and not torch.equal(a, b):
+            worst = max(worst, (a.double() - b.double()).abs().max().item())
+    return worst
+
+
+def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers | Hardware | str, hardware: Hardware,
+                config: RunConfig = RunConfig(),
+                progress: Callable[[str, int, int], None] | None = None) -> RunFigures:
+    """Measure ``plan`` on copies of ``inputs`` (never changed) with ``transfers`` doing the copies; simulate it
+    on ``hardware``. ``progress(phase, done, total)`` is called as steps complete."""
+    report = progress or (lambda phase, done, total: None)
+    program = plan.program
+    unplanned = plan_without_offload(program)
+
+    report("reference step", 0, 1)
+    ref_inputs = [t.clone() for t in inputs]
+    reference = run_plan(unplanned, ref_inputs)
+    report("reference step", 1, 1)
+
+    with AsyncExecutor(transfers) as executor:
+        report("planned step, checked", 0, 1)
+        checked_inputs = [t.clone() for t in inputs]
+        checked = executor.run(plan, checked_inputs)
+        diff = max_abs_diff([*checked.outputs, *checked_inputs], [*reference.outputs, *ref_inputs])
+        peak = checked.peak_bytes
+        report("planned step, checked", 1, 1)
+        del checked, checked_inputs, ref_inputs, reference
+
+        unplanned_walls = _time_steps(executor, unplanned, inputs, config, "unplanned steps", report)[0]
+        walls, runs = _time_steps(executor, plan, inputs, config, "planned steps", report)
+    peak = max(peak, *(r.peak_bytes for r in runs))
+    timed = runs[config.warmup:]
+
+    figures = simulate(plan, hardware).figures
+    wall = statistics.median(walls[config.warmup:])
+    return RunFigures(
+        wall_s=wall, step_walls_s=tuple(walls[config.warmup:]),
+        unplanned_wall_s=statistics.median(unplanned_walls[config.warmup:]), measured_peak_bytes=peak,
+        budget_bytes=plan.budget_bytes, max_abs_diff=diff, sim_step_s=figures.step_s,
+        sim_compute_s=figures.compute_s, sim_error=abs(figures.step_s - wall) / wall,
+        h2d_bytes=timed[-1].h2d_bytes, d2h_bytes=timed[-1].d2h_bytes,
+        copy_wait_s=statistics.median(r.copy_wait_s for r in timed),
+        memory_wait_s=statistics.median(r.memory_wait_s for r in timed))
+
+
+def _time_steps(executor: AsyncExecutor, plan: Plan, inputs: Sequence[torch.Tensor], config: RunConfig, phase: str,
+                report: Callable[[str, int, int], None]) -> tuple[list[float], list[PlanRun]]:
+    """Run ``plan`` warm-up + timed steps on donated copies of ``inputs``; each step's wall time and result."""
+    total = config.warmup + config.steps
+    executor.prepare(plan)  # checking the plan is not part of a step
+    state = [t.clone() for t in inputs]
+    walls, runs = [], []
+    report(phase, 0, total)
+    for k in range(total):
+        start = time.perf_counter()
+        run = executor.step(plan, state, overlap=config.overlap)
+        walls.append(time.perf_counter() - start)
+        state = list(run.state)
+        # Keep the figures only: holding a step's state or outputs would keep memory the plan gives back.
+        runs.append(dataclasses.replace(run, outputs=(), state=(), live_bytes=()))
+        del run
+        report(phase, k + 1, total)
+    executor.synchronize()
+    return walls, runs
+
+
+__all__ = ["RunConfig", "RunFigures", "max_abs_diff", "measure_run"]
