@@ -151,6 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--values", required=True, metavar="V1,V2,...",
                        help="comma-separated values: rates (8GB/s,16GB/s) or budgets (40GiB,60%%,hideable)")
     sweep.add_argument("--plot", metavar="FILE", help="write a PNG of step time against the varied quantity")
+    run = commands.add_parser("run", help="run planned steps for real on an emulated link and compare with the "
+                                          "unplanned step and the simulator")
+    _add_step_arguments(run)
+    run.add_argument("--budget", required=True, metavar="SIZE|PCT%|hideable",
+                     help="device-memory budget, as for plan")
+    run.add_argument("--link", type=parse_bandwidth, default="2GB/s", metavar="RATE",
+                     help="emulated link bandwidth each way (default 2GB/s)")
+    run.add_argument("--copy-latency", type=parse_duration, default="50us", metavar="TIME",
+                     help="emulated fixed cost per copy (default 50us)")
+    run.add_argument("--policy", default="hyperoffload", help="which planner (default: hyperoffload)")
+    run.add_argument("--steps", type=_positive, default=5, help="timed steps after warm-up (default 5)")
+    run.add_argument("--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)")
+    run.add_argument("--threads", type=_positive, metavar="N",
+                     help="compute threads (default: all cores but one, which the copy engines use)")
     hardware = commands.add_parser("hardware", help="list hardware profiles, or show one with its sources")
     hardware.add_argument("name", nargs="?", metavar="NAME|FILE.toml", help="the profile to show")
     hardware.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -399,8 +413,85 @@ def profile_dict(hardware: Hardware) -> dict:
     return fields
 
 
+def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.table import Table
+
+    from hyperoffload.analysis import memory_profile
+    from hyperoffload.budgets import parse_budget
+    from hyperoffload.policies import get_policy
+    from hyperoffload.runtime import BudgetExceeded, EmulatedLink, TransferError
+    from hyperoffload.runtime.measure import RunConfig, measure_run
+    from hyperoffload.units import format_bandwidth, format_seconds
+    from hyperoffload.verify import verify
+
+    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    policy = get_policy(args.policy)
+    config = RunConfig(steps=args.steps, warmup=args.warmup)
+    with err.status("Loading the cpu-emulated profile (calibrates this machine once per thread count)..."):
+        cache = cpu_cache_path().with_name(f"cpu-calibration-{threads}-threads.json")
+        hardware = get_hardware("cpu-emulated", cpu_cache=cache).replace(
+            h2d_bw=args.link, d2h_bw=args.link, h2d_latency_s=args.copy_latency, d2h_latency_s=args.copy_latency)
+    # Sized on fake tensors first: the inputs, the reference, checked and timed copies, and each run's peak.
+    needed = 6 * memory_profile(_capture(args, err).program).peak_bytes
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > host // 2:
+        raise ValueError(f"run executes the step for real and would need about {format_bytes(needed)}, more than "
+                         f"half of this machine's {format_bytes(host)}; run a smaller workload (tiny-llama) or "
+                         f"smaller --batch/--seq/--context")
+    captured = _capture(args, err, fake=False)
+    program = captured.program
+    budget = parse_budget(args.budget, program, hardware)
+    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} with {args.policy}..."):
+        plan = policy(program, hardware, budget)
+        verify(plan, hardware)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err,
+                  transient=True) as progress:
+        tasks: dict[str, int] = {}
+
+        def report(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total)
+            progress.update(tasks[phase], completed=done)
+
+        try:
+            with EmulatedLink.for_hardware(hardware) as link:
+                figures = measure_run(plan, captured.inputs, link, hardware, config, progress=report)
+        except (BudgetExceeded, TransferError) as error:
+            err.print(f"[red]run failed:[/red] {error}", highlight=False)
+            return 1
+    result = {"workload": program.meta.get("workload", program.name), "mode": program.mode, "policy": args.policy,
+              "link_bw": args.link, "copy_latency_s": args.copy_latency, "threads": threads,
+              "steps": config.steps, **figures.as_dict()}
+    exact = figures.max_abs_diff == 0.0
+    within = figures.budget_bytes is None or figures.measured_peak_bytes <= figures.budget_bytes
+    if args.json:
+        print(json.dumps(result))
+        return 0 if exact and within else 1
+    table = Table(title=f"{program.name} {program.mode}, {args.policy}, budget {format_bytes(budget)} "
+                        f"({args.budget}), emulated link {format_bandwidth(args.link)} each way",
+                  title_justify="left")
+    for column in ("figure", "value", "note"):
+        table.add_column(column)
+    table.add_row("wall_s", format_seconds(figures.wall_s), f"median of {config.steps} steps after {config.warmup} "
+                  f"warm-up; unplanned {format_seconds(figures.unplanned_wall_s)}")
+    table.add_row("sim_step_s", format_seconds(figures.sim_step_s),
+                  f"cpu-emulated at the link's speed; compute_s {format_seconds(figures.sim_compute_s)}")
+    table.add_row("sim_error", f"{figures.sim_error:.3f}", "|sim_step_s - wall_s| / wall_s")
+    table.add_row("measured_peak_bytes", format_bytes(figures.measured_peak_bytes),
+                  f"budget {format_bytes(budget)}: {'within' if within else 'OVER'}")
+    table.add_row("max_abs_diff", f"{figures.max_abs_diff:g}",
+                  "bit-identical to the unplanned step" if exact else "DIFFERS from the unplanned step")
+    table.add_row("moved per step", f"{format_bytes(figures.h2d_bytes)} in, {format_bytes(figures.d2h_bytes)} out",
+                  f"waited {format_seconds(figures.copy_wait_s)} for copies, {format_seconds(figures.memory_wait_s)} "
+                  f"for memory")
+    out.print(table)
+    return 0 if exact and within else 1
+
+
 COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate, "plan": _plan,
-            "hardware": _hardware, "compare": _compare, "sweep": _sweep}
+            "hardware": _hardware, "compare": _compare, "sweep": _sweep, "run": _run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
