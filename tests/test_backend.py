@@ -270,3 +270,11 @@ def test_budget_below_what_the_planner_meets_fails_at_compile_time_with_the_smal
         "InfeasibleBudget" in str(error.value)
     with pytest.raises(LookupError, match="nothing has been compiled"):
         backend.last
+
+
+def test_dynamic_shapes_are_refused_with_the_fix():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    compiled = torch.compile(model, backend=hyperoffload.backend(budget="50%"), dynamic=True)
+    with pytest.raises(Exception, match="compile with dynamic=False"):
+        compiled(torch.randn(8, 16)).sum().backward()

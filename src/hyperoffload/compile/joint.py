@@ -77,8 +77,9 @@ def join_graphs(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, n
     saved_by_name = {n.name: n for n in forward_outputs[num_user_outputs:] if isinstance(n, torch.fx.Node)}
     for n in forward_outputs[num_user_outputs:]:
         if not _is_tensor_node(n):
-            raise CaptureError(f"the forward graph saves {n} for the backward, which is not a tensor (symbolic sizes?); "
-                               f"compile with dynamic=False")
+            raise CaptureError(f"the forward graph saves {n} for the backward, which is not a tensor (a symbolic "
+                               f"size: TorchDynamo compiled with dynamic shapes); the hyperoffload backend plans "
+                               f"static shapes: compile with dynamic=False")
 
     primals = [n for n in forward.graph.nodes if n.op == "placeholder"]
     backward_placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
