@@ -21,6 +21,7 @@ from rich.table import Table
 from hyperoffload.analysis import memory_profile
 from hyperoffload.budgets import hideable_budget
 from hyperoffload.hardware import get_hardware
+from hyperoffload.plans import Kind
 from hyperoffload.policies import minimum_budget, plan_hyperoffload
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
@@ -28,6 +29,12 @@ from hyperoffload.workloads import capture_workload, get_workload
 SCENARIOS = ("llama3-8b:h100-sxm", "llama3-8b:ascend-910c", "llama3-8b:gh200", "llama3-8b:a100-80g",
              "llama3-70b:h200")
 SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+
+
+def _order(plan) -> str:
+    """"captured" if the plan computes in the captured order, else "refined" (see policies.reorder)."""
+    ops = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
+    return "captured" if ops == sorted(ops) else "refined"
 
 
 def table_for(name: str, console: Console) -> None:
@@ -42,7 +49,7 @@ def table_for(name: str, console: Console) -> None:
     table = Table(title=f"{workload} training (batch 1, seq 4096, bf16 / fp32 AdamW) on {hardware_name}: "
                         f"no-offload peak {peak / 2**30:.1f} GiB", title_justify="left")
     for column in ("budget", "GiB", "step_s", "bound_s", "step/bound", "step/lower", "step/duplex", "slowdown",
-                   "moved GiB", "stalls", "plan_s"):
+                   "moved GiB", "stalls", "order", "plan_s"):
         table.add_column(column, justify="right")
     for label, budget in budgets:
         start = time.perf_counter()
@@ -52,7 +59,7 @@ def table_for(name: str, console: Console) -> None:
         table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
                       f"{f.step_s / f.bound_s:.3f}", f"{f.step_s / f.lower_bound_s:.3f}",
                       f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.slowdown:.3f}",
-                      f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), f"{plan_s:.1f}")
+                      f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), _order(plan), f"{plan_s:.1f}")
     console.print(table)
 
 

@@ -16,14 +16,15 @@ two of its uses; each such span is a candidate to spend in remote memory. The pl
    a storage whose remote copy is still current is released without a second offload;
 5. repeats 3-4 while the schedule leaves positions over budget, for several bandwidth margins,
    simulates each candidate plan and returns the fastest. The plan's own accounting never
-   exceeds the budget, so neither does the simulation.
-
-Compute order is the captured order (reordering independent ops is not done yet).
+   exceeds the budget, so neither does the simulation;
+6. tries the refined execution order (each optimizer update hoisted to right after its gradient is
+   final, which frees gradients early; ``reorder``) the same way and keeps the faster plan.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -33,6 +34,7 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies.lanes import Lane
+from hyperoffload.policies.reorder import hoist_updates
 from hyperoffload.policies.spans import Span, idle_spans, positions_arrays, storage_uses
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.units import format_bytes
@@ -55,6 +57,9 @@ class PlannerConfig:
     """After selection, move each prefetch as early as the budget allows (in deadline order)."""
     refinements: int = 2
     """Re-plans against the op times the best plan so far was simulated at (kept only if faster)."""
+    reorder: bool = True
+    """Also try the refined execution order (optimizer updates hoisted into the backward pass, see
+    ``reorder``) and keep the faster plan."""
 
 
 class InfeasibleBudget(ValueError):
@@ -81,13 +86,18 @@ def _min_span_bytes(config: PlannerConfig, live: np.ndarray) -> int:
     return int(live.max()) // 10_000 if live.size else 0
 
 
-def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig()) -> tuple[int, str]:
-    """The smallest budget (bytes) this planner can meet, and what sets it."""
-    live = np.asarray(check_plan(plan_without_offload(program)).live_bytes, dtype=np.int64)
+def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
+                   order: Sequence[int] | None = None) -> tuple[int, str]:
+    """The smallest budget (bytes) this planner can meet with the ops in ``order`` (default: the
+    order the planner would try first and last, captured and refined; the smaller), and what sets it."""
+    if order is None:
+        return min((minimum_budget(program, config, o) for o in candidate_orders(program)), key=lambda r: r[0])
+    order = list(order)
+    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
     if live.size == 0:
         return 0, "the step has no ops"
     min_span_bytes = _min_span_bytes(config, live)
-    spans = idle_spans(program, storage_uses(program, list(range(len(program.ops)))), min_bytes=min_span_bytes)
+    spans = idle_spans(program, storage_uses(program, order), min_bytes=min_span_bytes)
     removable = np.zeros(live.size + 1, dtype=np.int64)
     for span in spans:
         removable[span.first + 1] += span.nbytes
@@ -97,7 +107,7 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig()) ->
             removable[live.size] -= span.nbytes
     unavoidable = live - np.cumsum(removable)[:-1]
     p = int(unavoidable.argmax())
-    op = program.ops[p]
+    op = program.ops[order[p]]
     values = program.values
     working = {values[v].storage for v in (*op.inputs, *op.outputs)}
     own = sum(values[s].alloc_bytes for s in working)
@@ -107,6 +117,14 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig()) ->
     return int(unavoidable[p]), why
 
 
+def candidate_orders(program: Program) -> list[tuple[int, ...]]:
+    """Execution orders the planner starts from: the captured one, and the refined one (optimizer
+    updates hoisted into the backward pass, see ``reorder``) when it differs."""
+    captured = tuple(range(len(program.ops)))
+    refined = hoist_updates(program)
+    return [captured] if refined == captured else [captured, refined]
+
+
 def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
                       config: PlannerConfig = PlannerConfig()) -> Plan:
     """The fastest plan found whose device memory never exceeds ``budget_bytes``."""
@@ -114,33 +132,60 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
     live = np.asarray(check_plan(base).live_bytes, dtype=np.int64)
     if live.size == 0 or live.max() <= budget_bytes:
         return Plan(program=program, instructions=base.instructions, policy=POLICY, budget_bytes=budget_bytes)
-    least, why = minimum_budget(program, config)
-    if budget_bytes < least:
+    orders = candidate_orders(program) if config.reorder else [tuple(range(len(program.ops)))]
+    smallest = [minimum_budget(program, config, order) for order in orders]
+    feasible = [order for order, (least, _) in zip(orders, smallest) if budget_bytes >= least]
+    if not feasible:
+        least, why = min(smallest, key=lambda r: r[0])
         raise InfeasibleBudget(f"a budget of {format_bytes(budget_bytes)} is below the smallest this planner can "
                                f"meet, {format_bytes(least)} ({least} bytes): {why}", least)
-    times = np.asarray(op_times(program, hardware), dtype=np.float64)
+    times_by_op = np.asarray(op_times(program, hardware), dtype=np.float64)
+    best = _plan_in_order(program, hardware, budget_bytes, feasible[0], times_by_op, config)
+    if not config.reorder:
+        return best.plan
+    # The other orders are tried with the best plan's margin alone and planned in full only if that
+    # already beats the best plan: most steps are fastest in the captured order, and this keeps the
+    # cost of finding that out to one planning pass.
+    for order in feasible[1:]:
+        quick = _plan_in_order(program, hardware, budget_bytes, order, times_by_op,
+                               replace(config, bandwidth_margins=(best.margin,), refinements=0))
+        if quick.step_s < best.step_s:
+            full = _plan_in_order(program, hardware, budget_bytes, order, times_by_op, config)
+            best = min(quick, full, key=lambda t: t.step_s)
+    return best.plan
+
+
+def _plan_in_order(program, hardware, budget_bytes, order: Sequence[int], times_by_op: np.ndarray,
+                   config: PlannerConfig) -> _Tried:
+    """The fastest plan found with the compute ops in ``order``."""
+    order = list(order)
+    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
+    times = times_by_op[order]
     end = np.cumsum(times)
     step = _Step(start=end - times, end=end, times=times, live=live)
-    uses = storage_uses(program, list(range(len(program.ops))))
+    uses = storage_uses(program, order)
     spans = idle_spans(program, uses, min_bytes=_min_span_bytes(config, live))
     best: _Tried | None = None
     for margin in config.bandwidth_margins:
-        plan = _plan_for_margin(program, hardware, budget_bytes, step, spans, uses.writes, margin, config)
+        plan = _plan_for_margin(program, hardware, budget_bytes, step, spans, uses.writes, margin, config, order)
         tried = _Tried(plan, simulate(plan, hardware), margin)
         if best is None or tried.step_s < best.step_s:
             best = tried
     # Refine with the simulator: plan again against the op times the best plan really ran at (its
     # stalls included), so the lane model sees the gaps the copies actually have; keep what is faster.
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
     for _ in range(config.refinements):
-        stretched = _observed_step(best.timeline, live)
+        stretched = _observed_step(best.timeline, live, position)
         if stretched is None:
             break
-        plan = _plan_for_margin(program, hardware, budget_bytes, stretched, spans, uses.writes, best.margin, config)
+        plan = _plan_for_margin(program, hardware, budget_bytes, stretched, spans, uses.writes, best.margin, config,
+                                order)
         tried = _Tried(plan, simulate(plan, hardware), best.margin)
         if tried.step_s >= best.step_s:
             break
         best = tried
-    return best.plan
+    return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,12 +201,13 @@ class _Tried:
         return self.timeline.figures.step_s
 
 
-def _observed_step(timeline: Timeline, live: np.ndarray) -> _Step | None:
-    """Per-position start and end times of the ops as simulated (the last simulated step)."""
+def _observed_step(timeline: Timeline, live: np.ndarray, position: np.ndarray) -> _Step | None:
+    """Per-position start and end times of the ops as simulated (the last simulated step);
+    ``position[op id]`` is the op's position in the order planned."""
     n = live.size
     compute = [iv for iv in timeline.intervals if iv.stream == "compute"]
     per_position: dict[int, tuple[float, float]] = {}
-    op_of = {i: ins.target % n for i, ins in enumerate(timeline.plan.instructions)}
+    op_of = {i: int(position[ins.target % n]) for i, ins in enumerate(timeline.plan.instructions)}
     for iv in compute:
         per_position[op_of[iv.instruction]] = (iv.start, iv.end)  # later steps overwrite earlier ones
     if len(per_position) < 2:
@@ -204,7 +250,8 @@ class _Choice:
         return sum(over[hi] - over[lo] for lo, hi in self.freed(n) if hi > lo)
 
 
-def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], writes, margin, config) -> Plan:
+def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], writes, margin, config,
+                     order: list[int]) -> Plan:
     first, last, size = positions_arrays(spans)
     cyclic = first > last
     n = step.live.size
@@ -316,7 +363,7 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
             excess[lo:hi] -= size[i]
     if config.early_prefetch:
         _prefetch_early(choices, spans, excess, size, n)
-    return _emit(program, spans, choices, budget, n)
+    return _emit(program, spans, choices, budget, order)
 
 
 def _prefetch_early(choices: dict[int, _Choice], spans: list[Span], excess: np.ndarray, size, n: int) -> None:
@@ -385,7 +432,8 @@ def _current_copy(out: list[tuple[int, float]] | tuple, span: Span, writes) -> f
     return None
 
 
-def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, n: int) -> Plan:
+def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, order: list[int]) -> Plan:
+    n = len(order)
     offloads: list[list[int]] = [[] for _ in range(n + 1)]
     releases: list[list[int]] = [[] for _ in range(n + 1)]
     prefetches: list[list[int]] = [[] for _ in range(n + 1)]
@@ -408,6 +456,6 @@ def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, 
         instructions.extend(Instr(Kind.PREFETCH, spans[i].storage)
                             for i in sorted(prefetches[p], key=lambda i: spans[i].last))
         instructions.extend(Instr(Kind.WAIT, spans[i].storage) for i in waits[p])
-        instructions.append(Instr(Kind.COMPUTE, p))
+        instructions.append(Instr(Kind.COMPUTE, order[p]))
     return Plan(program=program, instructions=tuple(instructions), policy=POLICY, budget_bytes=budget,
                 initial_remote=frozenset(initial_remote))
