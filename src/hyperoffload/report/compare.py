@@ -10,9 +10,10 @@ from matplotlib.figure import Figure
 from rich.table import Table
 
 from hyperoffload.compare import VARIES, PolicyResult, SweepPoint
-from hyperoffload.units import format_bandwidth, format_bytes, format_seconds
+from hyperoffload.units import format_bytes, format_seconds
 
 _FIGSIZE_IN = (9.0, 5.0)
+_COLOURS = ("#4c72b0", "#7f7f7f", "#c44e52", "#dd8452", "#8172b3", "#55a868", "#937860", "#da8bc3", "#ccb974")
 _DPI = 120
 
 
@@ -50,10 +51,6 @@ def verdict(results: Sequence[PolicyResult], policy: str = "hyperoffload") -> st
             f"{best.policy}: {format_seconds(best.step_s)} ({policy} is {relation} it, ratio {ratio:.3f}).")
 
 
-def _format_x(vary: str, x: float) -> str:
-    return format_bytes(x) if vary == "budget" else format_bandwidth(x)
-
-
 def sweep_table(points: Sequence[SweepPoint], *, vary: str, title: str) -> Table:
     """A row per value, a column per policy: simulated step_s, or what it needs when it misses the budget."""
     table = Table(title=title, title_justify="left")
@@ -69,7 +66,7 @@ def sweep_table(points: Sequence[SweepPoint], *, vary: str, title: str) -> Table
         for r in point.results:
             cells.append(format_seconds(r.step_s) if r.feasible
                          else f"[yellow]needs {format_bytes(r.timeline.figures.peak_bytes)}[/yellow]")
-        table.add_row(f"{point.value} ({_format_x(vary, point.x)})", format_bytes(first.budget_bytes),
+        table.add_row(point.value, format_bytes(first.budget_bytes),
                       format_seconds(first.timeline.figures.compute_s), *cells)
     return table
 
@@ -107,16 +104,22 @@ def plot_sweep(points: Sequence[SweepPoint], path: str | Path, *, vary: str, tit
     fig = Figure(figsize=_FIGSIZE_IN, dpi=_DPI, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    scale, unit = (2**30, "GiB") if vary == "budget" else (1e9, "GB/s")
+    if vary == "budget":
+        scale, unit = (2**30, "GiB") if max((p.x for p in points), default=0) >= 2**30 else (2**20, "MiB")
+    else:
+        scale, unit = 1e9, "GB/s"
     xs = [p.x / scale for p in points]
     names = [r.policy for r in points[0].results] if points else []
     for k, name in enumerate(names):
         rows = [p.results[k] for p in points]
-        line, = ax.plot(xs, [r.step_s for r in rows], marker="o", linewidth=1.2, label=name)
+        colour = _COLOURS[k % len(_COLOURS)]
+        ours = name == "hyperoffload"  # drawn on top, thicker: other lines often lie on it
+        ax.plot(xs, [r.step_s for r in rows], marker="o", linewidth=2.4 if ours else 1.2, color=colour, label=name,
+                zorder=3 if ours else 2)
         hollow = [(x, r.step_s) for x, r in zip(xs, rows) if not r.feasible]
         if hollow:
-            ax.plot(*zip(*hollow), marker="o", linestyle="none", markerfacecolor="white",
-                    markeredgecolor=line.get_color())
+            ax.plot(*zip(*hollow), marker="o", linestyle="none", markerfacecolor="white", markeredgecolor=colour,
+                    zorder=4)
     if points:
         ax.plot(xs, [p.results[0].timeline.figures.compute_s for p in points], color="black", linestyle="--",
                 linewidth=1.0, label="compute_s (unlimited memory)")

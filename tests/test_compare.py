@@ -1,0 +1,100 @@
+"""compare and sweep: a row per policy at one budget, honest feasibility, the figures' keys, the commands."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyperoffload.analysis import memory_profile
+from hyperoffload.budgets import parse_budget
+from hyperoffload.cli import main
+from hyperoffload.compare import compare, sweep
+from hyperoffload.hardware import get_hardware
+from hyperoffload.policies import POLICIES, minimum_budget
+from hyperoffload.report.compare import compare_table, verdict
+from hyperoffload.workloads import capture_workload, get_workload
+
+H100 = get_hardware("h100-sxm")
+FIGURES = ("compute_s", "step_s", "exposed_s", "lower_bound_s", "excess_bytes", "bound_s", "slowdown", "peak_bytes",
+           "h2d_bytes", "d2h_bytes", "stalls", "plan_s", "policy", "feasible", "budget_bytes")
+STEP = ["--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return capture_workload(get_workload("tiny-llama"), "train").program
+
+
+def test_compare_has_a_row_per_policy_at_the_same_budget(tiny):
+    budget = parse_budget("50%", tiny, H100)
+    results = compare(tiny, H100, budget)
+    assert [r.policy for r in results] == list(POLICIES)
+    peak = memory_profile(tiny).peak_bytes
+    for r in results:
+        row = r.as_dict()
+        assert set(FIGURES) <= set(row)
+        assert row["budget_bytes"] == budget and row["excess_bytes"] == peak - budget
+        assert row["feasible"] == (row["peak_bytes"] <= budget)
+        assert row["compute_s"] == results[0].as_dict()["compute_s"]  # the same step on the same profile
+    by_name = {r.policy: r for r in results}
+    assert not by_name["none"].feasible and by_name["none"].timeline.figures.peak_bytes == peak
+    assert by_name["hyperoffload"].feasible and by_name["reactive"].feasible
+    assert "hyperoffload" in verdict(results)
+    assert compare_table(results, title="t").row_count == len(POLICIES)
+
+
+def test_a_budget_the_planner_refuses_is_reported_not_raised(tiny):
+    least, _ = minimum_budget(tiny)
+    (result,) = compare(tiny, H100, least // 2, ["hyperoffload"])
+    assert not result.feasible and "smallest" in result.note
+    assert least // 2 < result.timeline.figures.peak_bytes <= least  # what it needs
+
+
+def test_sweep_varies_one_quantity(tiny):
+    points = sweep(tiny, H100, vary="d2h-bw", values=["8GB/s", "64GB/s"], budget="60%", policies=["reactive", "none"])
+    assert [p.hardware.d2h_bw for p in points] == [8e9, 64e9]
+    assert all(len(p.results) == 2 for p in points)
+    slow, fast = (p.results[0].timeline.figures for p in points)
+    assert slow.d2h_bytes == fast.d2h_bytes and slow.step_s > fast.step_s  # the same plan; its copies out take longer
+    budgets = sweep(tiny, H100, vary="budget", values=["90%", "40%"], budget=None, policies=["hyperoffload"])
+    assert budgets[0].results[0].budget_bytes > budgets[1].results[0].budget_bytes
+    with pytest.raises(ValueError, match="cannot vary"):
+        sweep(tiny, H100, vary="latency", values=["1us"], budget="60%")
+    with pytest.raises(ValueError, match="needs a --budget"):
+        sweep(tiny, H100, vary="h2d-bw", values=["8GB/s"], budget=None)
+
+
+def test_compare_command_json_table_and_plot(tmp_path, capsys):
+    plot = tmp_path / "compare.png"
+    assert main(["compare", *STEP, "--budget", "60%", "--json", "--plot", str(plot)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in rows] == list(POLICIES)
+    for row in rows:
+        assert set(FIGURES) <= set(row)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["compare", *STEP, "--budget", "60%", "--policies", "hyperoffload,none"]) == 0
+    out = capsys.readouterr().out
+    assert "hyperoffload" in out and "needs" in out  # none does not meet 60% and says what it needs
+
+
+def test_sweep_command_json_and_plot(tmp_path, capsys):
+    plot = tmp_path / "sweep.png"
+    assert main(["sweep", *STEP, "--budget", "60%", "--vary", "d2h-bw", "--values", "8GB/s,32GB/s",
+                 "--policies", "hyperoffload,reactive", "--json", "--plot", str(plot)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["value"], r["policy"]) for r in rows] == [("8GB/s", "hyperoffload"), ("8GB/s", "reactive"),
+                                                         ("32GB/s", "hyperoffload"), ("32GB/s", "reactive")]
+    assert all(set(FIGURES) <= set(r) for r in rows)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compare", *STEP, "--budget", "60%", "--policies", "hyperoffload,lru"], "unknown policy 'lru'"),
+    (["compare", *STEP, "--budget", "lots"], "cannot read 'lots' as a budget"),
+    (["sweep", *STEP, "--budget", "60%", "--vary", "d2h-bw", "--values", "fast"], "cannot read 'fast'"),
+    (["sweep", *STEP, "--vary", "h2d-bw", "--values", "8GB/s"], "needs a --budget"),
+])
+def test_bad_input_names_the_problem(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
