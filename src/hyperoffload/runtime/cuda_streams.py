@@ -144,4 +144,17 @@ class CudaStreams:
         self._pinned.clear()
 
 
-__all__ = ["CudaStreams", "CudaTransfer"]
+def place_inputs(plan, inputs, device: torch.device | str = "cuda") -> list[torch.Tensor]:
+    """Copies of a step's ``inputs`` where ``plan`` expects them: on ``device``, or, for inputs that start the
+    step in remote memory (``plan.initial_remote``), in pinned host memory, which is then their remote copy."""
+    program = plan.program
+    placed = []
+    for vid, tensor in zip(program.inputs, inputs):
+        if program.values[vid].storage in plan.initial_remote:
+            placed.append(tensor.detach().to("cpu", copy=True).pin_memory())
+        else:
+            placed.append(tensor.detach().to(device, copy=True))
+    return placed
+
+
+__all__ = ["CudaStreams", "CudaTransfer", "place_inputs"]

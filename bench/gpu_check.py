@@ -1,0 +1,143 @@
+"""GPU check: planned LLaMA training steps with the CUDA runtime against the unplanned step and the simulator.
+
+Where CUDA exists, for ``tiny-llama`` and a small LLaMA (8 layers, hidden 1024), both float32:
+
+* captures the training step on the GPU, plans it at ``--budget`` of its peak on the matching hardware
+  profile (by device name, or ``--hardware``);
+* runs the unplanned step twice (the second run is the noise floor: some CUDA kernels are not
+  bit-reproducible) and the planned step once in place with the CUDA runtime (side streams, events,
+  pinned remote buffers), and compares outputs and every updated input (parameters, gradients folded
+  into the AdamW update, moments): ``max_abs_diff``;
+* runs planned steps on donated state (inputs that start in remote memory in pinned host memory, the rest
+  on the GPU) and measures ``wall_s`` (mean step period after warm-up, one synchronize at the end) and
+  ``torch.cuda.max_memory_allocated`` over those steps, next to the executor's own measured peak, the
+  budget, and the simulator's ``step_s`` and ``peak_bytes`` on the profile.
+
+Exit status 1 if a planned step differs from the unplanned one by more than the noise floor (or by
+anything, where the unplanned step is reproducible) or the executor's measured peak passes the budget.
+Without CUDA it says so and exits 0. Usage: ``.venv/bin/python bench/gpu_check.py [--steps N] [--json]``
+(``make gpu-check``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import hyperoffload
+from hyperoffload.hardware import get_hardware
+from hyperoffload.plans import plan_without_offload
+from hyperoffload.runtime import AsyncExecutor
+from hyperoffload.runtime.measure import max_abs_diff
+from hyperoffload.simulate import simulate
+from hyperoffload.workloads import LlamaConfig, Workload, capture_workload, get_workload
+
+SMALL = Workload(name="small-llama", description="8-layer LLaMA-style decoder, hidden 1024 (GPU check)",
+                 config=LlamaConfig(vocab_size=32000, hidden=1024, ffn=2816, layers=8, heads=16, kv_heads=4),
+                 dtype=torch.float32, batch=4, seq=512, context=512, source="project-defined for the GPU check")
+
+PROFILES = (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80g"), ("MI300", "mi300x"))
+"""Substring of the CUDA device name -> hardware preset (first match wins; GH200 before H200)."""
+
+
+def matching_profile(name: str) -> str | None:
+    return next((preset for key, preset in PROFILES if key in name), None)
+
+
+def check(workload: Workload, hardware, budget: str, steps: int, warmup: int) -> dict:
+    from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        captured = capture_workload(workload, "train", fake=False)
+    program = captured.program
+    plan = hyperoffload.plan(program, hardware, budget)
+    sim = simulate(plan, hardware).figures
+    unplanned = plan_without_offload(program)
+
+    with AsyncExecutor(CudaStreams()) as executor:
+        # Reference and noise floor: the unplanned step twice, in place, on the GPU.
+        ref_inputs = [t.clone() for t in captured.inputs]
+        ref = executor.run(unplanned, ref_inputs)
+        again_inputs = [t.clone() for t in captured.inputs]
+        again = executor.run(unplanned, again_inputs)
+        noise = max_abs_diff([*again.outputs, *again_inputs], [*ref.outputs, *ref_inputs])
+        want = [t.cpu() for t in (*ref.outputs, *ref_inputs)]
+        del ref, again, ref_inputs, again_inputs
+
+        # The planned step in place, inputs where the plan expects them.
+        inputs = place_inputs(plan, captured.inputs)
+        run = executor.run(plan, inputs)
+        diff = max_abs_diff([t.cpu() for t in (*run.outputs, *inputs)], want)
+        del run, inputs
+
+        # Timed steps on donated state; nothing else of ours stays on the GPU meanwhile.
+        state = place_inputs(plan, captured.inputs)
+        del captured
+        for _ in range(warmup):
+            state = list(executor.step(plan, state).state)
+        executor.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        peak = 0
+        for _ in range(steps):
+            run = executor.step(plan, state)
+            peak = max(peak, run.peak_bytes)
+            state = list(run.state)
+            del run
+        executor.synchronize()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+        allocated = torch.cuda.max_memory_allocated()
+        pinned = executor.transfers.pinned_bytes
+        del state
+    torch.cuda.empty_cache()
+    return {"workload": workload.name, "hardware": hardware.name, "device": torch.cuda.get_device_name(),
+            "budget_bytes": plan.budget_bytes, "sim_peak_bytes": sim.peak_bytes, "measured_peak_bytes": peak,
+            "max_memory_allocated": allocated, "pinned_remote_bytes": pinned,
+            "wall_s": wall, "sim_step_s": sim.step_s, "sim_compute_s": sim.compute_s,
+            "sim_error": abs(sim.step_s - wall) / wall, "max_abs_diff": diff, "unplanned_noise": noise,
+            "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes,
+            "ok": diff <= noise and peak <= plan.budget_bytes}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hardware", help="profile to simulate on (default: matched from the device name)")
+    parser.add_argument("--budget", default="50%", help="budget for both workloads (default 50%%)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per workload")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to check")
+        return 0
+    name = torch.cuda.get_device_name()
+    preset = args.hardware or matching_profile(name)
+    if preset is None:
+        preset = "h100-sxm"
+        print(f"gpu-check: no profile matches {name!r}; simulating on {preset} (pass --hardware to choose)")
+    hardware = get_hardware(preset)
+    results = [check(w, hardware, args.budget, args.steps, args.warmup) for w in (get_workload("tiny-llama"), SMALL)]
+    for r in results:
+        if args.json:
+            print(json.dumps(r))
+            continue
+        print(f"{r['workload']:12s} on {r['device']} (simulated as {r['hardware']}), budget {r['budget_bytes']:,} B")
+        print(f"  step: wall {r['wall_s'] * 1e3:.2f} ms, simulated {r['sim_step_s'] * 1e3:.2f} ms "
+              f"(compute {r['sim_compute_s'] * 1e3:.2f} ms), sim_error {r['sim_error']:.3f}")
+        print(f"  memory: executor peak {r['measured_peak_bytes']:,} B, max_memory_allocated "
+              f"{r['max_memory_allocated']:,} B ({r['max_memory_allocated'] / r['budget_bytes']:.3f} x budget), "
+              f"simulated peak {r['sim_peak_bytes']:,} B; pinned remote buffers {r['pinned_remote_bytes']:,} B")
+        print(f"  exactness: max_abs_diff {r['max_abs_diff']:g} (unplanned vs unplanned: {r['unplanned_noise']:g})"
+              f"  -> {'ok' if r['ok'] else 'FAILED'}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

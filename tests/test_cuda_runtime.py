@@ -1,0 +1,74 @@
+"""The CUDA runtime (side streams, events, pinned remote buffers). Everything but the first test needs a CUDA
+GPU and is skipped without one; ``make gpu-check`` runs the fuller check with step times and memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hyperoffload
+from hyperoffload.plans import plan_without_offload
+from hyperoffload.runtime import AsyncExecutor, run_async
+from hyperoffload.runtime.measure import max_abs_diff
+from hyperoffload.workloads import capture_workload, get_workload
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_cuda_backend_imports_anywhere_and_says_what_to_use_without_a_gpu():
+    from hyperoffload.runtime import cuda_streams
+
+    if torch.cuda.is_available():
+        assert cuda_streams.CudaStreams().device.type == "cuda"
+    else:
+        with pytest.raises(RuntimeError, match="emulated link"):
+            cuda_streams.CudaStreams()
+        with pytest.raises(RuntimeError, match="emulated link"):
+            run_async(None, [], link="cuda")
+
+
+@pytest.fixture(scope="module")
+def on_gpu():
+    """tiny-llama's training step captured on the GPU, its plan at half the peak on h100-sxm, and the
+    unplanned step's results (outputs, then inputs after the step) on the CPU."""
+    with torch.device("cuda"):
+        captured = capture_workload(get_workload("tiny-llama"), "train", fake=False)
+    plan = hyperoffload.plan(captured.program, "h100-sxm", "50%")
+    inputs = [t.clone() for t in captured.inputs]
+    ref = run_async(plan_without_offload(captured.program), inputs, link="cuda")
+    return captured, plan, [t.cpu() for t in (*ref.outputs, *inputs)]
+
+
+@needs_cuda
+def test_planned_step_on_cuda_streams_matches_the_unplanned_step_under_the_budget(on_gpu):
+    from hyperoffload.runtime.cuda_streams import place_inputs
+
+    captured, plan, want = on_gpu
+    inputs = place_inputs(plan, captured.inputs)
+    assert any(t.is_pinned() for t in inputs) == bool(plan.initial_remote)
+    run = run_async(plan, inputs, link="cuda")
+    assert run.peak_bytes <= plan.budget_bytes
+    assert run.h2d_bytes > 0 and run.d2h_bytes > 0
+    assert max_abs_diff([t.cpu() for t in (*run.outputs, *inputs)], want) == 0.0
+
+
+@needs_cuda
+def test_donated_steps_overlap_on_cuda_and_end_where_the_unplanned_steps_end(on_gpu):
+    from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
+
+    captured, plan, _ = on_gpu
+    ref_state = [t.clone() for t in captured.inputs]
+    unplanned = plan_without_offload(captured.program)
+    with AsyncExecutor(CudaStreams()) as executor:
+        for _ in range(3):
+            executor.run(unplanned, ref_state)
+        state = place_inputs(plan, captured.inputs)
+        for _ in range(3):
+            run = executor.step(plan, state)
+            assert run.peak_bytes <= plan.budget_bytes
+            state = list(run.state)
+        executor.synchronize()
+        assert max_abs_diff([t.cpu() for t in state], [t.cpu() for t in ref_state]) == 0.0
+        pinned = executor.transfers.pinned_bytes
+        executor.step(plan, state)
+        assert executor.transfers.pinned_bytes == pinned, "pinned remote buffers are allocated once and reused"
