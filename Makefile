@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean gpu-check
 
 install: $(STAMP)
 
@@ -23,6 +23,12 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(VENV)/bin/hyperoffload inspect --workload tiny-llama --mode train --verify
 	$(VENV)/bin/hyperoffload plan --workload tiny-llama --mode train --hardware h100-sxm --budget 50%
+	$(VENV)/bin/hyperoffload run --workload tiny-llama --mode train --budget 50% --link 500MB/s
+
+# Planned LLaMA steps with the CUDA runtime against the unplanned step and the simulator (needs a GPU;
+# says so and exits 0 without one).
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
