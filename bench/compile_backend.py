@@ -72,12 +72,12 @@ def main() -> None:
     print(f"tiny-llama train step, batch {workload.batch}, seq {workload.seq}, float32; eager step "
           f"{eager_s * 1e3:.1f} ms (median of {args.steps}, interleaved)")
     print(f"{'variant':<20} {'first/eager':>12} {'step/eager':>11} {'plan_s':>7} {'moved per step':>15}")
-    for name in first:
+    for name, first_s in first.items():
         record = plans[name].last if name in plans else None
         label = name if record is None else f"hyperoffload {name}"
         plan_s = f"{record.plan_s:.2f}" if record else "-"
         moved = format_bytes(record.figures.h2d_bytes + record.figures.d2h_bytes) if record else "-"
-        print(f"{label:<20} {first[name] / eager_s:>12.1f} {median[name] / eager_s:>11.2f} {plan_s:>7} {moved:>15}")
+        print(f"{label:<20} {first_s / eager_s:>12.1f} {median[name] / eager_s:>11.2f} {plan_s:>7} {moved:>15}")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import hyperoffload
 from hyperoffload import cache_ops
 from hyperoffload.compile import Backend, SplitError, keep_backward_inputs_in_backward, split_lowered
 from hyperoffload.compile.split import cut_index
-from hyperoffload.lower import lower_plan
 from hyperoffload.ir import Phase, ValueKind
+from hyperoffload.lower import lower_plan
 from hyperoffload.plans import Instr, Kind, Plan, check_plan
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.runtime import run_plan, run_reference
@@ -108,6 +108,19 @@ def tiny_llama() -> tuple[nn.Module, list]:
     return model, batches
 
 
+@pytest.fixture(scope="module")
+def compiled_tiny_llama():
+    """tiny-llama compiled at 50% and run once (its output summed, so the tangent is the logits' shape):
+    the model, the tokens and the backend's record, for tests that only inspect or replay the plan."""
+    torch._dynamo.reset()
+    model, batches = tiny_llama()
+    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
+    tokens = batches[0][0]
+    torch.compile(model, backend=backend, dynamic=False)(tokens).sum().backward()
+    torch._dynamo.reset()
+    return model, tokens, backend.last
+
+
 def llama_loss(model, batch):
     tokens, targets = batch
     return F.cross_entropy(model(tokens).flatten(0, -2), targets.flatten())
@@ -129,15 +142,11 @@ def test_tiny_llama_trains_like_eager_at_half_its_peak():
     assert tangents and not any(n.name.startswith("tangents") for n in record.forward.graph.find_nodes(op="placeholder"))
 
 
-def test_joint_plan_run_on_two_tiers_measures_the_planned_peak_and_unplanned_results():
+def test_joint_plan_run_on_two_tiers_measures_the_planned_peak_and_unplanned_results(compiled_tiny_llama):
     """The plan the compiled graphs follow, executed by the two-tier executor on real tensors: the device
     bytes it measures are the plan's own accounting (under the budget), and the gradients are the
     unplanned joint step's."""
-    model, batches = tiny_llama()
-    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
-    tokens = batches[0][0]
-    torch.compile(model, backend=backend, dynamic=False)(tokens).sum().backward()
-    record = backend.last
+    model, tokens, record = compiled_tiny_llama
     program = record.program
     state = {**dict(model.named_parameters()), **dict(model.named_buffers()), "tokens": tokens}
     torch.manual_seed(2)
@@ -192,6 +201,30 @@ def test_batch_norm_buffers_update_as_in_eager():
     assert not all(torch.equal(a, b) for a, b in zip(model.buffers(), before))  # running statistics did move
 
 
+class TwoHalves(nn.Module):
+    """An MLP with a graph break in the middle: TorchDynamo hands the backend two graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(32, 128), *(m for _ in range(4) for m in (nn.ReLU(), nn.Linear(128, 128))))
+        self.second = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(128, 128), nn.ReLU())), nn.Linear(128, 8))
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def test_graph_break_gives_two_graphs_each_planned_and_trained_like_eager():
+    torch.manual_seed(0)
+    backend = hyperoffload.backend(budget="70%")
+    x = torch.randn(512, 32)
+    train_side_by_side(TwoHalves(), backend, [(x,)], lambda m, b: m(b[0]).square().mean())
+    assert [r.index for r in backend.compiled] == [0, 1]
+    assert all(r.mode == "train" and r.planned_peak_bytes <= r.budget_bytes for r in backend.compiled)
+    assert all(r.cache_op_counts()["offload"] > 0 for r in backend.compiled)
+
+
 # --- Hugging Face --------------------------------------------------------------------------------------
 
 def test_tiny_hugging_face_llama_trains_like_eager():
@@ -208,11 +241,8 @@ def test_tiny_hugging_face_llama_trains_like_eager():
 
 # --- the plan's boundary -----------------------------------------------------------------------------
 
-def test_tangent_prefetch_issued_in_the_forward_moves_to_the_backward():
-    model, batches = tiny_llama()
-    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
-    llama_loss(torch.compile(model, backend=backend, dynamic=False), batches[0]).backward()
-    record = backend.last
+def test_tangent_prefetch_issued_in_the_forward_moves_to_the_backward(compiled_tiny_llama):
+    _, _, record = compiled_tiny_llama
     program, joint = record.program, record.joint
     tangent = program.values[program.node_values[joint.backward_inputs[0]]].storage  # the logits' gradient
     # The plan, but with the tangent starting in remote memory and brought in before the forward's first op.
@@ -245,11 +275,15 @@ def test_tangent_prefetch_issued_in_the_forward_moves_to_the_backward():
     ("0%", "must be in (0, 100]"),
     ("150%", "must be in (0, 100]"),
     (-5, "positive number of bytes"),
-    (2.5, "got float"),
 ])
 def test_bad_budget_is_refused_when_the_backend_is_made(budget, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         hyperoffload.backend(budget=budget)
+
+
+def test_budget_of_the_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="got float"):
+        hyperoffload.backend(budget=2.5)
 
 
 def test_unknown_hardware_and_policy_are_refused_with_the_valid_names():
@@ -269,7 +303,7 @@ def test_budget_below_what_the_planner_meets_fails_at_compile_time_with_the_smal
     assert isinstance(error.value, InfeasibleBudget) or isinstance(error.value.__cause__, InfeasibleBudget) or \
         "InfeasibleBudget" in str(error.value)
     with pytest.raises(LookupError, match="nothing has been compiled"):
-        backend.last
+        _ = backend.last
 
 
 def test_dynamic_shapes_are_refused_with_the_fix():

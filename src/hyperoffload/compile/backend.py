@@ -106,13 +106,14 @@ class CompiledGraph:
 
 
 def check_budget_text(budget: int | str) -> None:
-    """Raise ``ValueError`` unless ``budget`` reads as a budget: bytes, ``"40GiB"``, ``"50%"`` or ``"hideable"``.
+    """Raise ``ValueError`` unless ``budget`` reads as a budget: bytes, ``"40GiB"``, ``"50%"`` or ``"hideable"``
+    (``TypeError`` if it is neither an int nor text).
 
     The bytes a percentage stands for are known only once a graph is compiled; this catches typos when
     the backend is made.
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise ValueError(f"budget must be bytes (an int) or text such as '40GiB', '50%' or 'hideable', "
+        raise TypeError(f"budget must be bytes (an int) or text such as '40GiB', '50%' or 'hideable', "
                          f"got {type(budget).__name__}")
     if isinstance(budget, int):
         if budget <= 0:
@@ -204,8 +205,8 @@ class Backend:
         plan, budget = self._plan(program)
         plan = keep_backward_inputs_in_backward(plan, joint)
         forward_planned, backward_planned = split_lowered(lower_plan(plan), joint)
-        return self._record(index, "train", program, plan, budget, start, forward_planned, backward_planned,
-                            input_names, joint)
+        return self._record(index=index, mode="train", program=program, plan=plan, budget=budget, start=start,
+                            forward=forward_planned, backward=backward_planned, input_names=input_names, joint=joint)
 
     def _plan_inference(self, index: int, gm: torch.fx.GraphModule, names: Sequence[str]) -> CompiledGraph:
         start = time.perf_counter()
@@ -216,10 +217,13 @@ class Backend:
         program = program_from_graph(gm, kinds, name=f"graph {index}", mode="inference", input_names=input_names,
                                      meta={"backend": "hyperoffload"})
         plan, budget = self._plan(program)
-        return self._record(index, "inference", program, plan, budget, start, lower_plan(plan), None, input_names)
+        return self._record(index=index, mode="inference", program=program, plan=plan, budget=budget, start=start,
+                            forward=lower_plan(plan), backward=None, input_names=input_names, joint=None)
 
-    def _record(self, index, mode, program, plan, budget, start, forward, backward, input_names,
-                joint=None) -> CompiledGraph:
+    def _record(self, *, index: int, mode: str, program: Program, plan: Plan, budget: int, start: float,
+                forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None, input_names: Sequence[str],
+                joint: JointGraph | None) -> CompiledGraph:
+        """Record a planned graph (``start``: ``time.perf_counter()`` when its planning began)."""
         plan_s = time.perf_counter() - start
         record = CompiledGraph(
             index=index, mode=mode, program=program, plan=plan, figures=simulate(plan, self.hardware).figures,
@@ -265,7 +269,7 @@ def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", po
     and come back for the backward), the cache operators run inside the compiled graphs, and loss
     and gradients equal eager. ``budget`` is bytes, ``"40GiB"``, ``"50%"`` of the step's no-offload
     peak, or ``"hideable"``; ``hardware`` a profile or its name; ``policy`` a registered policy.
-    Bad values raise ``ValueError`` here; a budget below what the policy can meet raises
+    Bad values raise ``ValueError`` here (``TypeError`` for a budget that is neither an int nor text); a budget below what the policy can meet raises
     ``InfeasibleBudget`` when the graph is compiled (TorchDynamo wraps it in ``BackendCompilerFailed``).
     """
     check_budget_text(budget)

@@ -148,4 +148,4 @@ def input_kinds(joint: JointGraph, static_inputs: Sequence[int]) -> list[ValueKi
         ValueKind.INPUT] * len(joint.backward_inputs)
 
 
-__all__ = ["JointGraph", "MARKER", "input_kinds", "join_graphs"]
+__all__ = ["MARKER", "JointGraph", "input_kinds", "join_graphs"]
