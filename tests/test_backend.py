@@ -20,6 +20,8 @@ from hyperoffload.lower import lower_plan
 from hyperoffload.plans import Instr, Kind, Plan, check_plan
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.runtime import run_plan, run_reference
+from hyperoffload.runtime.async_executor import run_async
+from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.workloads import Llama, get_workload
 
 
@@ -143,9 +145,9 @@ def test_tiny_llama_trains_like_eager_at_half_its_peak():
 
 
 def test_joint_plan_run_on_two_tiers_measures_the_planned_peak_and_unplanned_results(compiled_tiny_llama):
-    """The plan the compiled graphs follow, executed by the two-tier executor on real tensors: the device
-    bytes it measures are the plan's own accounting (under the budget), and the gradients are the
-    unplanned joint step's."""
+    """The plan the compiled graphs follow, executed by the two-tier executors on real tensors (synchronous,
+    and with copy threads on an emulated link): the device bytes they measure are the plan's own
+    accounting (under the budget), and the gradients are the unplanned joint step's."""
     model, tokens, record = compiled_tiny_llama
     program = record.program
     state = {**dict(model.named_parameters()), **dict(model.named_buffers()), "tokens": tokens}
@@ -160,6 +162,11 @@ def test_joint_plan_run_on_two_tiers_measures_the_planned_peak_and_unplanned_res
     assert unplanned.peak_bytes == record.unplanned_peak_bytes
     assert len(planned.outputs) == len(unplanned.outputs)
     assert all(torch.equal(a, b) for a, b in zip(planned.outputs, unplanned.outputs))
+    # The same plan with real asynchronous copies on an emulated link (copy threads): same bytes, same results.
+    link = EmulatedLink(h2d_bw=20e9, d2h_bw=20e9, h2d_latency_s=5e-6, d2h_latency_s=5e-6)
+    overlapped = run_async(record.plan, [t.clone() for t in inputs], link=link)
+    assert overlapped.peak_bytes == record.planned_peak_bytes
+    assert all(torch.equal(a, b) for a, b in zip(overlapped.outputs, unplanned.outputs))
 
 
 def test_inference_graph_is_planned_alone_and_matches_eager():
