@@ -248,7 +248,7 @@ def test_failed_copy_raises_on_the_callers_thread_and_the_next_step_runs(capture
         with pytest.raises(TransferError, match="h2d copy of .* failed: link reset") as raised:
             executor.run(planned, [t.clone() for t in captured.inputs])
         assert failures[0] in str(raised.value)
-        assert all(h.done() for h in recording.handles), "a copy was still running after the step failed"
+        assert all(h.settled() for h in recording.handles), "a copy was still running after the step failed"
         inputs = [t.clone() for t in captured.inputs]
         run = executor.run(planned, inputs)
     assert_identical(run.outputs, reference[0])
@@ -276,7 +276,7 @@ def test_interrupted_step_stops_its_copies_and_the_next_step_runs(captured, refe
                 executor.step(planned, [t.clone() for t in captured.inputs], on_instruction=interrupt)
             else:
                 executor.run(planned, [t.clone() for t in captured.inputs], on_instruction=interrupt)
-        assert recording.handles and all(h.done() for h in recording.handles)
+        assert recording.handles and all(h.settled() for h in recording.handles)
         inputs = [t.clone() for t in captured.inputs]
         run = executor.run(planned, inputs)
     assert_identical(run.outputs, reference[0])

@@ -421,7 +421,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.budgets import parse_budget
     from hyperoffload.policies import get_policy
     from hyperoffload.runtime import BudgetExceeded, EmulatedLink, TransferError
-    from hyperoffload.runtime.measure import RunConfig, measure_run
+    from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, for_executor, measure_run
+    from hyperoffload.simulate import simulate
     from hyperoffload.units import format_bandwidth, format_seconds
     from hyperoffload.verify import verify
 
@@ -442,6 +443,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
                          f"smaller --batch/--seq/--context")
     captured = _capture(args, err, fake=False)
     program = captured.program
+    with err.status("Measuring the executor's dispatch cost per op..."):
+        bare = hardware
+        hardware = for_executor(bare, program, executor_dispatch_s())
     budget = parse_budget(args.budget, program, hardware)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} with {args.policy}..."):
         plan = policy(program, hardware, budget)
@@ -463,7 +467,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
             return 1
     result = {"workload": program.meta.get("workload", program.name), "mode": program.mode, "policy": args.policy,
               "link_bw": args.link, "copy_latency_s": args.copy_latency, "threads": threads,
-              "steps": config.steps, **figures.as_dict()}
+              "steps": config.steps, **figures.as_dict(), "launch_s": hardware.launch_s,
+              "sim_step_s_uncalibrated": simulate(plan, bare).figures.step_s}
     exact = figures.max_abs_diff == 0.0
     within = figures.budget_bytes is None or figures.measured_peak_bytes <= figures.budget_bytes
     if args.json:
@@ -477,7 +482,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     table.add_row("wall_s", format_seconds(figures.wall_s), f"median of {config.steps} steps after {config.warmup} "
                   f"warm-up; unplanned {format_seconds(figures.unplanned_wall_s)}")
     table.add_row("sim_step_s", format_seconds(figures.sim_step_s),
-                  f"cpu-emulated at the link's speed; compute_s {format_seconds(figures.sim_compute_s)}")
+                  f"cpu-emulated at the link's speed, per-op cost measured through the executor; compute_s "
+                  f"{format_seconds(figures.sim_compute_s)} (with the bare aten call's cost: "
+                  f"{format_seconds(result['sim_step_s_uncalibrated'])})")
     table.add_row("sim_error", f"{figures.sim_error:.3f}", "|sim_step_s - wall_s| / wall_s")
     table.add_row("measured_peak_bytes", format_bytes(figures.measured_peak_bytes),
                   f"budget {format_bytes(budget)}: {'within' if within else 'OVER'}")

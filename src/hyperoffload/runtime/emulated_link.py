@@ -8,17 +8,22 @@ link would: ``latency + bytes / bandwidth`` per copy, the cost model's transfer 
 (``Tensor.copy_``) and the waits release the GIL, so the overlap is real.
 
 Timing is kept on an ideal clock per engine: a copy starts at the latest of the moment it was
-issued, the moment the previous copy of the engine ended *on the ideal clock*, and the ideal end
-of the copy it depends on; it ends ``latency + bytes / bandwidth`` later, or when the real copy
-finishes if the memory system is slower than the link. The engine sleeps until that moment, so
-late wake-ups of the thread (scheduling, the GIL) delay when a copy is seen to finish but never
-pile up into a slower link.
+issued, the moment the previous copy of the engine ended on that clock, and the end of the copy it
+depends on; it ends ``latency + bytes / bandwidth`` later (or as long after as the byte copy itself
+took, if the memory system is slower than the link). The engine moves the bytes as soon as it
+reaches the copy, and the copy *completes* at its ideal end: ``Transfer.done`` is false and
+``Transfer.wait`` blocks until then (the waiting thread sleeps out the rest). Nothing can read a
+destination before its copy completes (the executor reads a prefetched storage only after waiting,
+and counts an offloaded storage as held until the offload completes), so what the step can observe is
+a link of exactly that bandwidth and latency. Completing on the clock rather than by having the
+engine sleep and wake keeps the engine from competing with compute for the GIL at arbitrary moments,
+and late wake-ups of any thread never pile up into a slower link.
 
 Faults: an exception in a copy is caught on the engine's thread and stored in the copy's
 ``Transfer``; ``Transfer.wait`` raises it on the waiting thread as a ``TransferError`` naming
-the copy. A copy that depends on a failed one fails too. ``cancel`` stops copies that have not
-started and cuts short the throttling sleep of one that has (its bytes are already copied), so a
-step that stops can hand the link back idle. Engines are daemon threads; ``close`` stops them.
+the copy. A copy that depends on a failed one fails too. ``cancel`` drops copies the engine has not
+reached, so a step that stops hands the link back idle. Engines are daemon threads; ``close`` stops
+them.
 """
 
 from __future__ import annotations
@@ -40,31 +45,49 @@ H2D, D2H = "h2d", "d2h"
 class Transfer:
     """One copy on an engine: a handle the issuing thread can poll or wait on."""
 
-    __slots__ = ("label", "direction", "nbytes", "issued_s", "start_s", "end_s", "error", "_done", "_cancel")
+    __slots__ = ("label", "direction", "nbytes", "issued_s", "start_s", "end_s", "error", "cancelled", "_copied")
 
     def __init__(self, label: str, direction: str, nbytes: int) -> None:
         self.label, self.direction, self.nbytes = label, direction, nbytes
         self.issued_s = time.perf_counter()
         self.start_s = self.end_s = 0.0
-        """Ideal start and end on the engine's clock (``time.perf_counter`` seconds)."""
+        """Ideal start and end on the engine's clock (``time.perf_counter`` seconds), set once copied."""
         self.error: BaseException | None = None
-        self._done = threading.Event()
-        self._cancel = threading.Event()
+        self.cancelled = False
+        # Held until the engine is through with the copy (bytes moved, or failed): a bare lock costs the engine
+        # one C call to signal, where an Event would run Python code under the GIL.
+        self._copied = threading.Lock()
+        self._copied.acquire()
 
     def done(self) -> bool:
-        """Whether the copy has finished, failed or been cancelled (never blocks)."""
-        return self._done.is_set()
+        """Whether the copy has completed (its ideal end has passed), failed or been cancelled; never blocks."""
+        if self._copied.locked():
+            return False
+        return self.error is not None or time.perf_counter() >= self.end_s
+
+    def settled(self) -> bool:
+        """Whether the engine is through with the copy: it will not touch either buffer again (never blocks)."""
+        return not self._copied.locked()
+
+    def join(self) -> None:
+        """Block until the engine is through with the copy, whatever its outcome (not until its ideal end)."""
+        if self._copied.locked():
+            self._copied.acquire()
+            self._copied.release()
 
     def wait(self) -> None:
-        """Block until the copy has finished; raise ``TransferError`` on this thread if it failed."""
-        self._done.wait()
+        """Block until the copy has completed; raise ``TransferError`` on this thread if it failed."""
+        self.join()
         if self.error is not None:
             raise TransferError(f"{self.direction} copy of {self.label} ({self.nbytes} bytes) failed: "
                                 f"{self.error}") from self.error
+        remaining = self.end_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def cancel(self) -> None:
-        """Ask the engine to drop this copy if it has not started, or to stop throttling it if it has."""
-        self._cancel.set()
+        """Ask the engine to drop this copy if it has not reached it yet."""
+        self.cancelled = True
 
     def __repr__(self) -> str:
         state = "failed" if self.error else "done" if self.done() else "in flight"
@@ -133,27 +156,27 @@ class CopyEngine:
                 transfer.error = error
             finally:
                 job.src = job.dst = job.after = None  # let go of the buffers before anyone is told
-                transfer._done.set()
+                transfer._copied.release()
 
     def _copy(self, job: _Job) -> None:
         transfer = job.transfer
         after = job.after
         if after is not None:
-            after._done.wait()
+            after.join()
             if after.error is not None:
                 raise TransferError(f"it needed {after.direction} copy of {after.label}, which failed") from after.error
-        if transfer._cancel.is_set():
+        if transfer.cancelled:
             raise TransferError("cancelled before it started")
         start = max(self._clock, transfer.issued_s, after.end_s if after is not None else 0.0)
         if self._fault is not None:
             self._fault(transfer)
+        copying = time.perf_counter()
         if transfer.nbytes:
             _copy_bytes(job.dst, job.src)
-        ideal_end = start + self.latency_s + transfer.nbytes / self.bandwidth
-        now = time.perf_counter()
-        if ideal_end > now:
-            transfer._cancel.wait(ideal_end - now)  # a sleep that ``cancel`` cuts short
-        end = max(ideal_end, now)
+        copied_s = time.perf_counter() - copying
+        # The link's time, or the memory system's if it is slower; a late start of this thread is not the
+        # link's (``done`` also waits for the bytes to be copied, whenever that is).
+        end = start + max(self.latency_s + transfer.nbytes / self.bandwidth, copied_s)
         transfer.start_s, transfer.end_s = start, end
         self.busy_s += end - start
         self._clock = end
@@ -172,6 +195,7 @@ class EmulatedLink:
         engine's thread before each copy; what it raises fails that copy (for testing fault handling)."""
         self.h2d = CopyEngine(H2D, h2d_bw, h2d_latency_s, fault)
         self.d2h = CopyEngine(D2H, d2h_bw, d2h_latency_s, fault)
+        self._remote: dict[tuple[int, int], torch.UntypedStorage] = {}
 
     @classmethod
     def for_hardware(cls, hardware: Hardware, **kwargs) -> EmulatedLink:
@@ -185,9 +209,10 @@ class EmulatedLink:
                 f"d2h {self.d2h.bandwidth:.3g} B/s + {self.d2h.latency_s:.3g} s)")
 
     def close(self) -> None:
-        """Stop both engines (after the copies already queued)."""
+        """Stop both engines (after the copies already queued) and let go of the remote buffers."""
         self.h2d.close()
         self.d2h.close()
+        self._remote.clear()
 
     def __enter__(self) -> EmulatedLink:
         return self
@@ -200,7 +225,13 @@ class EmulatedLink:
         return torch.UntypedStorage(nbytes)
 
     def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        return torch.UntypedStorage(nbytes)
+        # One buffer per storage id and size, reused by its later offloads, in this step and the next: a
+        # storage's next offload comes after the wait for its previous prefetch (``check_plan``), and the
+        # executor returns copies, never these buffers.
+        buffer = self._remote.get((key, nbytes))
+        if buffer is None:
+            buffer = self._remote[(key, nbytes)] = torch.UntypedStorage(nbytes)
+        return buffer
 
     def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Transfer:
         # Ops run synchronously on the caller's thread, so whatever last wrote ``src`` has finished.
@@ -220,10 +251,12 @@ class EmulatedLink:
         handle.wait()
 
     def abort(self, handles: Sequence[Transfer]) -> None:
+        # Copies the engines have not reached are dropped; the bytes of the others are already moved, so once
+        # the engines are through with them nothing touches a buffer again (their ideal end need not pass).
         for t in handles:
             t.cancel()
         for t in handles:
-            t._done.wait()
+            t.join()
 
 
 __all__ = ["D2H", "H2D", "CopyEngine", "EmulatedLink", "Transfer"]
