@@ -200,7 +200,7 @@ def test_batch_norm_buffers_update_as_in_eager():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
                           nn.Linear(128, 8))
-    backend = hyperoffload.backend(budget="60%")
+    backend = hyperoffload.backend(budget="80%")
     x = torch.randn(256, 32)
     before = [b.clone() for b in model.buffers()]
     train_side_by_side(model, backend, [(x,)], lambda m, b: m(b[0]).square().mean())  # buffers compared too
@@ -224,7 +224,7 @@ class TwoHalves(nn.Module):
 
 def test_graph_break_gives_two_graphs_each_planned_and_trained_like_eager():
     torch.manual_seed(0)
-    backend = hyperoffload.backend(budget="70%")
+    backend = hyperoffload.backend(budget="80%")
     x = torch.randn(512, 32)
     train_side_by_side(TwoHalves(), backend, [(x,)], lambda m, b: m(b[0]).square().mean())
     assert [r.index for r in backend.compiled] == [0, 1]
