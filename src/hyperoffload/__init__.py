@@ -11,10 +11,11 @@ from hyperoffload.policies import InfeasibleBudget, PlannerConfig, plan_hyperoff
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.verify import VerificationError, verify
 from hyperoffload.compile import Backend, CompiledGraph, backend
+from hyperoffload.compare import PolicyResult, compare, sweep
 
 __version__ = "0.1.0"
 
-__all__ = ["Backend", "CompiledGraph", "backend", "Hardware", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
+__all__ = ["PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
            "hideable_budget", "parse_budget", "plan", "plan_hyperoffload", "simulate", "verify", "AdamW", "CaptureError", "Captured", "LiveRange", "MemoryProfile", "Op", "Phase", "Program", "Value",
            "ValueKind", "capture_decode_step", "capture_prefill_step", "capture_train_step", "fake_build",
            "live_ranges", "memory_profile", "storage_ranges", "verify_program"]

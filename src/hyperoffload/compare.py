@@ -52,19 +52,29 @@ class PolicyResult:
                 "plan_s": self.plan_s, "instructions": len(self.plan.instructions), "note": self.note}
 
 
+_REFUSALS = 4
+"""How many budgets a policy that refuses budgets below its smallest is tried at before giving up."""
+
+
 def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: str,
                peak_bytes: int | None = None) -> PolicyResult:
     """Plan ``program`` with ``policy`` for ``budget_bytes``, verify the plan and simulate it on ``hardware``."""
     planner = get_policy(policy)
     note = ""
     start = time.perf_counter()
-    try:
-        plan = planner(program, hardware, budget_bytes)
-    except InfeasibleBudget as error:
-        if error.min_budget_bytes <= budget_bytes:
-            raise
-        note = f"refuses the budget; planned at the smallest it can meet ({error.min_budget_bytes} bytes)"
-        plan = planner(program, hardware, error.min_budget_bytes)
+    target = budget_bytes
+    for _ in range(_REFUSALS):
+        try:
+            plan = planner(program, hardware, target)
+            break
+        except InfeasibleBudget as error:
+            if error.min_budget_bytes <= target:
+                raise
+            # Show what it needs: plan at the smallest budget it names (which may name a larger one again).
+            target = error.min_budget_bytes
+            note = f"refuses the budget; planned at the smallest it can meet ({target} bytes)"
+    else:
+        raise InfeasibleBudget(f"{policy} refused {_REFUSALS} budgets in a row, the last {target} bytes", target)
     plan_s = time.perf_counter() - start
     timeline = verify(plan, hardware)
     peak = max(check_plan(plan).peak_bytes, timeline.figures.peak_bytes)

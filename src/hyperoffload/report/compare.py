@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def plot_compare(results: Sequence[PolicyResult], path: str | Path, *, title: st
                    label=f"compute_s {format_seconds(compute_s)} (unlimited memory)")
         ax.legend(loc="upper left", fontsize=9)
     ax.set_ylabel("simulated step time (s)")
-    ax.set_title(title, fontsize=11)
+    ax.set_title(textwrap.fill(title, 90), fontsize=11)
     ax.tick_params(axis="x", labelrotation=20)
     ax.set_ylim(0, max(steps, default=1.0) * 1.25)
     fig.savefig(path, format="png")
@@ -126,7 +127,7 @@ def plot_sweep(points: Sequence[SweepPoint], path: str | Path, *, vary: str, tit
     _, meaning = VARIES[vary]
     ax.set_xlabel(meaning.replace("(bytes/s)", f"({unit})").replace("(bytes)", f"({unit})"))
     ax.set_ylabel("simulated step time (s)")
-    ax.set_title(title + "\n(hollow: the policy does not meet the budget there)", fontsize=10)
+    ax.set_title(textwrap.fill(title, 90) + "\n(hollow: the policy does not meet the budget there)", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.savefig(path, format="png")
