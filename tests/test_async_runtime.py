@@ -316,7 +316,7 @@ def test_run_command_reports_the_figures(capsys, tmp_path, monkeypatch):
                 "unplanned_wall_s", "h2d_bytes", "d2h_bytes"):
         assert key in result
     assert result["max_abs_diff"] == 0.0
-    assert result["measured_peak_bytes"] <= result["budget_bytes"]
+    assert result["feasible"] and result["measured_peak_bytes"] <= result["budget_bytes"]
     assert result["h2d_bytes"] > 0
     assert result["sim_error"] == pytest.approx(abs(result["sim_step_s"] - result["wall_s"]) / result["wall_s"])
 

@@ -6,10 +6,12 @@ simulator's prediction for the same plan.
 1. the unplanned step (``run_plan`` of the no-offload plan) on copies of the inputs: the reference;
 2. one planned step in place on other copies, compared with the reference over outputs and updated
    inputs (``max_abs_diff``; 0.0 means bit-identical);
-3. the unplanned step through the same executor, step after step (``unplanned_wall_s``: what compute
-   alone costs when run this way, the simulator's ``compute_s`` as measured);
-4. the planned step, step after step on donated state with each step's last offloads overlapping the
+3. the planned step, step after step on donated state with each step's last offloads overlapping the
    next step, as a training loop runs it: ``wall_s`` is the median step time after ``warmup`` steps;
+4. in turn with those (rounds of one unplanned step and two planned steps, the second of which is timed),
+   the unplanned step through the same executor (``unplanned_wall_s``: what compute alone costs when run
+   this way, the simulator's ``compute_s`` as measured), so that load from other work on the machine falls
+   on both alike;
 5. the simulator on ``hardware`` (for the emulated link: ``cpu-emulated`` at the link's speed):
    ``sim_step_s`` and ``sim_error = |sim_step_s - wall_s| / wall_s``.
 
@@ -167,8 +169,7 @@ def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers
         report("planned step, checked", 1, 1)
         del checked, checked_inputs, ref_inputs, reference
 
-        unplanned_walls = _time_steps(executor, unplanned, inputs, config, "unplanned steps", report)[0]
-        walls, runs = _time_steps(executor, plan, inputs, config, "planned steps", report)
+        unplanned_walls, walls, runs = _time_steps(executor, unplanned, plan, inputs, config, report)
     peak = max(peak, *(r.peak_bytes for r in runs))
     timed = runs[config.warmup:]
 
@@ -184,25 +185,38 @@ def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers
         memory_wait_s=statistics.median(r.memory_wait_s for r in timed))
 
 
-def _time_steps(executor: AsyncExecutor, plan: Plan, inputs: Sequence[torch.Tensor], config: RunConfig, phase: str,
-                report: Callable[[str, int, int], None]) -> tuple[list[float], list[PlanRun]]:
-    """Run ``plan`` warm-up + timed steps on donated copies of ``inputs``; each step's wall time and result."""
+def _time_steps(executor: AsyncExecutor, unplanned: Plan, plan: Plan, inputs: Sequence[torch.Tensor],
+                config: RunConfig, report: Callable[[str, int, int], None]) -> tuple[list[float], list[float],
+                                                                                     list[PlanRun]]:
+    """Warm-up + timed rounds of one unplanned step and two planned steps back to back, each plan on its own
+    donated copy of ``inputs``, so that both see the same machine (other work on it moves every wall time).
+    Only the second planned step of a round is timed: it starts while the first one's last offloads are still
+    in flight, as every step of a training loop does. Returns the unplanned steps' wall times, the timed
+    planned steps' wall times, and the results of the timed planned steps."""
     total = config.warmup + config.steps
-    executor.prepare(plan)  # checking the plan is not part of a step
-    state = [t.clone() for t in inputs]
-    walls, runs = [], []
+    for p in (unplanned, plan):
+        executor.prepare(p)  # checking a plan is not part of a step
+    states = {unplanned: [t.clone() for t in inputs], plan: [t.clone() for t in inputs]}
+    unplanned_walls: list[float] = []
+    walls: list[float] = []
+    runs = []
+    phase = "steps (unplanned and planned in turn)"
     report(phase, 0, total)
     for k in range(total):
-        start = time.perf_counter()
-        run = executor.step(plan, state, overlap=config.overlap)
-        walls.append(time.perf_counter() - start)
-        state = list(run.state)
-        # Keep the figures only: holding a step's state or outputs would keep memory the plan gives back.
-        runs.append(dataclasses.replace(run, outputs=(), state=(), live_bytes=()))
-        del run
+        for p, timed in ((unplanned, unplanned_walls), (plan, None), (plan, walls)):
+            start = time.perf_counter()
+            run = executor.step(p, states[p], overlap=config.overlap)
+            wall = time.perf_counter() - start
+            states[p] = list(run.state)
+            if timed is not None:
+                timed.append(wall)
+            if timed is walls:
+                # Keep the figures only: a step's state or outputs would keep memory the plan gives back.
+                runs.append(dataclasses.replace(run, outputs=(), state=(), live_bytes=()))
+            del run
         report(phase, k + 1, total)
     executor.synchronize()
-    return walls, runs
+    return unplanned_walls, walls, runs
 
 
 __all__ = ["RunConfig", "RunFigures", "executor_dispatch_s", "for_executor", "max_abs_diff", "measure_run"]
