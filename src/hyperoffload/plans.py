@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from hyperoffload.ir import Program
 
@@ -67,6 +68,9 @@ class Plan:
     """Device bytes the plan promises to stay under (None: no limit)."""
     initial_remote: frozenset[int] = frozenset()
     """Storages (step inputs) that start the step in remote memory rather than on the device."""
+    layout: Any = None
+    """A static layout of the plan's device memory (``hyperoffload.layout.Layout``), or None if the policy
+    leaves addresses to the allocator."""
 
 
 class PlanError(ValueError):

@@ -5,12 +5,14 @@ finished offload; nothing still needed is released without a remote copy; the bu
 order. With a hardware profile, also on the simulated timeline, independently of how the simulator
 enforces them: every prefetch starts after the offload it reads from has landed, every op that reads
 a prefetched value starts after the prefetch landed, and device memory never exceeds the budget.
-Errors name the policy that made the plan.
+A plan with a static layout also has it checked: no two live storages share bytes, and the arena fits
+the budget. Errors name the policy that made the plan.
 """
 
 from __future__ import annotations
 
 from hyperoffload.hardware import Hardware
+from hyperoffload.layout import LayoutError, check_layout, residencies
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan
 from hyperoffload.simulate import COMPUTE, D2H, H2D, Timeline, simulate
 
@@ -27,11 +29,28 @@ def verify(plan: Plan, hardware: Hardware | None = None) -> Timeline | None:
         check_plan(plan)
     except PlanError as error:
         raise VerificationError(f"plan from policy {plan.policy!r} is invalid: {error}") from error
+    if plan.layout is not None:
+        _check_layout(plan)
     if hardware is None:
         return None
     timeline = simulate(plan, hardware)
     _check_timeline(plan, timeline)
     return timeline
+
+
+def _check_layout(plan: Plan) -> None:
+    """A plan's static layout covers exactly its residencies, never places two live ones on the same
+    bytes, and fits its budget."""
+    layout = plan.layout
+    if layout.residencies != tuple(residencies(plan)):
+        raise VerificationError(f"plan from policy {plan.policy!r}: its layout does not match its allocations")
+    try:
+        check_layout(layout)
+    except LayoutError as error:
+        raise VerificationError(f"plan from policy {plan.policy!r}: {error}") from error
+    if plan.budget_bytes is not None and layout.arena_bytes > plan.budget_bytes:
+        raise VerificationError(f"plan from policy {plan.policy!r}: its arena of {layout.arena_bytes} bytes is over "
+                                f"its budget of {plan.budget_bytes}")
 
 
 def _check_timeline(plan: Plan, timeline: Timeline) -> None:

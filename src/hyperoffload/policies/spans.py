@@ -65,7 +65,7 @@ def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
     spans = []
     for s, positions in uses.positions.items():
         size = values[s].alloc_bytes
-        if size < min_bytes:
+        if size < min_bytes or size == 0:  # an empty storage frees nothing by leaving
             continue
         # A step input's idle time before its first use is covered by its cyclic span (it arrives from
         # remote memory), which also frees it after its last use: no separate span from the start.

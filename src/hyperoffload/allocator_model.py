@@ -1,0 +1,198 @@
+"""A model of PyTorch's CUDA caching allocator, replaying a plan's allocations and frees.
+
+Without a static layout, every allocation of a plan goes through the framework's caching
+allocator. This module replays a plan's residencies (``layout.residencies``) through a model of
+``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch 2.x defaults, one stream) to count what offloading
+does to it:
+
+* Requests are rounded up to a multiple of 512 bytes. Requests of at most 1 MiB come from the
+  *small* pool, larger ones from the *large* pool.
+* A request is served by the best-fitting cached free block of its pool (the smallest one that is
+  large enough), split if the remainder is worth keeping (at least 512 bytes in the small pool,
+  more than 1 MiB in the large pool). Freed blocks go back to the cache and merge with free
+  neighbours of the same segment; blocks never move (no compaction).
+* With no cached block large enough, a new segment is reserved from the device (``cudaMalloc``):
+  2 MiB for small requests, 20 MiB for requests under 10 MiB, otherwise the request rounded up to
+  2 MiB.
+* If reserving that segment would take the device past its limit, the allocator frees every cached
+  segment that is entirely free (``cudaFree``, which synchronises the device) and tries again: the
+  *free-and-retry* path, counted as a **stall**. If the retry fails too, the request is an
+  out-of-memory error, counted as a **failure**; the model then carries on as if the request had
+  been granted, so one failure does not hide the rest.
+
+``reserved_peak_bytes`` against the plan's live-byte peak is what fragmentation costs in reserved
+memory. Not modelled: per-stream pools (copies on side streams keep blocks per stream, which only
+adds fragmentation), ``max_split_size_mb`` and expandable segments (both off by default), and the
+cost of each ``cudaMalloc``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from hyperoffload.layout import residencies
+from hyperoffload.plans import Plan
+
+MIN_BLOCK = 512
+SMALL_REQUEST = 1 << 20
+SMALL_SEGMENT = 2 << 20
+LARGE_SEGMENT = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocatorReport:
+    """What a plan's allocations cost under the caching allocator model (bytes, counts)."""
+
+    stalls: int
+    """Allocations that took the free-and-retry path (a device synchronisation each)."""
+    failures: int
+    """Allocations that failed even after freeing the cache (out of memory)."""
+    segments: int
+    """Segments reserved from the device over the step (``cudaMalloc`` calls)."""
+    reserved_peak_bytes: int
+    """Largest total of reserved segments at any point."""
+    live_peak_bytes: int
+    """Largest total of the plan's live storages (rounded requests excluded)."""
+    limit_bytes: int | None
+    """The device limit the replay ran under (the plan's budget), or None for no limit."""
+
+
+@dataclass
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    free: bool
+    small: bool
+
+
+class _Pool:
+    """Free blocks of one pool, ordered by (size, segment, offset) for best-fit search."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, int, int]] = []
+
+    def add(self, block: _Block) -> None:
+        bisect.insort(self.keys, (block.size, block.segment, block.offset))
+
+    def remove(self, block: _Block) -> None:
+        self.keys.pop(bisect.bisect_left(self.keys, (block.size, block.segment, block.offset)))
+
+    def best_fit(self, size: int) -> tuple[int, int] | None:
+        k = bisect.bisect_left(self.keys, (size, -1, -1))
+        return None if k == len(self.keys) else self.keys[k][1:]
+
+
+class CachingAllocatorModel:
+    """The allocator's state: segments, their blocks (by segment and offset), the free pools."""
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        self.limit = limit_bytes
+        self.segments: dict[int, int] = {}  # segment id -> bytes
+        self.blocks: dict[int, dict[int, _Block]] = {}  # segment id -> offset -> block
+        self.pools = {True: _Pool(), False: _Pool()}
+        self.reserved = self.reserved_peak = 0
+        self.stalls = self.failures = self.reservations = 0
+        self._next_segment = 0
+
+    def allocate(self, nbytes: int) -> _Block:
+        size = max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+        small = size <= SMALL_REQUEST
+        found = self.pools[small].best_fit(size)
+        if found is None:
+            found = self._reserve(size, small)
+        block = self.blocks[found[0]][found[1]]
+        self.pools[small].remove(block)
+        remaining = block.size - size
+        if remaining >= MIN_BLOCK if small else remaining > SMALL_REQUEST:
+            rest = _Block(block.segment, block.offset + size, remaining, True, small)
+            self.blocks[block.segment][rest.offset] = rest
+            self.pools[small].add(rest)
+            block.size = size
+        block.free = False
+        return block
+
+    def free(self, block: _Block) -> None:
+        block.free = True
+        blocks = self.blocks[block.segment]
+        pool = self.pools[block.small]
+        after = blocks.get(block.offset + block.size)
+        if after is not None and after.free:
+            pool.remove(after)
+            del blocks[after.offset]
+            block.size += after.size
+        before = next((b for b in blocks.values() if b.free and b.offset + b.size == block.offset), None)
+        if before is not None:
+            pool.remove(before)
+            del blocks[block.offset]
+            before.size += block.size
+            block = before
+        pool.add(block)
+
+    def _reserve(self, size: int, small: bool) -> tuple[int, int]:
+        segment_bytes = (SMALL_SEGMENT if small else LARGE_SEGMENT if size < MIN_LARGE_ALLOC
+                         else -(-size // ROUND_LARGE) * ROUND_LARGE)
+        if self.limit is not None and self.reserved + segment_bytes > self.limit:
+            self.stalls += 1
+            self._release_cached_segments()
+            if self.reserved + segment_bytes > self.limit:
+                self.failures += 1
+        segment = self._next_segment
+        self._next_segment += 1
+        self.segments[segment] = segment_bytes
+        block = _Block(segment, 0, segment_bytes, True, small)
+        self.blocks[segment] = {0: block}
+        self.pools[small].add(block)
+        self.reserved += segment_bytes
+        self.reservations += 1
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        return segment, 0
+
+    def _release_cached_segments(self) -> None:
+        """``release_cached_blocks``: give every entirely free segment back to the device."""
+        for segment, blocks in list(self.blocks.items()):
+            if len(blocks) == 1 and blocks[0].free and blocks[0].size == self.segments[segment]:
+                self.pools[blocks[0].small].remove(blocks[0])
+                del self.blocks[segment]
+                self.reserved -= self.segments.pop(segment)
+
+
+def replay_caching_allocator(plan: Plan, limit_bytes: int | None = None) -> AllocatorReport:
+    """Replay ``plan``'s device allocations and frees, in instruction order, through the caching
+    allocator model with a device limit of ``limit_bytes`` (default: the plan's budget)."""
+    limit = plan.budget_bytes if limit_bytes is None else limit_bytes
+    found = residencies(plan)
+    events = sorted([(r.start, 1, k) for k, r in enumerate(found)] + [(r.end, 0, k) for k, r in enumerate(found)])
+    model = CachingAllocatorModel(limit)
+    held: dict[int, _Block] = {}
+    live = live_peak = 0
+    for _, is_alloc, k in events:  # at one instruction, frees come before allocations
+        if is_alloc:
+            held[k] = model.allocate(found[k].nbytes)
+            live += found[k].nbytes
+            live_peak = max(live_peak, live)
+        else:
+            model.free(held.pop(k))
+            live -= found[k].nbytes
+    return AllocatorReport(stalls=model.stalls, failures=model.failures, segments=model.reservations,
+                           reserved_peak_bytes=model.reserved_peak, live_peak_bytes=live_peak, limit_bytes=limit)
+
+
+
+
+def fragmentation_figures(plan: Plan) -> dict[str, int]:
+    """What fragmentation costs ``plan`` either way (bytes, counts): the caching allocator model at the
+    plan's budget, and a static arena (the plan's own layout, or one ``assign_offsets`` finds)."""
+    from hyperoffload.layout import arena_stalls, assign_offsets
+
+    layout = plan.layout if plan.layout is not None else assign_offsets(plan)
+    report = replay_caching_allocator(plan)
+    return {"arena_bytes": layout.arena_bytes, "arena_stalls": arena_stalls(layout),
+            "allocator_stalls": report.stalls, "allocator_failures": report.failures,
+            "allocator_reserved_bytes": report.reserved_peak_bytes}
+
+
+__all__ = ["AllocatorReport", "CachingAllocatorModel", "fragmentation_figures", "replay_caching_allocator"]
