@@ -183,13 +183,14 @@ def replay_caching_allocator(plan: Plan, limit_bytes: int | None = None) -> Allo
 
 
 
-def fragmentation_figures(plan: Plan) -> dict[str, int]:
-    """What fragmentation costs ``plan`` either way (bytes, counts): the caching allocator model at the
-    plan's budget, and a static arena (the plan's own layout, or one ``assign_offsets`` finds)."""
+def fragmentation_figures(plan: Plan, limit_bytes: int | None = None) -> dict[str, int]:
+    """What fragmentation costs ``plan`` either way (bytes, counts): the caching allocator model with a
+    device limit of ``limit_bytes`` (default: the plan's budget), and a static arena (the plan's own
+    layout, or one ``assign_offsets`` finds)."""
     from hyperoffload.layout import arena_stalls, assign_offsets
 
     layout = plan.layout if plan.layout is not None else assign_offsets(plan)
-    report = replay_caching_allocator(plan)
+    report = replay_caching_allocator(plan, limit_bytes)
     return {"arena_bytes": layout.arena_bytes, "arena_stalls": arena_stalls(layout),
             "allocator_stalls": report.stalls, "allocator_failures": report.failures,
             "allocator_reserved_bytes": report.reserved_peak_bytes}
