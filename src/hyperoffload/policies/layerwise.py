@@ -28,6 +28,8 @@ POLICY = "layerwise"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerwiseConfig:
+    """Knobs of the saved-tensor hooks."""
+
     min_offload_bytes: int = 1024
     """Saved activations smaller than this (bytes) stay on the device (torchtune's default)."""
 

@@ -39,6 +39,8 @@ POLICY = "reactive"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReactiveConfig:
+    """Knobs of the swapping runtime."""
+
     lookahead: int = 0
     """How many ops after the current one have their missing inputs fetched ahead (0: on demand only)."""
 

@@ -36,6 +36,8 @@ POLICY = "xla-hidden"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class XlaHiddenConfig:
+    """Knobs of the budgeted host offload."""
+
     min_bytes: int | None = None
     """Storages smaller than this (bytes) are not candidates; None: 1/10,000 of the no-offload peak (the
     HyperOffload planner's default, so both choose among the same spans)."""
