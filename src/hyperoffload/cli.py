@@ -280,7 +280,10 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     import time
 
     from hyperoffload.allocator_model import fragmentation_figures
+    from hyperoffload.analysis.window_bound import window_bound
     from hyperoffload.budgets import parse_budget
+    from hyperoffload.plans import Kind
+    from hyperoffload.units import format_seconds
     from hyperoffload.policies import get_policy
     from hyperoffload.report.figures import figures_table
     from hyperoffload.verify import verify
@@ -306,6 +309,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         timeline = verify(plan, hardware)
     with err.status("Laying out memory and replaying the caching allocator..."):
         memory = fragmentation_figures(plan)
+        window = window_bound(program, hardware, budget, [i.target for i in plan.instructions
+                                                          if i.kind is Kind.COMPUTE]).seconds
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
     if figures.steady_state:
@@ -323,7 +328,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                           "hardware": hardware.name, "policy": args.policy, **figures.as_dict(),
                           "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
                           "instructions": len(plan.instructions), "static_layout": plan.layout is not None,
-                          **memory}))
+                          "window_bound_s": window, **memory}))
         return 0
     out.print(figures_table(figures, title=title, hardware=hardware))
     arena = "the plan's static arena" if plan.layout is not None else "a static arena would take"
@@ -336,7 +341,9 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                   f"{format_bytes(figures.peak_bytes)}, the budget is {format_bytes(budget)}[/yellow]")
     elif figures.bound_s is not None:
         out.print(f"planned in {plan_s:.1f} s; step_s / bound_s = {figures.step_s / figures.bound_s:.3f}, "
-                  f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}")
+                  f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}, step_s / window_bound_s "
+                  f"= {figures.step_s / window:.3f} (no plan in this op order can beat window_bound_s "
+                  f"{format_seconds(window)})")
     return 0
 
 
@@ -502,15 +509,12 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
                   title_justify="left")
     for column in ("figure", "value", "note"):
         table.add_column(column)
-    table.add_row("wall_s", format_seconds(figures.wall_s), f"median of {config.steps} steps after {config.warmup} "
-                  f"warm-up; unplanned {format_seconds(figures.unplanned_wall_s)}")
+    table.add_row("wall_s", format_seconds(figures.wall_s),
+                  f"median of {config.steps} steps; fastest {format_seconds(figures.wall_min_s)}")
+    table.add_row("unplanned_wall_s", format_seconds(figures.unplanned_wall_s), "the same step without offloading")
     table.add_row("sim_step_s", format_seconds(figures.sim_step_s),
-                  f"cpu-emulated at the link's speed, per-op cost measured through the executor; compute_s "
-                  f"{format_seconds(figures.sim_compute_s)} (with the bare aten call's cost: "
-                  f"{format_seconds(result['sim_step_s_uncalibrated'])})")
-    table.add_row("sim_error", f"{figures.sim_error:.3f}", f"|sim_step_s - wall_s| / wall_s; against the fastest step "
-                  f"({format_seconds(figures.wall_min_s)}, the least disturbed by other work): "
-                  f"{figures.sim_error_min:.3f}")
+                  f"simulated; compute alone {format_seconds(figures.sim_compute_s)}")
+    table.add_row("sim_error", f"{figures.sim_error:.3f}", f"{figures.sim_error_min:.3f} against the fastest step")
     table.add_row("measured_peak_bytes", format_bytes(figures.measured_peak_bytes),
                   f"budget {format_bytes(budget)}: within" if within else
                   f"over the budget of {format_bytes(budget)}: policy {args.policy} does not meet it")
@@ -520,6 +524,11 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
                   f"waited {format_seconds(figures.copy_wait_s)} for copies, {format_seconds(figures.memory_wait_s)} "
                   f"for memory")
     out.print(table)
+    peak = memory_profile(program).peak_bytes
+    out.print(f"Moving {format_bytes(figures.h2d_bytes)} each way per step kept the step at "
+              f"{format_bytes(figures.measured_peak_bytes)} ({figures.measured_peak_bytes / peak:.0%} of its "
+              f"{format_bytes(peak)} peak), {figures.wall_s / figures.unplanned_wall_s:.2f}x the unplanned step's time; "
+              f"the simulator predicted {figures.sim_step_s / figures.unplanned_wall_s:.2f}x.", highlight=False)
     return 0 if exact else 1
 
 
