@@ -4,7 +4,9 @@ smallest feasible one, on the issue's scenarios (simulated; BENCHMARKS.md figure
 Each row plans with the hyperoffload policy, verifies the plan (budget and invariants) and simulates it.
 Columns: step_s / bound_s (the project's target is <= 1.05), step_s / lower_bound_s (against the plan's
 own traffic), and step_s / duplex_bound_s, where duplex_bound_s (a simulator figure) also charges the
-link's both-directions penalty: moving the excess E each way takes at least E * min(1 / duplex_share, 2) / bw.
+link's both-directions penalty: moving the excess E each way takes at least E * min(1 / duplex_share, 2) / bw,
+and step_s / window_bound_s, the bound no plan in the same op order can beat (``analysis.window_bound``: the
+excess must leave between its last write and the peak and return between the peak and its next use).
 
     .venv/bin/python bench/plan_tables.py                          # every scenario (several minutes)
     .venv/bin/python bench/plan_tables.py --scenario llama3-8b:h100-sxm
@@ -18,7 +20,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from hyperoffload.analysis import memory_profile
+from hyperoffload.analysis import memory_profile, window_bound
 from hyperoffload.budgets import hideable_budget
 from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import Kind
@@ -48,17 +50,19 @@ def table_for(name: str, console: Console) -> None:
                                           if peak * share >= least] + [("smallest", least)]
     table = Table(title=f"{workload} training (batch 1, seq 4096, bf16 / fp32 AdamW) on {hardware_name}: "
                         f"no-offload peak {peak / 2**30:.1f} GiB", title_justify="left")
-    for column in ("budget", "GiB", "step_s", "bound_s", "step/bound", "step/lower", "step/duplex", "slowdown",
-                   "moved GiB", "stalls", "order", "plan_s"):
+    for column in ("budget", "GiB", "step_s", "bound_s", "step/bound", "step/lower", "step/duplex", "step/window",
+                   "slowdown", "moved GiB", "stalls", "order", "plan_s"):
         table.add_column(column, justify="right")
     for label, budget in budgets:
         start = time.perf_counter()
         plan = plan_hyperoffload(program, hardware, budget)
         plan_s = time.perf_counter() - start
         f = verify(plan, hardware).figures
+        window = window_bound(program, hardware, budget, [i.target for i in plan.instructions
+                                                          if i.kind is Kind.COMPUTE]).seconds
         table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
                       f"{f.step_s / f.bound_s:.3f}", f"{f.step_s / f.lower_bound_s:.3f}",
-                      f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.slowdown:.3f}",
+                      f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.step_s / window:.3f}", f"{f.slowdown:.3f}",
                       f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), _order(plan), f"{plan_s:.1f}")
     console.print(table)
 

@@ -1,0 +1,135 @@
+"""A lower bound on the step time of any plan that runs a step's ops in a given order under a budget.
+
+``bound_s`` (BENCHMARKS.md) lets the excess cross the link at any time. It cannot: at the op where
+the unplanned step peaks, at least ``excess`` bytes of the storages live there must be off the device
+(in the simulator, their memory is returned only once their offload has landed), and each of them:
+
+* was offloaded after its last write before the peak (a storage never written in the step needs no
+  offload: its remote copy stays current), in this step or, for state kept remote between steps,
+  the previous one: the *D2H window* runs from the earliest such write to the peak;
+* comes back after the peak and before its next use (in this step, or the next one for state used
+  only before the peak): the *H2D window* runs from the peak to the latest such use.
+
+The windows are fixed stretches of the op order. Their compute time is known; any time the copies
+need beyond it is a stall that lengthens the step. Where the windows of consecutive steps overlap,
+both directions copy at once and share the link (``duplex_share``). The bound is the compute time
+plus the least stall that lets ``excess`` bytes (less those the step never writes) leave within the
+D2H window and ``excess`` bytes (less the step's outputs, which may stay remote, and storages nothing
+reads again) return within the H2D window; it takes the widest windows any storage live at the peak has, so it holds for every
+plan in that order, whatever it moves. It is exact about the structure it sees and says nothing of
+budgets below the peak elsewhere (a plan must also meet those), so real plans sit above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyperoffload.cost import op_times
+from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
+from hyperoffload.plans import check_plan, plan_without_offload
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowBound:
+    """The bound and what sets it (seconds, bytes, op positions in the order)."""
+
+    seconds: float
+    """No plan in this order under this budget steps faster (simulator semantics)."""
+    compute_s: float
+    peak_position: int
+    """Position (in the order) of the op where the unplanned step peaks."""
+    excess_bytes: int
+    d2h_window_s: float
+    """Compute time of the D2H window (from the earliest last write before the peak to the peak)."""
+    h2d_window_s: float
+    """Compute time of the H2D window (from the peak to the latest next use)."""
+    overlap_s: float
+    """Compute time in which the two windows of consecutive steps overlap (both directions copy)."""
+
+
+def window_bound(program: Program, hardware: Hardware, budget_bytes: int,
+                 order: Sequence[int] | None = None) -> WindowBound:
+    """The window bound of ``program`` run in ``order`` (default: as captured) under ``budget_bytes``."""
+    order = list(range(len(program.ops))) if order is None else list(order)
+    times = np.asarray(op_times(program, hardware), dtype=np.float64)[order]
+    compute = float(times.sum())
+    checked = check_plan(plan_without_offload(program, order))
+    live = np.asarray(checked.live_bytes, dtype=np.int64)
+    if live.size == 0 or live.max() <= budget_bytes:
+        return WindowBound(seconds=compute, compute_s=compute, peak_position=-1, excess_bytes=0, d2h_window_s=0.0,
+                           h2d_window_s=0.0, overlap_s=0.0)
+    p = int(live.argmax())
+    excess = int(live[p] - budget_bytes)
+    n = len(order)
+    values = program.values
+    uses: dict[int, list[int]] = {}
+    writes: dict[int, list[int]] = {}
+    for position, op_id in enumerate(order):
+        op = program.ops[op_id]
+        for s in {values[v].storage for v in (*op.inputs, *op.outputs)}:
+            uses.setdefault(s, []).append(position)
+        for s in {values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage}:
+            writes.setdefault(s, []).append(position)
+    held_at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
+    outputs = {values[v].storage for v in program.outputs}
+    working = {values[v].storage for v in (*program.ops[order[p]].inputs, *program.ops[order[p]].outputs)}
+    candidates = [s for s in _live_at(program, checked, order, p, held_at_start) if s not in working]
+    read_only = sum(values[s].alloc_bytes for s in candidates if s not in writes)
+    # Outputs may stay in remote memory at the end of the step, and a storage nothing reads again
+    # need not come back at all.
+    returned = sum(values[s].alloc_bytes for s in candidates if s in outputs or not uses.get(s))
+    d_start, h_end = p, p  # positions; d_start may be negative (previous step), h_end past n (next step)
+    for s in candidates:
+        w = writes.get(s)
+        if w:
+            before = [x for x in w if x < p]
+            d_start = min(d_start, before[-1] if before else w[-1] - n)
+        after = [x for x in uses.get(s, []) if x > p]
+        if after:
+            h_end = max(h_end, after[0])
+        elif uses.get(s):
+            h_end = max(h_end, uses[s][0] + n)
+    cumulative = np.concatenate(([0.0], np.cumsum(times)))  # time at the start of each position
+
+    def at(position: int) -> float:  # wrapped positions map onto neighbouring steps
+        k, r = divmod(position, n)
+        return k * compute + cumulative[r]
+
+    d_window = at(p) - at(d_start + 1)  # the offload starts after the writing op has finished
+    h_window = at(h_end) - at(p + 1)  # the prefetch is allocated after the peak op and lands before the use
+    # The next step's D2H window begins where this step's H2D window may still be open: if they meet,
+    # a stall there lengthens both, and the two directions can copy at once (sharing the link).
+    # Otherwise every second a copy needs beyond its own window is a stall of its own.
+    overlap = d_window + h_window - (compute - float(times[p]))
+    meet = overlap >= 0.0
+    overlap = max(0.0, overlap)
+    d_need = max(0.0, (excess - read_only) / hardware.d2h_bw - (d_window - overlap))
+    h_need = max(0.0, (excess - returned) / hardware.h2d_bw - (h_window - overlap))
+    share = hardware.duplex_share
+    if meet:
+        together = min(d_need, h_need) / share + abs(d_need - h_need) if share > 0.5 else d_need + h_need
+        extra = max(0.0, together - overlap)
+    else:
+        extra = d_need + h_need
+    seconds = compute + extra
+    return WindowBound(seconds=seconds, compute_s=compute, peak_position=p, excess_bytes=excess,
+                       d2h_window_s=d_window, h2d_window_s=h_window, overlap_s=overlap)
+
+
+def _live_at(program: Program, checked, order: list[int], p: int, held_at_start: set[int]) -> list[int]:
+    """Storages allocated on the device while the op at position ``p`` runs, in the unplanned order."""
+    values = program.values
+    live = set(held_at_start)
+    for position in range(p + 1):
+        op = program.ops[order[position]]
+        live.update(o for o in op.outputs if values[o].owns_storage)
+        if position < p:
+            live.difference_update(checked.frees_after[position])
+    return sorted(s for s in live if values[s].alloc_bytes > 0)
+
+
+__all__ = ["WindowBound", "window_bound"]
