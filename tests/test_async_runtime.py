@@ -248,6 +248,8 @@ def test_failed_copy_raises_on_the_callers_thread_and_the_next_step_runs(capture
         with pytest.raises(TransferError, match="h2d copy of .* failed: link reset") as raised:
             executor.run(planned, [t.clone() for t in captured.inputs])
         assert failures[0] in str(raised.value)
+        if hasattr(raised.value, "__notes__"):
+            assert "stopped at instruction #" in raised.value.__notes__[0]
         assert all(h.settled() for h in recording.handles), "a copy was still running after the step failed"
         inputs = [t.clone() for t in captured.inputs]
         run = executor.run(planned, inputs)

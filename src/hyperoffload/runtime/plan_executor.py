@@ -407,13 +407,13 @@ class _Step:
         for flight in list(self.holding):
             if self.bytes.total + nbytes <= budget:
                 break
-            if not self._in_env(flight.device):
+            if not self._referenced_elsewhere(flight.device):
                 self.transfers.synchronize(flight.handle)
                 self._finished(flight)
         self.holding = [f for f in self.holding if f.held]
         self.memory_wait_s += time.perf_counter() - start
 
-    def _in_env(self, storage: torch.UntypedStorage) -> bool:
+    def _referenced_elsewhere(self, storage: torch.UntypedStorage) -> bool:
         """Whether something besides one transfer (the device tier, another transfer) references ``storage``."""
         return self.bytes.references(storage) > 1
 
@@ -422,6 +422,7 @@ class _Step:
         start = time.perf_counter()
         initial_bytes = self.bytes.total
         live: list[int] = []
+        i = -1
         try:
             with torch.no_grad():
                 for i, ins in enumerate(self.plan.instructions):
@@ -438,9 +439,15 @@ class _Step:
                         self.drop_storage(freed)
                     if on_instruction is not None:
                         on_instruction(i)
+                i = len(self.plan.instructions)
                 outputs, state = self._finish()
-        except BaseException:
+        except BaseException as error:
             self.transfers.abort([f.handle for f in self.started])
+            if hasattr(error, "add_note"):  # Python 3.11+: say where, and that nothing is left running
+                where = (f"instruction #{i} ({self.plan.instructions[i].describe(self.program)})"
+                         if 0 <= i < len(self.plan.instructions) else "the end of the step")
+                error.add_note(f"hyperoffload: the step of {self.program.name} stopped at {where}; every copy it "
+                               f"had started was stopped or finished first")
             raise
         carried = len(self.carried)
         return PlanRun(outputs=outputs, live_bytes=tuple(live), peak_bytes=max(live, default=initial_bytes),
