@@ -162,10 +162,12 @@ def test_joint_plan_run_on_two_tiers_measures_the_planned_peak_and_unplanned_res
     assert unplanned.peak_bytes == record.unplanned_peak_bytes
     assert len(planned.outputs) == len(unplanned.outputs)
     assert all(torch.equal(a, b) for a, b in zip(planned.outputs, unplanned.outputs))
-    # The same plan with real asynchronous copies on an emulated link (copy threads): same bytes, same results.
+    # The same plan with real asynchronous copies on an emulated link (copy threads): within the budget
+    # (a released tensor counts until its copy out lands, so the measured peak depends on timing) and
+    # the same results.
     link = EmulatedLink(h2d_bw=20e9, d2h_bw=20e9, h2d_latency_s=5e-6, d2h_latency_s=5e-6)
     overlapped = run_async(record.plan, [t.clone() for t in inputs], link=link)
-    assert overlapped.peak_bytes == record.planned_peak_bytes
+    assert record.planned_peak_bytes <= overlapped.peak_bytes <= record.plan.budget_bytes
     assert all(torch.equal(a, b) for a, b in zip(overlapped.outputs, unplanned.outputs))
 
 
