@@ -95,7 +95,12 @@ def tiny_reference(tiny_train):
     return run_reference(tiny_train.program, inputs).outputs, inputs
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+# ``none`` and ``zero-infinity`` with DeepSpeed's defaults move nothing on tiny-llama: nothing to check;
+# ``distance short`` runs the same code as ``distance`` (its plans are checked above).
+MOVING = [name for name in VARIANTS if name not in ("none", "zero-infinity", "distance short")]
+
+
+@pytest.mark.parametrize("name", MOVING)
 def test_plans_at_half_the_peak_run_bit_identically(tiny_train, tiny_reference, name):
     """The unplanned step's loss, gradients, parameters and AdamW state, bit for bit, and the executor's
     measured device bytes equal the plan's own accounting."""
@@ -109,7 +114,7 @@ def test_plans_at_half_the_peak_run_bit_identically(tiny_train, tiny_reference, 
     assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))
     assert planned.live_bytes == check_plan(plan).live_bytes
     moved = sum(program.values[i.target].alloc_bytes for i in plan.instructions if i.kind is Kind.PREFETCH)
-    assert planned.h2d_bytes == moved
+    assert planned.h2d_bytes == moved > 0
 
 
 def lru_program():
