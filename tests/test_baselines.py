@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from programs import op, program, random_programs, simple_hardware, value
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.budgets import parse_budget
@@ -16,13 +17,22 @@ from hyperoffload.cost import op_times
 from hyperoffload.hardware import get_hardware
 from hyperoffload.ir import Phase, ValueKind
 from hyperoffload.plans import Instr, Kind, check_plan
-from hyperoffload.policies import (BASELINES, POLICIES, DistanceConfig, ReactiveConfig, ZeroInfinityConfig,
-                                   plan_distance, plan_layerwise, plan_reactive, plan_xla_hidden, plan_zero_infinity)
+from hyperoffload.policies import (
+    BASELINES,
+    POLICIES,
+    DistanceConfig,
+    ReactiveConfig,
+    ZeroInfinityConfig,
+    plan_distance,
+    plan_layerwise,
+    plan_reactive,
+    plan_xla_hidden,
+    plan_zero_infinity,
+)
 from hyperoffload.policies.common import elements
 from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
-from programs import op, program, random_programs, simple_hardware, value
 
 H100 = get_hardware("h100-sxm")
 # DeepSpeed's limits scaled to tiny-llama (its largest tensors have 65,536 elements), so that the policy
@@ -143,7 +153,7 @@ def test_reactive_lookahead_fetches_ahead():
               value(6, 4)]
     ops = [op(0, [0], [1]), op(1, [0], [2]), op(2, [0], [3]), op(3, [2, 3], [4]), op(4, [0], [5]), op(5, [1], [6])]
     prog = program(values, ops, [0], [4, 5, 6])
-    kinds = lambda plan: [i.kind for i in plan.instructions]  # noqa: E731
+    kinds = lambda plan: [i.kind for i in plan.instructions]
     on_demand = plan_reactive(prog, simple_hardware(), 212)
     ahead = plan_reactive(prog, simple_hardware(), 212, ReactiveConfig(lookahead=2))
     for plan in (on_demand, ahead):

@@ -170,4 +170,4 @@ def sweep(program: Program, hardware: Hardware, *, vary: str, values: Sequence[s
     return points
 
 
-__all__ = ["PolicyResult", "SweepPoint", "VARIES", "compare", "run_policy", "sweep"]
+__all__ = ["VARIES", "PolicyResult", "SweepPoint", "compare", "run_policy", "sweep"]

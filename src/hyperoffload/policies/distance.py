@@ -22,6 +22,7 @@ one, and its peak is what the policy needs.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 from hyperoffload.hardware import Hardware
@@ -56,7 +57,7 @@ def plan_distance(program: Program, hardware: Hardware, budget_bytes: int,
     for s, positions in uses.positions.items():
         if program.values[s].alloc_bytes == 0:
             continue
-        long = [(a, b) for a, b in zip(positions, positions[1:]) if b - a > config.select_distance]
+        long = [(a, b) for a, b in itertools.pairwise(positions) if b - a > config.select_distance]
         if long:
             gaps[s] = long
     chosen = sorted(gaps, key=lambda s: (gaps[s][0][0], s))[:config.select_num]
