@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--values", required=True, metavar="V1,V2,...",
                        help="comma-separated values: rates (8GB/s,16GB/s) or budgets (40GiB,60%%,hideable)")
     sweep.add_argument("--plot", metavar="FILE", help="write a PNG of step time against the varied quantity")
+    for parser_, rows in ((compare, "one per policy"), (sweep, "one per value and policy")):
+        for action in parser_._actions:
+            if action.dest == "json":
+                action.help = f"print a JSON list of objects ({rows}) instead of tables"
     run = commands.add_parser("run", help="run planned steps for real on an emulated link and compare with the "
                                           "unplanned step and the simulator")
     _add_step_arguments(run)
