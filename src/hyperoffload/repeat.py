@@ -48,12 +48,35 @@ def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
     instructions: list[Instr] = []
     starts: list[int] = []
     n_ops = len(program.ops)
+    # An earlier step's outputs are not held through later steps, so one released after its last device
+    # use has already been freed there (by the automatic free after that use, to the same effect).
+    returned = {program.values[v].storage for v in program.outputs} - shared
+    freed_anyway = _releases_after_last_use(plan, returned)
     for k, mapping in enumerate(maps):
         starts.append(len(instructions))
-        for ins in plan.instructions:
+        for i, ins in enumerate(plan.instructions):
             if ins.kind is Kind.COMPUTE:
                 instructions.append(Instr(Kind.COMPUTE, ins.target + k * n_ops))
+            elif i in freed_anyway and k < len(maps) - 1:
+                continue
             else:
                 instructions.append(Instr(ins.kind, mapping[ins.target]))
     return (Plan(program=repeated, instructions=tuple(instructions), policy=plan.policy,
                  budget_bytes=plan.budget_bytes, initial_remote=plan.initial_remote), tuple(starts))
+
+
+def _releases_after_last_use(plan: Plan, storages: set[int]) -> set[int]:
+    """Indices of releases of ``storages`` that no compute or prefetch of the same storage follows."""
+    values = plan.program.values
+    result: set[int] = set()
+    used_later: set[int] = set()
+    for i in range(len(plan.instructions) - 1, -1, -1):
+        ins = plan.instructions[i]
+        if ins.kind is Kind.COMPUTE:
+            op = plan.program.ops[ins.target]
+            used_later.update(values[v].storage for v in (*op.inputs, *op.outputs))
+        elif ins.kind is Kind.PREFETCH:
+            used_later.add(ins.target)
+        elif ins.kind is Kind.RELEASE and ins.target in storages and ins.target not in used_later:
+            result.add(i)
+    return result

@@ -138,15 +138,16 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
 
 
 def _keeps_state_remote(plan: Plan) -> bool:
-    """Whether storages that start the step in remote memory are back there when it ends, so that the
-    plan can run step after step."""
+    """Whether the plan starts some inputs in remote memory and ends every input where it started, so
+    that it can run step after step. (A plan that leaves inputs elsewhere is timed as a single step.)"""
     if not plan.initial_remote:
         return False
-    on_device = {s: False for s in plan.initial_remote}
+    values = plan.program.values
+    on_device = {values[v].storage: values[v].storage not in plan.initial_remote for v in plan.program.inputs}
     for ins in plan.instructions:
         if ins.target in on_device and ins.kind in (Kind.PREFETCH, Kind.RELEASE):
             on_device[ins.target] = ins.kind is Kind.PREFETCH
-    return not any(on_device.values())
+    return all(on_device[s] == (s not in plan.initial_remote) for s in on_device)
 
 
 def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> Timeline:
