@@ -268,6 +268,8 @@ def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *,
 
     flat = [p.detach() for _, p in params] + [b for _, b in buffers] + cache_flat + [tokens, start]
     kinds = [ValueKind.PARAMETER] * n_state + [ValueKind.KV_CACHE] * len(cache_flat) + [ValueKind.INPUT] * 2
-    input_names = [*names, *(f"kv_cache.{i}" for i in range(len(cache_flat))), "tokens", "start"]
+    # A model may name its cache tensors (``cache_names()``, in flattening order); else they are numbered.
+    cache_names = model.cache_names() if hasattr(model, "cache_names") else range(len(cache_flat))
+    input_names = [*names, *(f"kv_cache.{n}" for n in cache_names), "tokens", "start"]
     return _trace(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
                   meta={"mode": "decode", "context": context, **(meta or {})})

@@ -6,7 +6,6 @@ import torch
 
 from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_step, capture_prefill_step,
                                   capture_train_step, default_dtype, fake_build)
-from hyperoffload.workloads.llama import Llama
 from hyperoffload.workloads.presets import Workload
 
 MODES = ("train", "prefill", "decode")
@@ -38,7 +37,7 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
     if not fake:
         torch.manual_seed(seed)
     with fake_build(workload.dtype) if fake else default_dtype(workload.dtype):
-        model = Llama(workload.config)
+        model = workload.model(workload.config)
         tokens = torch.randint(0, vocab, (batch, 1 if mode == "decode" else seq))
         targets = torch.randint(0, vocab, (batch, seq))
     if mode == "train":
