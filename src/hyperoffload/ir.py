@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from weakref import WeakKeyDictionary
 from typing import Any
 
 
@@ -94,7 +95,7 @@ class Op:
         return self.flops == 0 and self.bytes_read == 0 and self.bytes_written == 0 and not self.mutates
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False, weakref_slot=True)
 class Program:
     """A captured step: values, ops in a valid order, the step's inputs and outputs.
 
@@ -140,7 +141,14 @@ class Program:
         Data dependencies (producer before reader) plus storage hazards: an op that
         writes a storage keeps its captured order relative to every other op touching
         that storage, so a reorder never reads a half-updated tensor or a stale one.
+        Computed once per program (every plan check needs it; the program never changes).
         """
+        cached = _DEPENDENCIES.get(self)
+        if cached is None:
+            cached = _DEPENDENCIES[self] = self._dependencies()
+        return cached
+
+    def _dependencies(self) -> tuple[tuple[int, ...], ...]:
         producer = self.producers()
         deps: list[set[int]] = [set() for _ in self.ops]
         for op in self.ops:
@@ -177,6 +185,9 @@ class Program:
                 if position[d] > position[op.id]:
                     raise ValueError(
                         f"order runs {op.name} ({op.target}) before {self.ops[d].name}, which it depends on")
+
+
+_DEPENDENCIES: WeakKeyDictionary[Program, tuple[tuple[int, ...], ...]] = WeakKeyDictionary()
 
 
 def verify_program(program: Program) -> None:

@@ -27,6 +27,7 @@ remote memory; and, with a budget, the bytes allocated in instruction order neve
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -123,6 +124,7 @@ def check_plan(plan: Plan) -> PlanCheck:
     # Last device use of every storage (compute read/write, or offload), for automatic frees and for
     # knowing whether a released value is needed again.
     uses: dict[int, list[int]] = {}
+    compute_uses: dict[int, list[int]] = {}
     for i, ins in enumerate(instrs):
         if ins.kind is Kind.COMPUTE:
             if not 0 <= ins.target < len(program.ops):
@@ -130,13 +132,13 @@ def check_plan(plan: Plan) -> PlanCheck:
             op = program.ops[ins.target]
             for s in {storage_of[v] for v in (*op.inputs, *op.outputs)}:
                 uses.setdefault(s, []).append(i)
+                compute_uses.setdefault(s, []).append(i)
         else:
             if not 0 <= ins.target < len(values) or storage_of[ins.target] != ins.target:
                 raise PlanError(i, f"{ins.kind.value} of value id {ins.target}, which is not a storage owner")
             if ins.kind is Kind.OFFLOAD:
                 uses.setdefault(ins.target, []).append(i)
     last_use = {s: u[-1] for s, u in uses.items()}
-    compute_uses = {s: [i for i in u if instrs[i].kind is Kind.COMPUTE] for s, u in uses.items()}
 
     on_device: dict[int, bool] = {}
     ready: dict[int, bool] = {}
@@ -221,7 +223,8 @@ def check_plan(plan: Plan) -> PlanCheck:
                 raise PlanError(i, f"release of {name(s)}: it is not on the device")
             if s in pending and pending[s][0] is Kind.PREFETCH:
                 raise PlanError(i, f"release of {name(s)} while its prefetch #{pending[s][1]} is in flight")
-            later = [u for u in compute_uses.get(s, []) if u > i]
+            at = compute_uses.get(s, [])
+            later = at[bisect.bisect_right(at, i):]
             if remote.get(s) is None and (later or s in held):
                 where = f"it is used again by #{later[0]}" if later else "the step returns or keeps it"
                 raise PlanError(i, f"release of {name(s)} loses its data: no offload since it was last "

@@ -22,33 +22,41 @@ class Lane:
         self.ends: list[float] = []
         self.min_gap = min_gap
 
-    def _overlap(self, begin: float, end: float) -> int:
-        """Index of a reservation overlapping [begin, end), or -1."""
-        k = bisect.bisect_right(self.starts, begin) - 1
-        for j in (k, k + 1):
-            if 0 <= j < len(self.starts) and self.starts[j] < end and begin < self.ends[j]:
-                return j
-        return -1
-
     def earliest(self, op_start: list[float], lowest: int, duration: float, limit: int) -> int:
         """The first position q in [lowest, limit) whose start (``op_start``, ascending, seconds) leaves
         ``duration`` free, or -1."""
+        starts, ends, count = self.starts, self.ends, len(self.starts)
+        bisect_right, bisect_left = bisect.bisect_right, bisect.bisect_left  # hot loop: local names
         q = lowest
         while q < limit:
-            j = self._overlap(op_start[q], op_start[q] + duration)
-            if j < 0:
+            begin = op_start[q]
+            end = begin + duration
+            k = bisect_right(starts, begin) - 1  # the reservation at or before begin, and the next one
+            if k >= 0 and ends[k] > begin and starts[k] < end:
+                j = k
+            elif k + 1 < count and starts[k + 1] < end:
+                j = k + 1
+            else:
                 return q
-            q = max(q + 1, bisect.bisect_left(op_start, self.ends[j]))
+            q = max(q + 1, bisect_left(op_start, ends[j]))
         return -1
 
     def latest(self, op_start: list[float], highest: int, duration: float, deadline: float, lowest: int) -> int:
         """The last position q in [lowest, highest] with start + duration <= deadline and free, or -1."""
-        q = min(highest, bisect.bisect_right(op_start, deadline - duration) - 1)
+        starts, ends, count = self.starts, self.ends, len(self.starts)
+        bisect_right = bisect.bisect_right
+        q = min(highest, bisect_right(op_start, deadline - duration) - 1)
         while q >= lowest:
-            j = self._overlap(op_start[q], op_start[q] + duration)
-            if j < 0:
+            begin = op_start[q]
+            end = begin + duration
+            k = bisect_right(starts, begin) - 1
+            if k >= 0 and ends[k] > begin and starts[k] < end:
+                j = k
+            elif k + 1 < count and starts[k + 1] < end:
+                j = k + 1
+            else:
                 return q
-            q = min(q - 1, bisect.bisect_right(op_start, self.starts[j] - duration) - 1)
+            q = min(q - 1, bisect_right(op_start, starts[j] - duration) - 1)
         return -1
 
     def reserve(self, begin: float, end: float) -> None:
