@@ -25,36 +25,28 @@ class Lane:
     def earliest(self, op_start: list[float], lowest: int, duration: float, limit: int) -> int:
         """The first position q in [lowest, limit) whose start (``op_start``, ascending, seconds) leaves
         ``duration`` free, or -1."""
-        starts, ends, count = self.starts, self.ends, len(self.starts)
-        bisect_right, bisect_left = bisect.bisect_right, bisect.bisect_left  # hot loop: local names
+        starts, ends = self.starts, self.ends  # hot loop: local names
+        bisect_left = bisect.bisect_left
         q = lowest
         while q < limit:
             begin = op_start[q]
             end = begin + duration
-            k = bisect_right(starts, begin) - 1  # the reservation at or before begin, and the next one
-            if k >= 0 and ends[k] > begin and starts[k] < end:
-                j = k
-            elif k + 1 < count and starts[k + 1] < end:
-                j = k + 1
-            else:
+            j = _blocker(starts, ends, begin, end)
+            if j < 0:
                 return q
             q = max(q + 1, bisect_left(op_start, ends[j]))
         return -1
 
     def latest(self, op_start: list[float], highest: int, duration: float, deadline: float, lowest: int) -> int:
         """The last position q in [lowest, highest] with start + duration <= deadline and free, or -1."""
-        starts, ends, count = self.starts, self.ends, len(self.starts)
+        starts, ends = self.starts, self.ends
         bisect_right = bisect.bisect_right
         q = min(highest, bisect_right(op_start, deadline - duration) - 1)
         while q >= lowest:
             begin = op_start[q]
             end = begin + duration
-            k = bisect_right(starts, begin) - 1
-            if k >= 0 and ends[k] > begin and starts[k] < end:
-                j = k
-            elif k + 1 < count and starts[k + 1] < end:
-                j = k + 1
-            else:
+            j = _blocker(starts, ends, begin, end)
+            if j < 0:
                 return q
             q = min(q - 1, bisect_right(op_start, starts[j] - duration) - 1)
         return -1
@@ -71,3 +63,14 @@ class Lane:
             del self.starts[k], self.ends[k]
         self.starts.insert(k, begin)
         self.ends.insert(k, end)
+
+
+def _blocker(starts: list[float], ends: list[float], begin: float, end: float) -> int:
+    """Index of a reservation overlapping [begin, end) among sorted, disjoint ones, or -1: only the one at
+    or before ``begin`` and the one after it can."""
+    k = bisect.bisect_right(starts, begin) - 1
+    if k >= 0 and ends[k] > begin and starts[k] < end:
+        return k
+    if k + 1 < len(starts) and starts[k + 1] < end:
+        return k + 1
+    return -1
