@@ -10,7 +10,7 @@ from hyperoffload.capture import fake_build
 from hyperoffload.cli import main
 from hyperoffload.ir import ValueKind
 from hyperoffload.runtime import compare_with_eager
-from hyperoffload.workloads import (DeepSeek, DeepSeekConfig, capture_workload, get_workload, greedy_generate,
+from hyperoffload.workloads import (DeepSeek, DeepSeekConfig, Llama, capture_workload, get_workload, greedy_generate,
                                     greedy_generate_uncached)
 from hyperoffload.workloads.deepseek_attention import nsa_select
 from hyperoffload.workloads.deepseek_moe import MoE, expert_capacity
@@ -34,6 +34,15 @@ def test_cached_greedy_decode_matches_full_rerun():
     assert torch.equal(cached.tokens, full.tokens)
     torch.testing.assert_close(cached.logits, full.logits, rtol=1e-4, atol=1e-4)
     assert cached.tokens.unique().numel() > 10  # not a degenerate constant sequence
+
+
+def test_greedy_generate_serves_the_llama_workload_too():
+    torch.manual_seed(0)
+    model = Llama(get_workload("tiny-llama").config).eval()
+    prompt = torch.randint(0, 512, (1, 10))
+    assert torch.equal(greedy_generate(model, prompt, 12).tokens, greedy_generate_uncached(model, prompt, 12).tokens)
+    with pytest.raises(ValueError, match="steps must be positive"):
+        greedy_generate(model, prompt, 0)
 
 
 def test_gathered_and_dense_branches_agree_on_a_decode_step():

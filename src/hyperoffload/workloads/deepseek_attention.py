@@ -86,7 +86,8 @@ class Compressor(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=False)
 
     def blocks(self, latent: torch.Tensor) -> torch.Tensor:
-        """Every complete-or-not block of ``latent`` (batch, tokens, dim): (batch, blocks, dim)."""
+        """Every block of ``latent`` (batch, tokens, dim) that fits in ``tokens``, whether or not its tokens
+        are written yet (the caller masks blocks that end after the query): (batch, blocks, dim)."""
         windows = latent.unfold(1, self.block, self.stride)  # (batch, blocks, dim, block)
         pooled = (windows * self.position_logits.softmax(0).to(latent.dtype)).sum(-1)
         return self._project(pooled)
@@ -134,8 +135,8 @@ class MLAttention(nn.Module):
         self.compress = Compressor(rank + rope, cfg.nsa_cmp_block, cfg.nsa_cmp_stride)
         self.gates = nn.Linear(cfg.hidden, 3 * heads, bias=False)
         self.scale = (nope + rope) ** -0.5
+        # True forces the dense formulation even for one query, so tests can compare the two.
         self.dense_branches = False
-        """Force the dense formulation even for one query (tests compare the two)."""
 
     def forward(self, x, cos, sin, positions, cache=None):
         cfg = self.cfg
