@@ -85,7 +85,9 @@ class Recording:
 # --- the link ---------------------------------------------------------------------------------------
 
 
-def test_copy_engines_copy_the_bytes_in_order_on_an_ideal_clock_of_latency_plus_bytes_over_bandwidth():
+def test_copy_engines_copy_the_bytes_in_order_and_never_faster_than_latency_plus_bytes_over_bandwidth():
+    # A copy takes the link's time, or the memory system's if this (shared) machine is slower than the
+    # link: the ideal is a lower bound, not a promise about wall time.
     with EmulatedLink(h2d_bw=1e9, d2h_bw=5e8, h2d_latency_s=1e-4, d2h_latency_s=2e-4) as link:
         sources = [torch.randn(4096 * (k + 1)).untyped_storage() for k in range(3)]
         remotes = [torch.UntypedStorage(s.nbytes()) for s in sources]
@@ -95,8 +97,8 @@ def test_copy_engines_copy_the_bytes_in_order_on_an_ideal_clock_of_latency_plus_
         back.wait()
         for t in offloads:
             assert t.done() and t.error is None
-            assert t.end_s - t.start_s == pytest.approx(2e-4 + t.nbytes / 5e8)
-        assert back.end_s - back.start_s == pytest.approx(1e-4 + back.nbytes / 1e9)
+            assert t.end_s - t.start_s >= 2e-4 + t.nbytes / 5e8 - 1e-9  # less float rounding of clock readings
+        assert back.end_s - back.start_s >= 1e-4 + back.nbytes / 1e9 - 1e-9
         # One engine per direction: its copies never overlap; the prefetch starts after the offload it reads.
         for first, second in zip(offloads, offloads[1:]):
             assert second.start_s >= first.end_s
