@@ -34,6 +34,8 @@ class Lane:
             j = _blocker(starts, ends, begin, end)
             if j < 0:
                 return q
+            while j + 1 < len(starts) and starts[j + 1] - ends[j] < duration:
+                j += 1  # a gap shorter than the copy: whatever starts in it runs into the next reservation
             q = max(q + 1, bisect_left(op_start, ends[j]))
         return -1
 
@@ -48,6 +50,8 @@ class Lane:
             j = _blocker(starts, ends, begin, end)
             if j < 0:
                 return q
+            while j > 0 and starts[j] - ends[j - 1] < duration:
+                j -= 1  # a gap shorter than the copy: whatever ends in it started in the previous reservation
             q = min(q - 1, bisect_right(op_start, starts[j] - duration) - 1)
         return -1
 
