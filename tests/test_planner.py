@@ -138,3 +138,18 @@ def test_plan_command_hideable_budget(capsys):
                  "--budget", "hideable", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["bound_s"] == pytest.approx(figures["compute_s"])
+
+
+def test_an_input_used_once_can_stay_remote_for_the_whole_step():
+    """Its cyclic span starts and ends at the same op: it covers every other position, so the smallest
+    budget is never above the peak (it once counted the input twice there)."""
+    from programs import op, program, value
+
+    from hyperoffload.ir import ValueKind
+
+    prog = program([value(0, 4, ValueKind.INPUT), value(1, 0), value(2, 0)], [op(0, [0], [1]), op(1, [1], [2])],
+                   [0], [1])
+    config = PlannerConfig(min_span_bytes=1)
+    least, _ = minimum_budget(prog, config)
+    assert least == 4 == memory_profile(prog).peak_bytes  # op 0 reads it, so 4 bytes must be there then
+    verify(plan_hyperoffload(prog, simple_hardware(), least, config), simple_hardware())

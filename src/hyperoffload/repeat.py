@@ -9,6 +9,7 @@ to back and timing the second gives the period a training loop actually sees.
 from __future__ import annotations
 
 from dataclasses import replace
+from weakref import WeakKeyDictionary
 
 from hyperoffload.ir import Op, Program, Value
 from hyperoffload.plans import Instr, Kind, Plan
@@ -22,34 +23,13 @@ def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
     next step's prefetch of the same storage by the copy lanes, not by the compute stream.
     """
     program = plan.program
-    shared = set(program.inputs) | set(program.constants)
-    values: list[Value] = list(program.values)
-    ops: list[Op] = list(program.ops)
-    maps: list[dict[int, int]] = [{v.id: v.id for v in program.values}]
-    for k in range(1, times):
-        mapping: dict[int, int] = {}
-        for v in program.values:
-            if v.id in shared:
-                mapping[v.id] = v.id
-                continue
-            mapping[v.id] = len(values)
-            values.append(replace(v, id=len(values), name=f"{v.name}#{k + 1}", storage=mapping[v.storage]))
-        for op in program.ops:
-            ops.append(replace(op, id=len(ops), name=f"{op.name}#{k + 1}",
-                               inputs=tuple(mapping[v] for v in op.inputs),
-                               outputs=tuple(mapping[v] for v in op.outputs),
-                               mutates=tuple(mapping[v] for v in op.mutates)))
-        maps.append(mapping)
-    # Earlier steps' outputs are handed to the caller when their step ends, not held through later steps.
-    outputs = tuple(maps[-1][v] for v in program.outputs)
-    repeated = Program(name=program.name, mode=program.mode, values=tuple(values), ops=tuple(ops),
-                       inputs=program.inputs, outputs=outputs, constants=program.constants, meta=program.meta)
-
+    repeated, maps = _repeated(program, times)
     instructions: list[Instr] = []
     starts: list[int] = []
     n_ops = len(program.ops)
     # An earlier step's outputs are not held through later steps, so one released after its last device
     # use has already been freed there (by the automatic free after that use, to the same effect).
+    shared = set(program.inputs) | set(program.constants)
     returned = {program.values[v].storage for v in program.outputs} - shared
     freed_anyway = _releases_after_last_use(plan, returned)
     for k, mapping in enumerate(maps):
@@ -80,3 +60,37 @@ def _releases_after_last_use(plan: Plan, storages: set[int]) -> set[int]:
         elif ins.kind is Kind.RELEASE and ins.target in storages and ins.target not in used_later:
             result.add(i)
     return result
+
+
+_REPEATED: WeakKeyDictionary[Program, dict[int, tuple[Program, list[dict[int, int]]]]] = WeakKeyDictionary()
+
+
+def _repeated(program: Program, times: int) -> tuple[Program, list[dict[int, int]]]:
+    """``program`` ``times`` times in a row, and each step's value-id mapping; built once per program and
+    count (every plan of a program repeats the same ops, and planners simulate many plans)."""
+    cached = _REPEATED.setdefault(program, {})
+    if times not in cached:
+        shared = set(program.inputs) | set(program.constants)
+        values: list[Value] = list(program.values)
+        ops: list[Op] = list(program.ops)
+        maps: list[dict[int, int]] = [{v.id: v.id for v in program.values}]
+        for k in range(1, times):
+            mapping: dict[int, int] = {}
+            for v in program.values:
+                if v.id in shared:
+                    mapping[v.id] = v.id
+                    continue
+                mapping[v.id] = len(values)
+                values.append(replace(v, id=len(values), name=f"{v.name}#{k + 1}", storage=mapping[v.storage]))
+            for op in program.ops:
+                ops.append(replace(op, id=len(ops), name=f"{op.name}#{k + 1}",
+                                   inputs=tuple(mapping[v] for v in op.inputs),
+                                   outputs=tuple(mapping[v] for v in op.outputs),
+                                   mutates=tuple(mapping[v] for v in op.mutates)))
+            maps.append(mapping)
+        # Earlier steps' outputs are handed to the caller when their step ends, not held through later steps.
+        outputs = tuple(maps[-1][v] for v in program.outputs)
+        repeated = Program(name=program.name, mode=program.mode, values=tuple(values), ops=tuple(ops),
+                           inputs=program.inputs, outputs=outputs, constants=program.constants, meta=program.meta)
+        cached[times] = (repeated, maps)
+    return cached[times]

@@ -121,10 +121,13 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
         return _simulate(plan, hardware)
     from hyperoffload.repeat import repeat_plan
 
-    check_plan(plan)
     single = plan
     doubled, starts = repeat_plan(plan, 2)
-    timeline = _simulate(doubled, hardware, per_step=single)
+    try:
+        timeline = _simulate(doubled, hardware, per_step=single)
+    except PlanError:
+        check_plan(plan)  # report the error against the plan as given, where it can be found
+        raise
     ends = [max((iv.end for iv in timeline.intervals if iv.stream == COMPUTE and lo <= iv.instruction < hi),
                 default=0.0) for lo, hi in ((starts[0], starts[1]), (starts[1], len(doubled.instructions)))]
     f = timeline.figures

@@ -301,7 +301,7 @@ class _Choice:
 def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], writes, margin, config,
                      order: list[int]) -> Plan:
     first, last, size = positions_arrays(spans)
-    cyclic = first > last
+    cyclic = first >= last
     n = step.live.size
     total = step.end[-1]
     start_at = np.append(step.start, total)  # position n: after the step's last op

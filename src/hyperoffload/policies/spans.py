@@ -18,8 +18,8 @@ from hyperoffload.ir import Program
 class Span:
     """Storage ``storage`` is not used on the device strictly between positions ``first`` and ``last``.
 
-    A *cyclic* span (``first > last``) runs from a step input's last use in one step to its first use
-    in the next: the storage lives in remote memory between steps (it starts the step there, comes in
+    A *cyclic* span (``first >= last``) runs from a step input's last use in one step to its first use
+    in the next (the same position for an input used once): the storage lives in remote memory between steps (it starts the step there, comes in
     before ``last`` and goes out after ``first``), as training state does in ZeRO-Offload.
     """
 
@@ -32,7 +32,7 @@ class Span:
 
     @property
     def cyclic(self) -> bool:
-        return self.first > self.last
+        return self.first >= self.last
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
