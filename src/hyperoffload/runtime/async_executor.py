@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 from hyperoffload.hardware import Hardware
+from hyperoffload.layout import Layout
 from hyperoffload.plans import Plan
 from hyperoffload.runtime.emulated_link import EmulatedLink
-from hyperoffload.runtime.plan_executor import PlanRun, PreparedPlan, Transfers, execute_plan, prepare_plan
+from hyperoffload.runtime.plan_executor import (PlanRun, PreparedPlan, Transfers, execute_plan, prepare_plan,
+                                                with_arena)
 
 CUDA = "cuda"
 
@@ -67,33 +69,38 @@ class AsyncExecutor:
         self._carried: dict[int, Any] = {}
         self._prepared: dict[int, PreparedPlan] = {}
 
-    def prepare(self, plan: Plan) -> PreparedPlan:
-        """``plan`` checked and analysed once (``PlanError`` if invalid); later steps of it reuse this."""
+    def prepare(self, plan: Plan, arena: bool | Layout = False) -> PreparedPlan:
+        """``plan`` checked and analysed once (``PlanError`` if invalid); later steps of it reuse this. With
+        ``arena``, its arena slots too (see ``execute_plan``)."""
         prepared = self._prepared.get(id(plan))
         if prepared is None or prepared.plan is not plan:
             prepared = self._prepared[id(plan)] = prepare_plan(plan)
+        if arena is not False and arena is not None:
+            prepared = self._prepared[id(plan)] = with_arena(prepared, arena)
         return prepared
 
     def run(self, plan: Plan, inputs: Sequence[torch.Tensor], *,
-            on_instruction: Callable[[int], None] | None = None) -> PlanRun:
+            on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False) -> PlanRun:
         """One step in place, like ``run_plan``: inputs are updated in the caller's tensors, and every copy
-        has finished when it returns."""
+        has finished when it returns. ``arena``: run from one arena, as ``run_plan``."""
         self.synchronize()
-        return execute_plan(self.prepare(plan), inputs, self.transfers, on_instruction=on_instruction)
+        return execute_plan(self.prepare(plan, arena), inputs, self.transfers, on_instruction=on_instruction,
+                            arena=arena)
 
     def step(self, plan: Plan, state: MutableSequence[torch.Tensor], *, overlap: bool = True,
-             on_instruction: Callable[[int], None] | None = None) -> PlanRun:
+             on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False) -> PlanRun:
         """One step on donated ``state`` (a list, emptied): the result's ``state`` is the inputs after the
         step, where the plan left them, for the next step. If the step fails, the donated state is lost with it
         (restart from your own copy); the executor itself can run the next step. With ``overlap``, offloads that send state back
         to remote memory at the end may still be in flight when this returns; the next step orders its
-        prefetches after them, and ``synchronize`` completes them."""
+        prefetches after them, and ``synchronize`` completes them. ``arena``: run from one arena (each step
+        allocates its own and copies the state into it; the returned state lives in it)."""
         if not isinstance(state, list):
             raise TypeError("step() takes the state as a list, which it empties (the executor holds the tensors "
                             "from then on); pass list(tensors)")
         try:
-            return execute_plan(self.prepare(plan), state, self.transfers, donate=True, carry=overlap, carried=self._carried,
-                                on_instruction=on_instruction)
+            return execute_plan(self.prepare(plan, arena), state, self.transfers, donate=True, carry=overlap,
+                                carried=self._carried, on_instruction=on_instruction, arena=arena)
         except BaseException:
             self._finish_carried()
             raise
@@ -134,15 +141,16 @@ class AsyncExecutor:
 
 
 def run_async(plan: Plan, inputs: Sequence[torch.Tensor], *, link: Transfers | Hardware | str,
-              on_instruction: Callable[[int], None] | None = None) -> PlanRun:
+              on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False) -> PlanRun:
     """Run one step of ``plan`` on ``inputs`` (updated in place) with copies on ``link``; see ``make_transfers``.
 
     A lowered plan is run through its ``Plan``: ``lower_plan(plan)`` and this function execute the same
     instructions. Raises ``PlanError`` before anything runs if the plan is invalid, ``TransferError`` if a
-    copy fails, ``BudgetExceeded`` if the measured device bytes pass the budget.
+    copy fails, ``BudgetExceeded`` if the measured device bytes pass the budget. ``arena``: run from one
+    arena (``True``: ``plan.layout`` or ``assign_offsets(plan)``; or a ``Layout``), as ``run_plan``.
     """
     with AsyncExecutor(link) as executor:
-        return executor.run(plan, inputs, on_instruction=on_instruction)
+        return executor.run(plan, inputs, on_instruction=on_instruction, arena=arena)
 
 
 __all__ = ["CUDA", "AsyncExecutor", "make_transfers", "run_async"]

@@ -28,6 +28,25 @@ copy (as the simulator's memory stall does); if the measured bytes exceed the bu
 step fails with ``BudgetExceeded``. The caller's own references to its input tensors are not part
 of the device tier: once the plan releases an input's storage, that memory counts as remote.
 
+**Running from one arena** (``arena=True``, ``run_plan(plan, inputs, arena=True)``): every device
+storage lives in its slot ``[offset, offset + nbytes)`` of one byte buffer of ``layout.arena_bytes``,
+allocated once at the start of the step on the device tier, where ``layout`` is ``plan.layout`` (from
+``PlannerConfig(static_layout=True)``), a ``Layout`` passed in, or ``assign_offsets(plan)``. Step inputs
+on the device are copied into their slots first (in place, the caller's tensors still get the final
+state back); a prefetch copies from remote memory straight into its slot; each op's outputs that own a
+storage are copied into their slot right after the op, and every value aliasing such a storage is
+rebound as a view of the slot with its own size, stride and offset, so in-place ops write into the
+arena. On CPU that costs each such output one extra copy and a transient allocation outside the arena:
+ops allocate their outputs through PyTorch (a CUDA runtime would route them into the arena with a
+pluggable allocator / ``MemPool`` or ``out=`` variants; running from an arena on CUDA is refused). A
+slot is reused only once the offload reading its previous occupant has finished (the executor waits for
+it; ops run on the caller's thread, so those reading it have finished). At every allocation the
+executor checks, from the slot tensors' addresses, that the live storages' byte ranges are inside the
+arena and pairwise disjoint, and raises ``ArenaOverlap`` naming both storages and the instruction
+otherwise. Outputs that do not alias an input are returned as copies, so the arena is freed when the
+step returns (with ``donate=True`` the state lives in the arena until the next step copies it into its
+own).
+
 Inputs that start the step in remote memory (``plan.initial_remote``) are their own remote copy:
 prefetches read the caller's storage, and an offload of such a storage writes back into it.
 
@@ -48,14 +67,16 @@ What the step leaves behind depends on ``donate``:
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, MutableSequence, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 import torch.fx
 
+from hyperoffload.layout import Layout, assign_offsets, residencies
 from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan
 from hyperoffload.runtime.reference import run_op
 
@@ -66,6 +87,10 @@ class BudgetExceeded(RuntimeError):
 
 class TransferError(RuntimeError):
     """A copy failed (or was cancelled because the step stopped); raised on the thread that runs the step."""
+
+
+class ArenaOverlap(RuntimeError):
+    """Running from an arena, a storage was placed on bytes a live storage still holds, or outside the arena."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +119,11 @@ class PlanRun:
     carried: int = 0
     """Offloads still in flight when the step returned (``carry=True``): the next step or the backend's
     ``synchronize`` completes them."""
+    arena_bytes: int = 0
+    """Bytes of the arena the step ran from (the buffer it allocated); 0 when not run from an arena."""
+    slot_waits: int = 0
+    """Allocations into the arena that first waited for the offload still reading their slot's previous
+    occupant."""
 
 
 class Transfers(Protocol):
@@ -196,14 +226,17 @@ class _DeviceBytes:
         else:
             entry[1] += 1
 
-    def let_go(self, storage: torch.UntypedStorage) -> None:
+    def let_go(self, storage: torch.UntypedStorage) -> bool:
+        """Drop one reference; return whether that was the storage's last (its bytes stop counting)."""
         if not storage.nbytes():
-            return
+            return False
         entry = self._refs[storage.data_ptr()]
         entry[1] -= 1
         if entry[1] == 0:
             del self._refs[storage.data_ptr()]
             self.total -= entry[0]
+            return True
+        return False
 
     def references(self, storage: torch.UntypedStorage) -> int:
         """How many holders reference ``storage`` (0 for an empty one)."""
@@ -225,13 +258,75 @@ class _InFlight:
     """Whether the device bytes still count on the transfer's behalf (until the step sees it finish)."""
 
 
-def run_plan(plan: Plan, inputs: Sequence[torch.Tensor]) -> PlanRun:
+class _ArenaRanges:
+    """Byte ranges ``[lo, hi)`` (from the arena's base) of the storages live in the arena, which never overlap."""
+
+    __slots__ = ("_starts", "_ends")
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # sorted
+        self._ends: dict[int, tuple[int, int]] = {}  # lo -> (hi, storage id)
+
+    def overlapping(self, lo: int, hi: int) -> tuple[int, int, int] | None:
+        """A live range sharing a byte with ``[lo, hi)``, as ``(lo, hi, storage id)``, or None."""
+        j = bisect.bisect_left(self._starts, lo)
+        for k in (j - 1, j):  # disjoint ranges: only the neighbours can overlap a new one
+            if 0 <= k < len(self._starts):
+                start = self._starts[k]
+                end, sid = self._ends[start]
+                if start < hi and lo < end:
+                    return start, end, sid
+        return None
+
+    def add(self, lo: int, hi: int, sid: int) -> None:
+        bisect.insort(self._starts, lo)
+        self._ends[lo] = (hi, sid)
+
+    def remove(self, lo: int) -> None:
+        if self._ends.pop(lo, None) is not None:
+            del self._starts[bisect.bisect_left(self._starts, lo)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArenaSlots:
+    """Where a plan's residencies live in its arena: a checked ``Layout`` of that plan, indexed for the executor."""
+
+    layout: Layout
+    slots: dict[tuple[int, int], tuple[int, int]]
+    """(storage id, instruction that allocates it, -1 before the step) -> (offset, bytes) in the arena."""
+
+
+def arena_slots(plan: Plan, layout: Layout | None = None) -> ArenaSlots:
+    """Index ``layout`` (default: ``plan.layout``, else ``assign_offsets(plan)``) for running ``plan`` from
+    its arena; ``ValueError`` if the layout's residencies are not the plan's. Offsets are not checked here:
+    the executor checks every placement against the storages live at that moment."""
+    layout = layout if layout is not None else plan.layout if plan.layout is not None else assign_offsets(plan)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"arena takes True or a hyperoffload.layout.Layout, got {type(layout).__name__}")
+    if len(layout.offsets) != len(layout.residencies):
+        raise ValueError(f"layout has {len(layout.offsets)} offsets for {len(layout.residencies)} residencies")
+    expected = residencies(plan)
+    if sorted(map(_residency_key, layout.residencies)) != sorted(map(_residency_key, expected)):
+        raise ValueError(f"the layout's {len(layout.residencies)} residencies are not the {len(expected)} of plan "
+                         f"{plan.program.name} (a layout of another plan?); compute it with "
+                         f"hyperoffload.layout.assign_offsets(plan)")
+    return ArenaSlots(layout=layout, slots={(r.storage, r.start): (off, r.nbytes)
+                                            for r, off in zip(layout.residencies, layout.offsets)})
+
+
+def _residency_key(r) -> tuple[int, int, int, int]:
+    return (r.storage, r.start, r.end, r.nbytes)
+
+
+def run_plan(plan: Plan, inputs: Sequence[torch.Tensor], *, arena: bool | Layout = False) -> PlanRun:
     """Execute ``plan`` (whose program must carry its fx graph) on ``inputs`` with synchronous copies.
 
     Raises ``PlanError`` (from ``check_plan``) if the plan is invalid, before anything runs. Inputs
     are used as given and updated in place, as in ``run_reference``: pass clones to keep the originals.
+    ``arena``: run from one arena (``True``: ``plan.layout`` or ``assign_offsets(plan)``; or a ``Layout``
+    of this plan); see the module docstring.
     """
-    return execute_plan(plan, inputs, SyncTransfers())
+    return execute_plan(plan, inputs, SyncTransfers(), arena=arena)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -249,6 +344,19 @@ class PreparedPlan:
     """Bytes each instruction allocates in the plan's accounting (what must fit under the budget)."""
     repeatable: str | None
     """Why the plan cannot run step after step on its own state, or None if it can."""
+    arena: ArenaSlots | None = None
+    """The arena layout to run from, when asked for (``with_arena``)."""
+
+
+def with_arena(prepared: PreparedPlan, arena: bool | Layout = True) -> PreparedPlan:
+    """``prepared`` with the arena slots ``arena`` asks for (``True``: the plan's layout, or one computed for
+    it; a ``Layout``: that one), reusing those it already has."""
+    if arena is True and prepared.arena is not None:
+        return prepared
+    if isinstance(arena, Layout) and prepared.arena is not None and prepared.arena.layout is arena:
+        return prepared
+    layout = None if arena is True else arena
+    return replace(prepared, arena=arena_slots(prepared.plan, layout))
 
 
 def prepare_plan(plan: Plan) -> PreparedPlan:
@@ -276,7 +384,7 @@ def prepare_plan(plan: Plan) -> PreparedPlan:
 def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor] | Sequence[torch.Tensor],
                  transfers: Transfers, *, donate: bool = False, carry: bool = False,
                  carried: dict[int, Any] | None = None,
-                 on_instruction: Callable[[int], None] | None = None) -> PlanRun:
+                 on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False) -> PlanRun:
     """Run one step of ``plan`` on ``inputs`` with ``transfers`` doing the copies (see the module docstring).
 
     ``plan`` may be a ``PreparedPlan`` (``prepare_plan``), to check and analyse it once for many steps.
@@ -285,12 +393,17 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
     state into its remote copy in flight when the step returns, recorded in ``carried`` (remote storage
     address -> handle) so that the next step (given the same dict) orders its prefetches after them; the
     caller completes them with the backend before reading that state. ``on_instruction(i)`` is called after
-    each instruction (progress, or stopping a step from outside by raising).
+    each instruction (progress, or stopping a step from outside by raising). ``arena``: run from one arena
+    (``True``, or a ``Layout`` of the plan; see the module docstring).
 
     If anything raises (a failed copy, an op, ``on_instruction``), every transfer of the step is stopped or
     finished before the exception propagates, so no copy thread or stream touches a buffer afterwards.
     """
     prepared = plan if isinstance(plan, PreparedPlan) else prepare_plan(plan)
+    if arena is not False and arena is not None:
+        prepared = with_arena(prepared, arena)
+    elif prepared.arena is not None:
+        prepared = replace(prepared, arena=None)
     return _Step(prepared, inputs, transfers, donate=donate, carry=carry, carried=carried).run(on_instruction)
 
 
@@ -318,11 +431,15 @@ class _Step:
         self.returned = set(program.outputs)
 
         self.caller: dict[int, torch.Tensor] = dict(zip(program.inputs, inputs))
+        self.slots = prepared.arena.slots if prepared.arena is not None else None
+        if self.slots is not None:
+            self._open_arena(prepared.arena.layout)  # before taking donated inputs: a refusal loses nothing
         if donate:
             del inputs[:]  # the executor holds the only references from here on
         for vid in program.constants:
             self.caller[vid] = getattr(program.graph, self.nodes[values[vid].name].target)
         self.caller_storages = {self.storage_of[v]: t.untyped_storage() for v, t in self.caller.items()}
+        self.state_storages = frozenset(self.caller_storages)
 
         self.env: dict[int, torch.Tensor] = {}
         self.aliases: dict[int, set[int]] = {}  # storage id -> ids of the values in env that alias it
@@ -337,6 +454,8 @@ class _Step:
         self.started: list[_InFlight] = []
         self.h2d = self.d2h = 0
         self.copy_wait_s = self.memory_wait_s = 0.0
+        self.slot_waits = 0
+        self.caller_meta: dict[int, _ViewMeta] = {}  # caller tensors' views, when the step drops the tensors
 
         for vid, tensor in self.caller.items():
             s = self.storage_of[vid]
@@ -346,7 +465,14 @@ class _Step:
                 self.replaced.add(s)
             else:
                 self._wait_carried(tensor.untyped_storage())
+                if self.slots is not None and (s, -1) in self.slots:
+                    tensor = self._into_arena(vid, tensor)
                 self.put(vid, tensor)
+        if self.slots is not None and donate:
+            # The state now lives in this step's arena: let go of the previous one (the caller's tensors).
+            for vid in [v for v in self.caller if self.storage_of[v] not in plan.initial_remote]:
+                self.caller_meta[vid] = _ViewMeta.of(self.caller.pop(vid))
+                self.caller_storages.pop(self.storage_of[vid], None)
 
     # --- the device tier --------------------------------------------------------------------------
     def put(self, vid: int, tensor: torch.Tensor) -> None:
@@ -357,8 +483,111 @@ class _Step:
     def drop_storage(self, s: int) -> dict[int, torch.Tensor]:
         dropped = {v: self.env.pop(v) for v in self.aliases.pop(s, ())}
         for t in dropped.values():
-            self.bytes.let_go(t.untyped_storage())
+            self._let_go(t.untyped_storage())
         return dropped
+
+    def _let_go(self, storage: torch.UntypedStorage) -> None:
+        if self.bytes.let_go(storage) and self.slots is not None:
+            self.ranges.remove(storage.data_ptr() - self.arena_base)
+
+    # --- the arena --------------------------------------------------------------------------------
+    def _open_arena(self, layout: Layout) -> None:
+        """Allocate the step's arena on the device tier, after checking it fits the plan's budget."""
+        budget = self.plan.budget_bytes
+        if budget is not None and layout.arena_bytes > budget:
+            raise BudgetExceeded(
+                f"the arena of plan {self.program.name} takes {layout.arena_bytes} bytes, over its budget of "
+                f"{budget}: plan with PlannerConfig(static_layout=True) (plan/run --static-layout), which re-plans "
+                f"until the arena fits, or run without the arena")
+        resident = [t for v, t in self.caller.items() if self.storage_of[v] not in self.plan.initial_remote]
+        device = resident[0].device if resident else torch.device("cpu")
+        if device.type != "cpu":
+            raise ValueError(f"running from an arena is implemented for a CPU device tier only, not {device}: ops "
+                             f"allocate their outputs through PyTorch and are copied into the arena after they "
+                             f"run, which on an accelerator needs stream ordering this executor does not do; run "
+                             f"without arena=True")
+        self.arena = torch.UntypedStorage(layout.arena_bytes, device=device)
+        self.arena_base = self.arena.data_ptr()
+        self.ranges = _ArenaRanges()
+
+    def _slot(self, s: int, index: int) -> torch.UntypedStorage:
+        """The arena slot of the residency of ``s`` that instruction ``index`` (-1: the step's start) allocates,
+        once the bytes are free: offloads still reading them are waited for; a live storage there is an error."""
+        key = (s, index)
+        if key not in self.slots:
+            raise ArenaOverlap(f"{self._where(index)}: the layout has no slot for {self.program.values[s].name} "
+                               f"allocated here; it is not this plan's layout (use assign_offsets(plan))")
+        offset, nbytes = self.slots[key]
+        arena_bytes = self.arena.nbytes()
+        if offset < 0 or offset + nbytes > arena_bytes:
+            raise ArenaOverlap(f"{self._where(index)}: {self.program.values[s].name} is placed at arena bytes "
+                               f"[{offset}, {offset + nbytes}), outside the {arena_bytes}-byte arena")
+        slot = self.arena[offset:offset + nbytes]
+        lo = slot.data_ptr() - self.arena_base  # from the slot's own address, not the layout's offset
+        hi = lo + slot.nbytes()
+        self._free_slot(lo, hi)
+        clash = self.ranges.overlapping(lo, hi)
+        if clash is not None:
+            other_lo, other_hi, other = clash
+            raise ArenaOverlap(f"{self._where(index)}: {self.program.values[s].name} is placed at arena bytes "
+                               f"[{lo}, {hi}), overlapping {self.program.values[other].name} at [{other_lo}, "
+                               f"{other_hi}), which is still live; the layout puts two live storages on the same "
+                               f"bytes (hyperoffload.layout.check_layout finds such layouts)")
+        self.ranges.add(lo, hi, s)
+        return slot
+
+    def _free_slot(self, lo: int, hi: int) -> None:
+        """Wait for offloads still reading bytes of ``[lo, hi)`` for a storage the step has let go of."""
+        self._poll()
+        reading = [f for f in self.holding
+                   if f.held and f.device.data_ptr() - self.arena_base < hi
+                   and lo < f.device.data_ptr() - self.arena_base + f.device.nbytes()]
+        if not reading:
+            return
+        start = time.perf_counter()
+        for flight in reading:
+            self.transfers.synchronize(flight.handle)
+            self._finished(flight)
+        self.holding = [f for f in self.holding if f.held]
+        self.slot_waits += 1
+        self.memory_wait_s += time.perf_counter() - start
+
+    def _into_arena(self, vid: int, tensor: torch.Tensor) -> torch.Tensor:
+        """A step input's storage copied into its slot; ``tensor`` as a view of the slot."""
+        s = self.storage_of[vid]
+        placed = next((self.env[v] for v in self.aliases.get(s, ())), None)
+        if placed is None:
+            slot = self._slot(s, -1)
+            self._fill(slot, tensor.untyped_storage(), s, -1)
+            self.replaced.add(s)  # in place, the caller's storage gets the final bytes back
+        else:  # another input aliasing the same storage was placed already
+            slot = placed.untyped_storage()
+        return _ViewMeta.of(tensor).view_into(slot)
+
+    def _fill(self, slot: torch.UntypedStorage, source: torch.UntypedStorage, s: int, index: int) -> None:
+        if source.nbytes() != slot.nbytes():
+            raise ArenaOverlap(f"{self._where(index)}: {self.program.values[s].name} has {source.nbytes()} bytes "
+                               f"but its slot in the layout {slot.nbytes()}; the program's sizes do not match "
+                               f"the tensors (capture the step again)")
+        slot.copy_(source)
+
+    def _outputs_into_arena(self, i: int, op, tensors: list[torch.Tensor]) -> None:
+        """Move the storages op ``op`` (instruction ``i``) allocated into their slots, rebinding every output
+        aliasing them as a view of the slot with its own size, stride and offset."""
+        values = self.program.values
+        for o in op.outputs:
+            if not values[o].owns_storage or (o, i) not in self.slots:
+                continue  # a view of a storage already placed, or an empty storage (nothing to place)
+            slot = self._slot(o, i)
+            self._fill(slot, tensors[op.outputs.index(o)].untyped_storage(), o, i)
+            for k, v in enumerate(op.outputs):
+                if self.storage_of[v] == o:
+                    tensors[k] = _ViewMeta.of(tensors[k]).view_into(slot)
+
+    def _where(self, index: int) -> str:
+        if index < 0:
+            return "before the first instruction"
+        return f"instruction #{index} ({self.plan.instructions[index].describe(self.program)})"
 
     def device_storage(self, s: int, index: int) -> torch.UntypedStorage:
         """The device storage of ``s``, through any value aliasing it."""
@@ -386,7 +615,7 @@ class _Step:
         """The step has seen ``flight`` finish: its device storage no longer counts on its behalf."""
         if flight.held:
             flight.held = False
-            self.bytes.let_go(flight.device)
+            self._let_go(flight.device)
 
     def _poll(self) -> None:
         """Let go of the device storages held by offloads that have finished."""
@@ -453,14 +682,20 @@ class _Step:
         return PlanRun(outputs=outputs, live_bytes=tuple(live), peak_bytes=max(live, default=initial_bytes),
                        h2d_bytes=self.h2d, d2h_bytes=self.d2h, state=state,
                        wall_s=time.perf_counter() - start, copy_wait_s=self.copy_wait_s,
-                       memory_wait_s=self.memory_wait_s, carried=carried)
+                       memory_wait_s=self.memory_wait_s, carried=carried,
+                       arena_bytes=self.arena.nbytes() if self.slots is not None else 0,
+                       slot_waits=self.slot_waits)
 
     def _execute(self, i: int, ins) -> None:
         s = ins.target
         program, values = self.program, self.program.values
         if ins.kind is Kind.COMPUTE:
             op = program.ops[s]
-            for vid, tensor in zip(op.outputs, run_op(program, op, self.nodes[op.name], self.lookup)):
+            outputs = run_op(program, op, self.nodes[op.name], self.lookup)
+            if self.slots is not None:
+                outputs = list(outputs)
+                self._outputs_into_arena(i, op, outputs)
+            for vid, tensor in zip(op.outputs, outputs):
                 self.put(vid, tensor)
             for w in {self.storage_of[v] for v in op.mutates}:
                 self.remote.pop(w, None)  # stale now; check_plan forbids prefetching it
@@ -490,7 +725,13 @@ class _Step:
             del storage, dropped
         elif ins.kind is Kind.PREFETCH:
             source = self.remote[s]
-            storage = self.transfers.device_storage(source.nbytes(), source)
+            if self.slots is None:
+                storage = self.transfers.device_storage(source.nbytes(), source)
+            else:
+                storage = self._slot(s, i)
+                if storage.nbytes() != source.nbytes():
+                    raise ArenaOverlap(f"{self._where(i)}: the remote copy of {values[s].name} has "
+                                       f"{source.nbytes()} bytes but its slot {storage.nbytes()}")
             previous = self.in_flight.get(s)
             if previous is not None and previous.kind is Kind.OFFLOAD:
                 dependency = previous.handle  # the lanes order the prefetch after the offload that fills `source`
@@ -561,10 +802,12 @@ class _Step:
             meta = _ViewMeta.of(self.env[vid]) if vid in self.env else self.remembered[s][vid]
             return meta.view_into(self.caller_storages[s])
         if vid in self.env:
+            if self.slots is not None and s not in self.state_storages:
+                return self.env[vid].clone()  # out of the arena, which is freed when the step's state lets go
             return self.env[vid]
         meta = self.remembered[s].get(vid)
         if meta is None:  # an alias that was not read again: rebuild it from the caller's tensor's layout
-            meta = _ViewMeta.of(self.caller[vid])
+            meta = self.caller_meta[vid] if vid in self.caller_meta else _ViewMeta.of(self.caller[vid])
         view = meta.view_into(self.remote[s])
         return view if self.remote[s] is self.remote_home.get(s) else view.clone()
 
@@ -585,5 +828,5 @@ def _why_not_repeatable(plan: Plan) -> str | None:
             f"prefetch or offload")
 
 
-__all__ = ["BudgetExceeded", "PlanRun", "PreparedPlan", "SyncTransfers", "TransferError", "Transfers", "execute_plan",
-           "prepare_plan", "run_plan"]
+__all__ = ["ArenaOverlap", "ArenaSlots", "BudgetExceeded", "PlanRun", "PreparedPlan", "SyncTransfers", "TransferError",
+           "Transfers", "arena_slots", "execute_plan", "prepare_plan", "run_plan", "with_arena"]
