@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)")
     run.add_argument("--threads", type=_positive, metavar="N",
                      help="compute threads (default: all cores but one, which the copy engines use)")
+    run.add_argument("--static-layout", action="store_true",
+                     help="hyperoffload only: plan with a static layout and run the planned steps from its one "
+                          "arena (every device tensor a view into it)")
     hardware = commands.add_parser("hardware", help="list hardware profiles, or show one with its sources")
     hardware.add_argument("name", nargs="?", metavar="NAME|FILE.toml", help="the profile to show")
     hardware.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -461,7 +464,16 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)
     policy = get_policy(args.policy)
-    config = RunConfig(steps=args.steps, warmup=args.warmup)
+    if args.static_layout:
+        if args.policy != "hyperoffload":
+            raise ValueError(f"--static-layout is a hyperoffload planner option; policy {args.policy!r} has no "
+                             f"static layout to run from")
+        from functools import partial
+
+        from hyperoffload.policies import PlannerConfig, plan_hyperoffload
+
+        policy = partial(plan_hyperoffload, config=PlannerConfig(static_layout=True))
+    config = RunConfig(steps=args.steps, warmup=args.warmup, arena=args.static_layout)
     with err.status("Loading the cpu-emulated profile (calibrates this machine once per thread count)..."):
         cache = cpu_cache_path().with_name(f"cpu-calibration-{threads}-threads.json")
         hardware = get_hardware("cpu-emulated", cpu_cache=cache).replace(
@@ -503,7 +515,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
               "sim_step_s_uncalibrated": simulate(plan, bare).figures.step_s}
     # A policy may not promise the budget (``none`` never offloads): report against the budget asked for.
     within = figures.measured_peak_bytes <= budget
-    result.update(budget_bytes=budget, feasible=within)
+    result.update(budget_bytes=budget, feasible=within, static_layout=args.static_layout)
     exact = figures.max_abs_diff == 0.0
     if args.json:
         print(json.dumps(result))
@@ -522,6 +534,10 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     table.add_row("measured_peak_bytes", format_bytes(figures.measured_peak_bytes),
                   f"budget {format_bytes(budget)}: within" if within else
                   f"over the budget of {format_bytes(budget)}: policy {args.policy} does not meet it")
+    if args.static_layout:
+        table.add_row("arena_bytes", format_bytes(figures.arena_bytes),
+                      f"the one buffer the planned steps ran from ({format_bytes(plan.layout.live_peak_bytes)} "
+                      f"live at peak)")
     table.add_row("max_abs_diff", f"{figures.max_abs_diff:g}",
                   "bit-identical to the unplanned step" if exact else "DIFFERS from the unplanned step")
     table.add_row("moved per step", f"{format_bytes(figures.h2d_bytes)} in, {format_bytes(figures.d2h_bytes)} out",

@@ -56,6 +56,9 @@ class RunConfig:
     """Untimed steps first (allocator, caches, copy threads reaching their rhythm)."""
     overlap: bool = True
     """Let a step's last offloads of state overlap the next step, as a training loop does."""
+    arena: bool = False
+    """Run the planned steps from one arena (``plan.layout``, else ``assign_offsets(plan)``; see
+    ``hyperoffload.runtime.plan_executor``); the unplanned step runs as always."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -97,6 +100,8 @@ class RunFigures:
     """Median per step: time the compute thread waited for copies."""
     memory_wait_s: float
     """Median per step: time the compute thread waited for an offload to free memory under the budget."""
+    arena_bytes: int = 0
+    """Bytes of the arena the planned step ran from (``RunConfig.arena``); 0 otherwise."""
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -170,7 +175,8 @@ def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers
     with AsyncExecutor(transfers) as executor:
         report("planned step, checked", 0, 1)
         checked_inputs = [t.clone() for t in inputs]
-        checked = executor.run(plan, checked_inputs)
+        checked = executor.run(plan, checked_inputs, arena=config.arena)
+        arena_bytes = checked.arena_bytes
         diff = max_abs_diff([*checked.outputs, *checked_inputs], [*reference.outputs, *ref_inputs])
         peak = checked.peak_bytes
         report("planned step, checked", 1, 1)
@@ -192,7 +198,7 @@ def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers
         sim_error_min=abs(figures.step_s - fastest) / fastest,
         h2d_bytes=timed[-1].h2d_bytes, d2h_bytes=timed[-1].d2h_bytes,
         copy_wait_s=statistics.median(r.copy_wait_s for r in timed),
-        memory_wait_s=statistics.median(r.memory_wait_s for r in timed))
+        memory_wait_s=statistics.median(r.memory_wait_s for r in timed), arena_bytes=arena_bytes)
 
 
 def _time_steps(executor: AsyncExecutor, unplanned: Plan, plan: Plan, inputs: Sequence[torch.Tensor],
@@ -231,7 +237,7 @@ def _rounds(executor: AsyncExecutor, unplanned: Plan, plan: Plan, states: dict, 
     for k in range(total):
         for p, timed in ((unplanned, unplanned_walls), (plan, None), (plan, walls)):
             start = time.perf_counter()
-            run = executor.step(p, states[p], overlap=config.overlap)
+            run = executor.step(p, states[p], overlap=config.overlap, arena=config.arena and p is plan)
             wall = time.perf_counter() - start
             states[p] = list(run.state)
             if timed is not None:

@@ -1,0 +1,207 @@
+"""Running a plan from one static arena: every device tensor a view into one buffer of the layout's size,
+results bit-identical to the unplanned step, live storages never sharing a byte (checked by the executor at
+every allocation), and a slot reused only once the offload reading its previous occupant has finished."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from test_plan_executor import assert_identical
+
+from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
+from hyperoffload.layout import LayoutError, assign_offsets, check_layout
+from hyperoffload.plans import plan_without_offload
+from hyperoffload.policies import PlannerConfig, plan_hyperoffload
+from hyperoffload.budgets import parse_budget
+from hyperoffload.runtime import AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
+from hyperoffload.runtime.plan_executor import ArenaOverlap, SyncTransfers
+from hyperoffload.workloads import capture_workload, get_workload
+
+SLOW = dict(h2d_bw=200e6, d2h_bw=200e6, h2d_latency_s=20e-6, d2h_latency_s=20e-6)
+"""A link slow enough that offloads of tiny-llama's tensors are still in flight when their slots come up again."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_compute_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def captured():
+    return capture_workload(get_workload("tiny-llama"), "train", fake=False)
+
+
+@pytest.fixture(scope="module")
+def reference(captured):
+    """The unplanned step on clones of the inputs: (outputs, inputs after the step)."""
+    inputs = [t.clone() for t in captured.inputs]
+    return run_plan(plan_without_offload(captured.program), inputs).outputs, inputs
+
+
+@pytest.fixture(scope="module")
+def planned(captured):
+    """The planner's plan with a static layout at half the peak, on a profile with the SLOW link."""
+    calibration = CpuCalibration(key="test", matmul_flops={"float32": 50e9}, memory_bw=10e9, op_overhead_s=10e-6,
+                                 memory_bytes=2**34)
+    hardware = cpu_emulated(calibration, h2d_bw=SLOW["h2d_bw"], d2h_bw=SLOW["d2h_bw"], latency_s=SLOW["h2d_latency_s"])
+    budget = parse_budget("50%", captured.program, hardware)
+    plan = plan_hyperoffload(captured.program, hardware, budget, config=PlannerConfig(static_layout=True))
+    assert plan.layout is not None and plan.layout.arena_bytes <= budget
+    assert any(i.kind.name == "PREFETCH" for i in plan.instructions)
+    return plan
+
+
+class DeferredOffloads:
+    """Synchronous copies, except that an offload copies its bytes only when the executor waits for it: any
+    slot overwritten before its occupant's offload was waited for would send wrong bytes to remote memory."""
+
+    class Handle:
+        def __init__(self, src, dst) -> None:
+            self.src, self.dst, self.done = src, dst, False
+
+        def complete(self) -> None:
+            if not self.done:
+                self.dst.copy_(self.src)
+                self.done = True
+
+    def __init__(self) -> None:
+        self.inner = SyncTransfers()
+        self.offloads = 0
+
+    def device_storage(self, nbytes, like):
+        return self.inner.device_storage(nbytes, like)
+
+    def remote_storage(self, key, nbytes, like):
+        return self.inner.remote_storage(key, nbytes, like)
+
+    def offload(self, label, src, dst):
+        self.offloads += 1
+        return self.Handle(src, dst)
+
+    def prefetch(self, label, src, dst, after):
+        if after is not None:
+            after.complete()
+        dst.copy_(src)
+        return None
+
+    def wait(self, handle) -> None:
+        if handle is not None:
+            handle.complete()
+
+    def is_done(self, handle) -> bool:
+        return handle is None or handle.done
+
+    synchronize = wait
+
+    def abort(self, handles) -> None:
+        pass
+
+
+def test_synchronous_arena_run_is_bit_identical_and_sized_by_the_layout(captured, reference, planned):
+    inputs = [t.clone() for t in captured.inputs]
+    run = run_plan(planned, inputs, arena=True)
+    assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
+    assert run.arena_bytes == planned.layout.arena_bytes <= planned.budget_bytes
+    assert 0 < run.peak_bytes <= run.arena_bytes
+    assert run.h2d_bytes > 0 and run.d2h_bytes > 0
+    assert run_plan(planned, [t.clone() for t in captured.inputs]).arena_bytes == 0  # the default is unchanged
+
+
+def test_arena_run_on_a_slow_emulated_link_is_bit_identical(captured, reference, planned):
+    inputs = [t.clone() for t in captured.inputs]
+    with EmulatedLink(**SLOW) as link:
+        run = run_async(planned, inputs, link=link, arena=True)
+    assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
+    assert run.arena_bytes == planned.layout.arena_bytes
+
+
+def test_a_slot_is_reused_only_after_the_offload_reading_it_finished(captured, reference, planned):
+    """Offloads that finish only when waited for: every reuse of a released storage's slot must wait, and the
+    bytes that reach remote memory (and come back by prefetch) are still the released storage's."""
+    transfers = DeferredOffloads()
+    inputs = [t.clone() for t in captured.inputs]
+    with AsyncExecutor(transfers) as executor:
+        run = executor.run(planned, inputs, arena=True)
+    assert transfers.offloads > 0
+    assert run.slot_waits > 0
+    assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
+
+
+def _disjoint_ranges(tensors) -> list[tuple[int, int]]:
+    ranges = sorted({(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+                     for t in tensors if t.untyped_storage().nbytes()})
+    for (_, end), (start, _) in itertools.pairwise(ranges):
+        assert end <= start, "two live storages share bytes of the arena"
+    return ranges
+
+
+def test_donated_steps_live_in_their_arena_and_repeat_bit_identically(captured, planned):
+    """Step after step on donated state: the state the plan leaves on the device is views into one arena
+    (storages pairwise disjoint, all within arena_bytes), and two steps match two unplanned steps."""
+    want = [t.clone() for t in captured.inputs]
+    unplanned = plan_without_offload(captured.program)
+    for _ in range(2):
+        want_out = run_plan(unplanned, want).outputs
+    device_inputs = [k for k, v in enumerate(captured.program.inputs)
+                     if captured.program.values[v].storage not in planned.initial_remote]
+    with EmulatedLink(**SLOW) as link, AsyncExecutor(link) as executor:
+        state = [t.clone() for t in captured.inputs]
+        for _ in range(2):
+            run = executor.step(planned, state, arena=True)
+            state = list(run.state)
+            ranges = _disjoint_ranges(state[k] for k in device_inputs)
+            assert ranges[-1][1] - ranges[0][0] <= run.arena_bytes == planned.layout.arena_bytes
+        executor.synchronize()
+    assert_identical([*run.outputs, *state], [*want_out, *want])
+
+
+def _corrupted(layout):
+    """``layout`` with one residency moved onto the bytes of another that is live at the same time."""
+    found = layout.residencies
+    for a, b in itertools.combinations(range(len(found)), 2):
+        ra, rb = found[a], found[b]
+        if ra.storage != rb.storage and min(ra.start, rb.start) >= 0 and ra.start < rb.end and rb.start < ra.end:
+            small, big = (a, b) if ra.nbytes <= rb.nbytes else (b, a)
+            offsets = list(layout.offsets)
+            offsets[small] = offsets[big]
+            return dataclasses.replace(layout, offsets=tuple(offsets)), found[small], found[big]
+    raise AssertionError("no two residencies overlap in time")
+
+
+def test_a_layout_putting_two_live_storages_on_the_same_bytes_is_caught(captured, planned):
+    layout, moved, onto = _corrupted(planned.layout)
+    with pytest.raises(LayoutError):
+        check_layout(layout)
+    names = [captured.program.values[r.storage].name for r in (moved, onto)]
+    with pytest.raises(ArenaOverlap) as caught:
+        run_plan(planned, [t.clone() for t in captured.inputs], arena=layout)
+    message = str(caught.value)
+    assert f"instruction #{max(moved.start, onto.start)} " in message
+    assert all(name in message for name in names), message
+    assert "still live" in message
+
+
+def test_an_arena_over_the_budget_or_of_another_plan_is_refused(captured, planned):
+    tight = dataclasses.replace(planned, budget_bytes=planned.layout.arena_bytes - 1)
+    inputs = [t.clone() for t in captured.inputs]
+    originals = [t.clone() for t in inputs]
+    with pytest.raises(BudgetExceeded, match="static_layout"):
+        run_plan(tight, inputs, arena=True)
+    assert_identical(inputs, originals)  # refused before anything ran
+    other = assign_offsets(plan_without_offload(captured.program))
+    with pytest.raises(ValueError, match="assign_offsets"):
+        run_plan(planned, inputs, arena=other)
+
+
+def test_a_plan_without_a_layout_runs_from_the_one_computed_for_it(captured, reference):
+    plan = plan_without_offload(captured.program)
+    inputs = [t.clone() for t in captured.inputs]
+    run = run_plan(plan, inputs, arena=True)
+    assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
+    assert run.arena_bytes == assign_offsets(plan).arena_bytes
