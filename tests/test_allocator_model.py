@@ -1,5 +1,7 @@
 """The caching allocator model: hand-computed cases, its block invariants, and plans replayed through it."""
 
+from itertools import pairwise
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,7 +60,7 @@ def _check_invariants(model: CachingAllocatorModel) -> None:
         ordered = sorted(blocks.values(), key=lambda b: b.offset)
         assert ordered[0].offset == 0
         assert sum(b.size for b in ordered) == model.segments[segment]  # blocks tile the segment
-        for x, y in zip(ordered, ordered[1:]):
+        for x, y in pairwise(ordered):
             assert x.offset + x.size == y.offset
             assert not (x.free and y.free)  # free neighbours are always merged
         free_keys += [(b.small, (b.size, b.segment, b.offset)) for b in ordered if b.free]
