@@ -339,7 +339,9 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         return 0
     out.print(figures_table(figures, title=title, hardware=hardware))
     arena = "the plan's static arena" if plan.layout is not None else "a static arena would take"
-    out.print(f"memory: {arena} {format_bytes(memory['arena_bytes'])} ({memory['arena_stalls']} stalls); the caching "
+    over = " [yellow]over the budget: --static-layout plans for one that fits[/yellow]" \
+        if memory["arena_bytes"] > budget else ""
+    out.print(f"memory: {arena} {format_bytes(memory['arena_bytes'])} ({memory['arena_stalls']} stalls){over}; the caching "
               f"allocator model reserves {format_bytes(memory['allocator_reserved_bytes'])} with "
               f"{memory['allocator_stalls']} free-and-retry stalls and {memory['allocator_failures']} out-of-memory "
               f"failures at this budget")
