@@ -6,21 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 import torch
 from test_plan_executor import assert_identical
 
+from hyperoffload.budgets import parse_budget
+from hyperoffload.cli import main
 from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
 from hyperoffload.layout import LayoutError, assign_offsets, check_layout
 from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import PlannerConfig, plan_hyperoffload
-from hyperoffload.budgets import parse_budget
-from hyperoffload.runtime import AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
-from hyperoffload.runtime.plan_executor import ArenaOverlap, SyncTransfers
+from hyperoffload.runtime import ArenaOverlap, AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
+from hyperoffload.runtime.plan_executor import SyncTransfers
 from hyperoffload.workloads import capture_workload, get_workload
 
-SLOW = dict(h2d_bw=200e6, d2h_bw=200e6, h2d_latency_s=20e-6, d2h_latency_s=20e-6)
+SLOW = {"h2d_bw": 200e6, "d2h_bw": 200e6, "h2d_latency_s": 20e-6, "d2h_latency_s": 20e-6}
 """A link slow enough that offloads of tiny-llama's tensors are still in flight when their slots come up again."""
 
 
@@ -88,7 +90,6 @@ class DeferredOffloads:
         if after is not None:
             after.complete()
         dst.copy_(src)
-        return None
 
     def wait(self, handle) -> None:
         if handle is not None:
@@ -205,3 +206,20 @@ def test_a_plan_without_a_layout_runs_from_the_one_computed_for_it(captured, ref
     run = run_plan(plan, inputs, arena=True)
     assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
     assert run.arena_bytes == assign_offsets(plan).arena_bytes
+
+
+def test_run_command_with_static_layout_runs_from_the_arena(capsys):
+    code = main(["run", "--workload", "tiny-llama", "--mode", "train", "--budget", "50%", "--link", "2GB/s",
+                 "--steps", "1", "--warmup", "0", "--static-layout", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert result["static_layout"] is True
+    assert result["max_abs_diff"] == 0.0
+    assert 0 < result["measured_peak_bytes"] <= result["arena_bytes"] <= result["budget_bytes"]
+
+
+def test_run_command_refuses_static_layout_for_other_policies(capsys):
+    code = main(["run", "--workload", "tiny-llama", "--mode", "train", "--budget", "50%", "--policy", "reactive",
+                 "--static-layout"])
+    assert code != 0
+    assert "--static-layout" in capsys.readouterr().err

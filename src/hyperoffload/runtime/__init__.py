@@ -2,9 +2,16 @@
 
 from hyperoffload.runtime.async_executor import AsyncExecutor, run_async
 from hyperoffload.runtime.emulated_link import EmulatedLink, Transfer
-from hyperoffload.runtime.plan_executor import BudgetExceeded, PlanRun, TransferError, execute_plan, run_plan
+from hyperoffload.runtime.plan_executor import (
+                                                ArenaOverlap,
+                                                BudgetExceeded,
+                                                PlanRun,
+                                                TransferError,
+                                                execute_plan,
+                                                run_plan,
+)
 from hyperoffload.runtime.reference import EagerComparison, ReferenceRun, compare_with_eager, run_reference
 
-__all__ = ["AsyncExecutor", "BudgetExceeded", "EagerComparison", "EmulatedLink", "PlanRun", "ReferenceRun",
-           "Transfer", "TransferError", "compare_with_eager", "execute_plan", "run_async", "run_plan",
+__all__ = ["ArenaOverlap", "AsyncExecutor", "BudgetExceeded", "EagerComparison", "EmulatedLink", "PlanRun",
+           "ReferenceRun", "Transfer", "TransferError", "compare_with_eager", "execute_plan", "run_async", "run_plan",
            "run_reference"]

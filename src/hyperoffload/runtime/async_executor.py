@@ -33,8 +33,7 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.layout import Layout
 from hyperoffload.plans import Plan
 from hyperoffload.runtime.emulated_link import EmulatedLink
-from hyperoffload.runtime.plan_executor import (PlanRun, PreparedPlan, Transfers, execute_plan, prepare_plan,
-                                                with_arena)
+from hyperoffload.runtime.plan_executor import PlanRun, PreparedPlan, Transfers, execute_plan, prepare_plan, with_arena
 
 CUDA = "cuda"
 

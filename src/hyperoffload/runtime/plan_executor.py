@@ -261,7 +261,7 @@ class _InFlight:
 class _ArenaRanges:
     """Byte ranges ``[lo, hi)`` (from the arena's base) of the storages live in the arena, which never overlap."""
 
-    __slots__ = ("_starts", "_ends")
+    __slots__ = ("_ends", "_starts")
 
     def __init__(self) -> None:
         self._starts: list[int] = []  # sorted
