@@ -3,8 +3,9 @@
 For every policy of the comparison, the plan at one budget is replayed through the caching
 allocator model (``hyperoffload.allocator_model``: PyTorch's rounding, segments, best fit, splitting,
 no compaction, free-and-retry) with the budget as the device limit, and packed into a static arena
-(``hyperoffload.layout``). Policies that do not meet the budget show it as allocator failures. Columns: the plan's live-byte peak, the arena and its overhead over that
-peak, the allocator's reserved peak, its free-and-retry stalls and out-of-memory failures. A final
+(``hyperoffload.layout``). Policies that do not meet the budget show it as allocator failures.
+Columns: the plan's live-byte peak, the arena and its overhead over that peak, the allocator's
+reserved peak, its free-and-retry stalls and out-of-memory failures. A final
 row plans HyperOffload with ``--static-layout``, whose arena stays within the budget by construction.
 
     .venv/bin/python bench/fragmentation.py                   # llama3-8b training and decode (a few minutes)
@@ -103,7 +104,8 @@ def main() -> None:
     results = []
     for workload, mode, sizes, share in SCENARIOS:
         rows = rows_for(workload, mode, sizes, share, hardware, console)
-        title = " ".join([workload, mode, *(f"{k} {v}" for k, v in sizes.items()), f"at {share:.0%} on {hardware.name}"])
+        title = " ".join([workload, mode, *(f"{k} {v}" for k, v in sizes.items()),
+                          f"at {share:.0%} on {hardware.name}"])
         console.print(table(rows, title))
         results.append((title, rows))
     if args.plot:

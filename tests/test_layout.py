@@ -150,7 +150,8 @@ def test_plan_command_reports_arena_and_allocator_figures(capsys):
 
     from hyperoffload.cli import main
 
-    args = ["plan", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm", "--budget", "50%", "--json"]
+    args = ["plan", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm", "--budget", "50%",
+            "--json"]
     assert main([*args, "--static-layout"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["static_layout"] is True

@@ -341,8 +341,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     arena = "the plan's static arena" if plan.layout is not None else "a static arena would take"
     over = " [yellow]over the budget: --static-layout plans for one that fits[/yellow]" \
         if memory["arena_bytes"] > budget else ""
-    out.print(f"memory: {arena} {format_bytes(memory['arena_bytes'])} ({memory['arena_stalls']} stalls){over}; the caching "
-              f"allocator model reserves {format_bytes(memory['allocator_reserved_bytes'])} with "
+    out.print(f"memory: {arena} {format_bytes(memory['arena_bytes'])} ({memory['arena_stalls']} stalls){over}; "
+              f"the caching allocator model reserves {format_bytes(memory['allocator_reserved_bytes'])} with "
               f"{memory['allocator_stalls']} free-and-retry stalls and {memory['allocator_failures']} out-of-memory "
               f"failures at this budget")
     if not feasible:

@@ -239,5 +239,5 @@ def check_layout(layout: Layout) -> None:
                           f"{layout.arena_bytes}-byte arena")
 
 
-__all__ = ["Layout", "LayoutError", "Residency", "arena_stalls", "assign_offsets", "check_layout", "prefetch_into_arena",
-           "residencies"]
+__all__ = ["Layout", "LayoutError", "Residency", "arena_stalls", "assign_offsets", "check_layout",
+           "prefetch_into_arena", "residencies"]

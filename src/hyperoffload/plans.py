@@ -17,12 +17,13 @@ automatically after their last device use, as the lifetime analysis assumes. ``c
 enforces the rules below statically and reports the first broken one by instruction index;
 nothing invalid is ever simulated.
 
-Rules: an op reads only values that are on the device and ready (produced, or prefetched and
-waited for); a prefetch needs a copy in remote memory (an offload since the last write, landed or
-still in flight: the copy lanes keep that order) and a value not already on the device; a release must not lose data that is used later or returned (an offload since the last
-write); an op must not overwrite a value while its offload may still be reading it; every op
-runs once, after the ops it depends on; at the end every held storage is on the device or in
-remote memory; and, with a budget, the bytes allocated in instruction order never exceed it.
+Rules: an op reads only values that are on the device and ready (produced, or prefetched and waited
+for); a prefetch needs a copy in remote memory (an offload since the last write, landed or still in
+flight: the copy lanes keep that order) and a value not already on the device; a release must not
+lose data that is used later or returned (an offload since the last write); an op must not overwrite
+a value while its offload may still be reading it; every op runs once, after the ops it depends on;
+at the end every held storage is on the device or in remote memory; and, with a budget, the bytes
+allocated in instruction order never exceed it.
 """
 
 from __future__ import annotations

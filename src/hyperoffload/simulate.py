@@ -112,10 +112,11 @@ class _Copy:
 def simulate(plan: Plan, hardware: Hardware) -> Timeline:
     """Simulate ``plan`` on ``hardware``; raise ``PlanError`` if the plan is invalid.
 
-    A plan that keeps storages in remote memory between steps (they start the step there and are sent
-    back by its end) is simulated for two consecutive steps and timed in steady state: ``step_s`` is the time from the end of the first
-    step's compute to the end of the second's, the peak and stalls cover both steps, and the timeline
-    shows both.
+    A plan that keeps storages in remote memory between steps (they start the step there and are
+    sent back by its end, and every other input ends where it started) is simulated for two
+    consecutive steps and timed in steady state: ``step_s`` is the time from the end of the first
+    step's compute to the end of the second's, the peak and stalls cover both steps, and the
+    timeline shows both.
     """
     if not _keeps_state_remote(plan):
         return _simulate(plan, hardware)

@@ -14,10 +14,11 @@ The windows are fixed stretches of the op order. Their compute time is known; an
 need beyond it is a stall that lengthens the step. Where the windows of consecutive steps overlap,
 both directions copy at once and share the link (``duplex_share``). The bound is the compute time
 plus the least stall that lets ``excess`` bytes (less those the step never writes) leave within the
-D2H window and ``excess`` bytes (less the step's outputs, which may stay remote, and storages nothing
-reads again) return within the H2D window; it takes the widest windows any storage live at the peak has, so it holds for every
-plan in that order, whatever it moves. It is exact about the structure it sees and says nothing of
-budgets below the peak elsewhere (a plan must also meet those), so real plans sit above it.
+D2H window and ``excess`` bytes (less the step's outputs, which may stay remote, and storages
+nothing reads again) return within the H2D window; it takes the widest windows any storage live at
+the peak has, so it holds for every plan in that order, whatever it moves. It is exact about the
+structure it sees and says nothing of budgets below the peak elsewhere (a plan must also meet
+those), so real plans sit above it.
 """
 
 from __future__ import annotations

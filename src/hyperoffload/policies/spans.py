@@ -19,8 +19,9 @@ class Span:
     """Storage ``storage`` is not used on the device strictly between positions ``first`` and ``last``.
 
     A *cyclic* span (``first >= last``) runs from a step input's last use in one step to its first use
-    in the next (the same position for an input used once): the storage lives in remote memory between steps (it starts the step there, comes in
-    before ``last`` and goes out after ``first``), as training state does in ZeRO-Offload.
+    in the next (the same position for an input used once): the storage lives in remote memory between
+    steps (it starts the step there, comes in before ``last`` and goes out after ``first``), as training
+    state does in ZeRO-Offload.
     """
 
     storage: int
