@@ -469,8 +469,10 @@ class _Step:
                     tensor = self._into_arena(vid, tensor)
                 self.put(vid, tensor)
         if self.slots is not None and donate:
-            # The state now lives in this step's arena: let go of the previous one (the caller's tensors).
-            for vid in [v for v in self.caller if self.storage_of[v] not in plan.initial_remote]:
+            # The state now lives in this step's arena: let go of the previous one (the caller's tensors). Graph
+            # constants stay: they are not state, so ``_finish`` copies the bytes of mutated ones back into them.
+            inputs_on_device = [v for v in program.inputs if self.storage_of[v] not in plan.initial_remote]
+            for vid in inputs_on_device:
                 self.caller_meta[vid] = _ViewMeta.of(self.caller.pop(vid))
                 self.caller_storages.pop(self.storage_of[vid], None)
 
@@ -783,6 +785,8 @@ class _Step:
         self.started = []  # the step is over: what is carried belongs to the next step
 
         if self.donate:
+            if self.slots is not None:
+                self._constants_back()
             state = tuple(self._result(vid, in_place=False) for vid in program.inputs)
             outputs = tuple(self._result(vid, in_place=False) for vid in program.outputs)
             return outputs, state
@@ -791,6 +795,19 @@ class _Step:
             if final.data_ptr() != self.caller_storages[s].data_ptr():
                 self.caller_storages[s].copy_(final)
         return tuple(self._result(vid, in_place=True) for vid in program.outputs), ()
+
+    def _constants_back(self) -> None:
+        """Running from an arena on donated state: graph constants the step mutated get their final bytes back
+        (they are not part of the state handed to the next step, which reads them from the graph again)."""
+        program = self.program
+        mutated = {self.storage_of[v] for op in program.ops for v in op.mutates}
+        for s in {self.storage_of[v] for v in program.constants} & mutated:
+            home = self.caller_storages.get(s)
+            if home is None:  # also a step input: handed on in the state
+                continue
+            final = self.device_storage(s, -1) if self.aliases.get(s) else self.remote[s]
+            if final.data_ptr() != home.data_ptr():
+                home.copy_(final)
 
     def _result(self, vid: int, *, in_place: bool) -> torch.Tensor:
         """The tensor of ``vid`` after the step: on the device, in remote memory, or (in place) in the caller's.
