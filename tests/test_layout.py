@@ -20,7 +20,7 @@ LAYOUT = PlannerConfig(static_layout=True)
 
 def chain():
     """x -> a -> b -> c, each op reading the previous value; x is a step input."""
-    values = [value(0, 400), value(1, 800), value(2, 400), value(3, 800)]
+    values = [value(0, 512), value(1, 1024), value(2, 512), value(3, 1024)]  # whole slots (ALIGNMENT)
     ops = [op(0, [0], [1]), op(1, [1], [2]), op(2, [2], [3])]
     return program(values, ops, [0], [3])
 
@@ -60,8 +60,8 @@ def test_a_layout_with_two_live_storages_on_the_same_bytes_is_caught():
         check_layout(broken)
     with pytest.raises(VerificationError, match="bytes still in use"):
         verify(replace(plan, layout=broken))
-    too_small = replace(layout, arena_bytes=layout.arena_bytes - 1)
-    assert arena_stalls(too_small) > 0
+    top = max(o + r.nbytes for o, r in zip(layout.offsets, layout.residencies))
+    assert arena_stalls(replace(layout, arena_bytes=top - 1)) > 0
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -163,3 +163,12 @@ def test_plan_command_reports_arena_and_allocator_figures(capsys):
     assert json.loads(capsys.readouterr().out)["static_layout"] is False
     assert main([*args, "--static-layout", "--policy", "none"]) != 0
     assert "static-layout is a hyperoffload planner option" in capsys.readouterr().err
+
+
+def test_every_slot_is_aligned():
+    from hyperoffload.layout import ALIGNMENT
+
+    prog = capture_workload(get_workload("tiny-llama"), "train").program
+    plan = plan_hyperoffload(prog, simple_hardware(bw=1e8), int(memory_profile(prog).peak_bytes * 0.6), LAYOUT)
+    assert plan.layout.offsets and all(offset % ALIGNMENT == 0 for offset in plan.layout.offsets)
+    assert plan.layout.arena_bytes % ALIGNMENT == 0

@@ -24,6 +24,10 @@ import numpy as np
 
 from hyperoffload.plans import Kind, Plan, check_plan
 
+ALIGNMENT = 256
+"""Bytes every slot's offset is a multiple of: what ``cudaMalloc`` guarantees, so kernels that need
+aligned (vectorised) access see the same alignment in the arena as from the allocator."""
+
 
 @dataclass(frozen=True, slots=True)
 class Residency:
@@ -95,7 +99,8 @@ def assign_offsets(plan: Plan) -> Layout:
         return Layout(residencies=(), offsets=(), arena_bytes=0, live_peak_bytes=0)
     start = np.fromiter((r.start for r in found), np.int64, len(found))
     end = np.fromiter((r.end for r in found), np.int64, len(found))
-    size = np.fromiter((r.nbytes for r in found), np.int64, len(found))
+    # Slots are whole multiples of ALIGNMENT, so every offset is aligned as a device allocation would be.
+    size = np.fromiter((-(-r.nbytes // ALIGNMENT) * ALIGNMENT for r in found), np.int64, len(found))
     # Largest first, longest-lived first among equals: big, long residencies fix the arena's shape and
     # small ones fill the gaps they leave. (Ordering by bytes x lifetime, by lifetime, or by start, and
     # best-fit gaps instead of the lowest, all packed llama3-8b training plans worse.)
@@ -239,5 +244,5 @@ def check_layout(layout: Layout) -> None:
                           f"{layout.arena_bytes}-byte arena")
 
 
-__all__ = ["Layout", "LayoutError", "Residency", "arena_stalls", "assign_offsets", "check_layout",
+__all__ = ["ALIGNMENT", "Layout", "LayoutError", "Residency", "arena_stalls", "assign_offsets", "check_layout",
            "prefetch_into_arena", "residencies"]
