@@ -34,7 +34,7 @@ from hyperoffload.cli import cpu_cache_path
 from hyperoffload.hardware import get_hardware
 from hyperoffload.policies import get_policy
 from hyperoffload.runtime import EmulatedLink
-from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, for_executor, measure_run
+from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor, measure_run
 from hyperoffload.simulate import simulate
 from hyperoffload.units import parse_bandwidth
 from hyperoffload.workloads import capture_workload, get_workload
@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     captured = capture_workload(get_workload(args.workload), "train", fake=False)
     program = captured.program
     dispatch = executor_dispatch_s()
+    issue = executor_issue_s()
     print(f"{args.workload} train, {args.policy} at {args.budget}, {args.threads} compute thread(s), "
           f"{len(program.ops)} ops; executor dispatch {dispatch * 1e6:.1f} us/op, bare aten call "
           f"{base.launch_s * 1e6:.1f} us; load average before {os.getloadavg()[0]:.2f}")
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     for text in args.links.split(","):
         bw = parse_bandwidth(text)
         bare = base.replace(h2d_bw=bw, d2h_bw=bw, h2d_latency_s=args.latency, d2h_latency_s=args.latency)
-        hardware = for_executor(bare, program, dispatch)
+        hardware = for_executor(bare, program, dispatch, issue)
         budget = parse_budget(args.budget, program, hardware)
         plan = get_policy(args.policy)(program, hardware, budget)
         runs = []

@@ -296,3 +296,15 @@ def test_verify_checks_the_timeline_it_is_given():
     assert any(isinstance(iv, Interval) and iv.stream == "h2d" for iv in broken)
     with pytest.raises(VerificationError, match="before the offload it reads from has landed"):
         _check_timeline(plan, with_(timeline, intervals=broken))
+
+
+def test_issuing_cache_instructions_costs_compute_time_where_the_profile_says_so():
+    """Two cache instructions (a prefetch and its wait) are issued before op 2: with issue_s = 0.1 s op 2
+    runs 0.2 s longer, and so does the step."""
+    prog = three_ops_and_a_remote_weight(GB)
+    steps = [(C, 0), (C, 1), (P, 1), (W, 1), (C, 2)]
+    plan = plan_of(prog, steps, initial_remote=frozenset({1}))
+    fast = simulate(plan, hardware(bw=100 * GB)).figures
+    slow = simulate(plan, hardware(bw=100 * GB).replace(issue_s=0.1)).figures
+    assert slow.step_s == pytest.approx(fast.step_s + 0.2)
+    assert slow.compute_s == fast.compute_s  # the ops cost the same; the overhead is the plan's

@@ -458,7 +458,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.budgets import parse_budget
     from hyperoffload.policies import get_policy
     from hyperoffload.runtime import BudgetExceeded, EmulatedLink, TransferError
-    from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, for_executor, measure_run
+    from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor, measure_run
     from hyperoffload.simulate import simulate
     from hyperoffload.units import format_bandwidth, format_seconds
     from hyperoffload.verify import verify
@@ -489,9 +489,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
                          f"smaller --batch/--seq/--context")
     captured = _capture(args, err, fake=False)
     program = captured.program
-    with err.status("Measuring the executor's dispatch cost per op..."):
+    with err.status("Measuring the executor's dispatch cost per op and per cache instruction..."):
         bare = hardware
-        hardware = for_executor(bare, program, executor_dispatch_s())
+        hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s())
     budget = parse_budget(args.budget, program, hardware)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} with {args.policy}..."):
         plan = policy(program, hardware, budget)

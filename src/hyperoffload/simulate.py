@@ -14,6 +14,8 @@ moved). Rules, in the order a real runtime would follow them:
   use of a value finishes (or, for a release, when its offload and the ops before it that read
   the value have finished).
 * While both lanes move data, each gets ``duplex_share`` of its bandwidth.
+* Where the profile charges ``issue_s`` (a runtime whose one thread issues copies and runs ops), an
+  op runs that much longer for each cache instruction issued since the op before it.
 
 The plan is checked first (``check_plan``); an invalid plan raises ``PlanError`` naming the
 instruction and is never simulated. Results are deterministic.
@@ -163,6 +165,16 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     n = len(instrs)
     budget = plan.budget_bytes
 
+    # Where the same thread issues copies and runs ops (``issue_s``), an op starts only once the cache
+    # instructions before it have been issued.
+    issuing = [0.0] * n
+    pending_issue = 0
+    for i, ins in enumerate(instrs):
+        if ins.kind is Kind.COMPUTE:
+            issuing[i], pending_issue = pending_issue * hardware.issue_s, 0
+        else:
+            pending_issue += 1
+
     # Static facts per instruction: bytes it allocates, what it must wait for.
     alloc = [0] * n
     after: list[int] = [-1] * n  # a copy's data dependency (instruction that must finish first)
@@ -310,7 +322,7 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                         finish[i] = t
                     else:
                         allocate(i, t)
-                        duration = cost[ins.target]
+                        duration = cost[ins.target] + issuing[i]
                         compute_running, compute_busy_until = i, t + duration
                         if duration > 0:
                             intervals.append(Interval(COMPUTE, t, t + duration, i,

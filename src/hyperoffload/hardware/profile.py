@@ -56,6 +56,10 @@ class Hardware:
     """Achieved share of ``peak_flops`` on compute-bound ops (0 < e <= 1)."""
     memory_efficiency: float
     """Achieved share of ``hbm_bw`` on memory-bound ops (0 < e <= 1)."""
+    issue_s: float = 0.0
+    """Compute-stream time spent issuing each cache instruction (offload, prefetch, wait, release), for
+    runtimes whose one thread both issues copies and runs the ops (seconds). 0 on accelerators, whose
+    host issues copies ahead of the device stream."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Where each field's number comes from, keyed by field name."""
 
@@ -63,7 +67,7 @@ class Hardware:
         for name in ("memory_bytes", "hbm_bw", "h2d_bw", "d2h_bw"):
             if not getattr(self, name) > 0:
                 raise HardwareError(f"{self.name}: {name} must be positive, got {getattr(self, name)}")
-        for name in ("h2d_latency_s", "d2h_latency_s", "launch_s"):
+        for name in ("h2d_latency_s", "d2h_latency_s", "launch_s", "issue_s"):
             if getattr(self, name) < 0:
                 raise HardwareError(f"{self.name}: {name} must be >= 0 seconds, got {getattr(self, name)}")
         for name in ("duplex_share", "compute_efficiency", "memory_efficiency"):
@@ -99,20 +103,24 @@ _READERS = {
     "compute_efficiency": ("compute_efficiency", float),
     "memory_efficiency": ("memory_efficiency", float),
 }
+# Keys a profile may leave out (the field's default applies).
+_OPTIONAL = {"issue": ("issue_s", parse_duration)}
 
 
 def hardware_from_dict(data: Mapping[str, Any], *, origin: str) -> Hardware:
     """Build a profile from a parsed TOML document; ``origin`` names the file in error messages."""
     data = dict(data)
-    unknown = set(data) - set(_READERS) - {"name", "description", "peak_flops", "sources"}
+    unknown = set(data) - set(_READERS) - set(_OPTIONAL) - {"name", "description", "peak_flops", "sources"}
     if unknown:
         raise HardwareError(f"{origin}: unknown key(s) {sorted(unknown)}; known keys are "
-                            f"{sorted([*_READERS, 'name', 'description', 'peak_flops', 'sources'])}")
+                            f"{sorted([*_READERS, *_OPTIONAL, 'name', 'description', 'peak_flops', 'sources'])}")
     missing = [k for k in ("name", "peak_flops", *_READERS) if k not in data]
     if missing:
         raise HardwareError(f"{origin}: missing key(s) {missing}")
     fields: dict[str, Any] = {"name": str(data["name"]), "description": str(data.get("description", ""))}
-    for key, (name, read) in _READERS.items():
+    for key, (name, read) in [*_READERS.items(), *_OPTIONAL.items()]:
+        if key not in data:
+            continue  # only optional keys can be missing here
         try:
             fields[name] = read(data[key])
         except (TypeError, ValueError) as error:
@@ -127,7 +135,8 @@ def hardware_from_dict(data: Mapping[str, Any], *, origin: str) -> Hardware:
     if not isinstance(sources, Mapping):
         raise HardwareError(f"{origin}: sources must be a table of key = \"where the number comes from\"")
     # Sources are keyed by TOML key in the file and by field name in the dataclass.
-    fields["sources"] = MappingProxyType({_READERS.get(k, (k,))[0]: str(v) for k, v in sources.items()})
+    keys = {**_READERS, **_OPTIONAL}
+    fields["sources"] = MappingProxyType({keys.get(k, (k,))[0]: str(v) for k, v in sources.items()})
     return Hardware(**fields)
 
 

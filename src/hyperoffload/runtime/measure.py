@@ -25,6 +25,9 @@ charges nothing because they launch no kernel on an accelerator. On a step of sm
 ``executor_dispatch_s`` measures the executor's cost per op on a synthetic chain of tiny ops (independent of
 the workload), and ``for_executor`` sets the profile's ``launch_s`` to it, spread over the ops that the cost
 model charges, so the simulated compute stream pays one dispatch per op the executor runs.
+``executor_issue_s`` likewise measures what each cache instruction costs the executor's one thread on the
+emulated link (issuing the copy, the copy threads' hand-offs, the bookkeeping), which ``for_executor`` sets
+as the profile's ``issue_s``.
 """
 
 from __future__ import annotations
@@ -131,17 +134,78 @@ def executor_dispatch_s(ops: int = 400, repeats: int = 15) -> float:
     return best / len(captured.program.ops)
 
 
-def for_executor(hardware: Hardware, program, dispatch_s: float) -> Hardware:
+def executor_issue_s(values: int = 100, repeats: int = 9) -> float:
+    """Seconds the plan executor spends per cache instruction on the emulated link: a step of tiny ops that
+    makes ``values`` side values and adds them up at the end, run as is and with each side value sent out
+    right after it is made and brought back right before it is added (offload, release, prefetch, wait; on
+    a link of 1 TB/s the copies have long landed when they are waited for, as in a plan whose copies are
+    hidden), the best of ``repeats`` runs each; the difference per cache instruction. It is what issuing
+    and the bookkeeping cost the one thread that also runs the ops."""
+    from torch import nn
+
+    from hyperoffload.capture import capture_prefill_step
+    from hyperoffload.plans import Instr, Kind
+    from hyperoffload.runtime.emulated_link import EmulatedLink
+    from hyperoffload.runtime.plan_executor import execute_plan, prepare_plan
+
+    class SideValues(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            sides = []
+            for _ in range(values):
+                x = torch.relu(x - 1.0) * 1.5
+                sides.append(x * 0.5)
+            total = sides[0]
+            for side in sides[1:]:
+                total = total + side
+            return total
+
+    captured = capture_prefill_step(SideValues(), (torch.ones(4),), name="issue")
+    program = captured.program
+    plain = plan_without_offload(program)
+    readers: dict[int, list[int]] = {}
+    for op in program.ops:
+        for v in op.inputs:
+            readers.setdefault(v, []).append(op.id)
+    # A side value is made by one op and read by one add much later: send it out and back in between.
+    away = {v for op in program.ops for v in op.outputs
+            if program.values[v].owns_storage and len(readers.get(v, ())) == 1 and readers[v][0] > op.id + 2}
+    back_before: dict[int, list[int]] = {}
+    for v in sorted(away):
+        back_before.setdefault(readers[v][0], []).append(v)
+    steps: list[Instr] = []
+    for op in program.ops:
+        for v in back_before.get(op.id, ()):
+            steps += [Instr(Kind.PREFETCH, v), Instr(Kind.WAIT, v)]
+        steps.append(Instr(Kind.COMPUTE, op.id))
+        for v in op.outputs:
+            if v in away:
+                steps += [Instr(Kind.OFFLOAD, v), Instr(Kind.RELEASE, v)]
+    trips = Plan(program=program, instructions=tuple(steps))
+    issued = sum(i.kind is not Kind.COMPUTE for i in steps)
+    best = {}
+    with EmulatedLink(h2d_bw=1e12, d2h_bw=1e12) as link:
+        for name, plan in (("plain", plain), ("trips", trips)):
+            prepared = prepare_plan(plan)
+            best[name] = min(execute_plan(prepared, list(captured.inputs), link).wall_s for _ in range(repeats + 1))
+    return max(0.0, best["trips"] - best["plain"]) / issued if issued else 0.0
+
+
+def for_executor(hardware: Hardware, program, dispatch_s: float, issue_s: float | None = None) -> Hardware:
     """``hardware`` with ``launch_s`` set so that the cost model charges ``dispatch_s`` for every op of
-    ``program`` (views included) while charging launch overhead only on ops that are not views."""
+    ``program`` (views included) while charging launch overhead only on ops that are not views, and, if
+    given, ``issue_s`` per cache instruction (``executor_issue_s``)."""
     launched = sum(not op.is_view for op in program.ops)
     if not launched:
         return hardware
     launch_s = dispatch_s * len(program.ops) / launched
-    profile = hardware.replace(launch_s=launch_s)
+    changes = {"launch_s": launch_s} if issue_s is None else {"launch_s": launch_s, "issue_s": issue_s}
+    profile = hardware.replace(**changes)
     sources = dict(profile.sources)
     sources["launch_s"] = (f"plan executor's dispatch cost per op ({dispatch_s * 1e6:.1f} us, measured on a chain of "
                            f"tiny ops), times {len(program.ops)} ops / {launched} that are not views")
+    if issue_s is not None:
+        sources["issue_s"] = (f"plan executor's cost per cache instruction on the emulated link "
+                              f"({issue_s * 1e6:.1f} us, measured on a chain of tiny ops sent out and back)")
     return dataclasses.replace(profile, sources=MappingProxyType(sources))
 
 
@@ -249,4 +313,5 @@ def _rounds(executor: AsyncExecutor, unplanned: Plan, plan: Plan, states: dict, 
         report(phase, k + 1, total)
 
 
-__all__ = ["RunConfig", "RunFigures", "executor_dispatch_s", "for_executor", "max_abs_diff", "measure_run"]
+__all__ = ["RunConfig", "RunFigures", "executor_dispatch_s", "executor_issue_s", "for_executor", "max_abs_diff",
+           "measure_run"]
