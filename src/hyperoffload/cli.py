@@ -458,7 +458,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.budgets import parse_budget
     from hyperoffload.policies import get_policy
     from hyperoffload.runtime import BudgetExceeded, EmulatedLink, TransferError
-    from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor, measure_run
+    from hyperoffload.runtime.measure import (RunConfig, executor_dispatch_s, executor_issue_s, for_executor,
+                                              measure_run)
     from hyperoffload.simulate import simulate
     from hyperoffload.units import format_bandwidth, format_seconds
     from hyperoffload.verify import verify
