@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     dispatch = executor_dispatch_s()
     issue = executor_issue_s()
     print(f"{args.workload} train, {args.policy} at {args.budget}, {args.threads} compute thread(s), "
-          f"{len(program.ops)} ops; executor dispatch {dispatch * 1e6:.1f} us/op, bare aten call "
+          f"{len(program.ops)} ops; executor dispatch {dispatch * 1e6:.1f} us/op, "
+          f"{issue * 1e6:.1f} us per cache instruction, bare aten call "
           f"{base.launch_s * 1e6:.1f} us; load average before {os.getloadavg()[0]:.2f}")
     print(f"{'link':>10} {'wall ms':>8} {'unpl ms':>8} {'sim ms':>7} {'wall/unpl':>9} {'sim/wall':>8} "
           f"{'sim_error':>9} {'uncal err':>9} {'simc/unpl':>9} {'min err':>8} {'min w/u':>8} {'peak/budget':>11} "
