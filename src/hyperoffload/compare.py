@@ -5,7 +5,8 @@ simulated on the same profile, and its figures are those of ``shared/BENCHMARKS.
 does not meet the budget is reported, not dropped: ``feasible`` is False and ``peak_bytes`` is what
 it needs (the HyperOffload planner, which refuses budgets below the smallest it can meet, is shown
 planned at that smallest budget). ``excess_bytes``, ``bound_s`` and ``duplex_bound_s`` are always
-those of the compared budget, so rows can be read against each other.
+those of the compared budget, so rows can be read against each other; ``window_bound_s`` is the
+fastest any plan in the same op order could step at that budget (``analysis.window_bound``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from hyperoffload.analysis import memory_profile
+from hyperoffload.analysis import memory_profile, window_bound
 from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import Plan, check_plan
+from hyperoffload.plans import Kind, Plan, check_plan
 from hyperoffload.policies import POLICIES, InfeasibleBudget, get_policy
 from hyperoffload.simulate import Timeline
 from hyperoffload.units import parse_bandwidth
@@ -40,6 +41,9 @@ class PolicyResult:
     timeline: Timeline
     note: str = ""
     """Why the budget is not met, when it is not."""
+    window_bound_s: float | None = None
+    """The fastest any plan in this plan's op order could step at the compared budget
+    (``analysis.window_bound``); None when the plan does not meet the budget."""
 
     @property
     def step_s(self) -> float:
@@ -49,7 +53,8 @@ class PolicyResult:
         """The figures of ``shared/BENCHMARKS.md`` with ``policy``, ``feasible`` and ``budget_bytes``."""
         figures = self.timeline.figures.as_dict()
         return {"policy": self.policy, "feasible": self.feasible, **figures, "budget_bytes": self.budget_bytes,
-                "plan_s": self.plan_s, "instructions": len(self.plan.instructions), "note": self.note}
+                "plan_s": self.plan_s, "instructions": len(self.plan.instructions), "note": self.note,
+                "window_bound_s": self.window_bound_s}
 
 
 _REFUSALS = 4
@@ -82,8 +87,12 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     if not feasible and not note:
         note = "does not meet the budget: the peak shown is what it needs"
     timeline = _with_budget_figures(timeline, program, hardware, budget_bytes, peak_bytes)
+    window = None
+    if feasible:
+        order = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
+        window = window_bound(program, hardware, budget_bytes, order).seconds
     return PolicyResult(policy=policy, budget_bytes=budget_bytes, feasible=feasible, plan_s=plan_s, plan=plan,
-                        timeline=timeline, note=note)
+                        timeline=timeline, note=note, window_bound_s=window)
 
 
 def _with_budget_figures(timeline: Timeline, program: Program, hardware: Hardware, budget: int,

@@ -22,7 +22,8 @@ def compare_table(results: Sequence[PolicyResult], *, title: str) -> Table:
     """A row per policy: whether it meets the budget, its simulated step and what it moved."""
     table = Table(title=title, title_justify="left")
     for column, justify in (("policy", "left"), ("meets budget", "left"), ("step_s", "right"),
-                            ("slowdown", "right"), ("step / bound", "right"), ("peak_bytes", "right"),
+                            ("slowdown", "right"), ("step / bound", "right"), ("step / window", "right"),
+                            ("peak_bytes", "right"),
                             ("h2d_bytes", "right"), ("d2h_bytes", "right"), ("stalls", "right"),
                             ("plan_s", "right")):
         table.add_column(column, justify=justify)
@@ -30,6 +31,7 @@ def compare_table(results: Sequence[PolicyResult], *, title: str) -> Table:
         f = r.timeline.figures
         table.add_row(r.policy, "yes" if r.feasible else f"[yellow]no[/yellow]: needs {format_bytes(f.peak_bytes)}",
                       format_seconds(f.step_s), f"{f.slowdown:.3f}", f"{f.step_s / f.bound_s:.3f}",
+                      f"{f.step_s / r.window_bound_s:.3f}" if r.window_bound_s else "-",
                       format_bytes(f.peak_bytes), format_bytes(f.h2d_bytes), format_bytes(f.d2h_bytes),
                       str(f.stalls), f"{r.plan_s:.2f} s")
     return table
