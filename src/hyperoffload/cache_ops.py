@@ -11,9 +11,14 @@ operator                              MindSpore                   plan instructi
 ``hyperoffload::prefetch(remote)``    ``UpdateToDevice``          ``PREFETCH``: remote -> device copy
 ``hyperoffload::wait(x)``             stream/event sync           ``WAIT``: a transfer has finished
 ``hyperoffload::release(x)``          ``Free``                    ``RELEASE``: drop the device copy
+``hyperoffload::prefetch_blocks``     indexed ``UpdateToDevice``  none: chosen at run time (NSA)
 ====================================  ==========================  ==================================
 
-Four is the smallest set that lets a plan say everything it needs: a copy in each direction, a
+``prefetch_blocks(remote, block_ids, block_size)`` is the indexed prefetch of a remote KV cache
+(``workloads.deepseek_remote``): it copies only the cache blocks whose indices a decode step
+computes at run time (NSA's ``nsa_select``), so no plan instruction names it; the step itself calls it.
+
+The first four are the smallest set that lets a plan say everything it needs: a copy in each direction, a
 point where the compute stream depends on a copy (so copies can be issued early and overlap
 compute), and a point where device memory is given back (separate from the copy, so a tensor
 can be offloaded early and still be read until its last use).
@@ -115,8 +120,54 @@ def release(x: torch.Tensor) -> None:
     """
 
 
+def _check_blocks(remote: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> int:
+    """Check the shapes ``prefetch_blocks`` takes; return the number of blocks in ``remote``."""
+    if block_size <= 0:
+        raise ValueError(f"prefetch_blocks: block_size must be positive, got {block_size}")
+    if remote.dim() < 2:
+        raise ValueError(f"prefetch_blocks: remote must be (..., slots, dim), got shape {tuple(remote.shape)}")
+    if remote.shape[-2] % block_size:
+        raise ValueError(f"prefetch_blocks: remote has {remote.shape[-2]} slots, not a whole number of blocks of "
+                         f"{block_size}; allocate the cache in whole blocks (deepseek_attention.cache_shapes)")
+    if block_ids.dtype != torch.int64 or block_ids.dim() != remote.dim() - 1 \
+            or tuple(block_ids.shape[:-1]) != tuple(remote.shape[:-2]):
+        raise ValueError(f"prefetch_blocks: block_ids must be int64 of shape (*{tuple(remote.shape[:-2])}, n) for a "
+                         f"remote cache of shape {tuple(remote.shape)}, got {block_ids.dtype} "
+                         f"{tuple(block_ids.shape)}")
+    return remote.shape[-2] // block_size
+
+
+@torch.library.custom_op(f"{NAMESPACE}::prefetch_blocks", mutates_args=(), device_types="cpu")
+def prefetch_blocks(remote: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Copy the blocks ``block_ids`` of the remote cache ``remote`` to the device; return the device copy.
+
+    ``remote`` (*lead, slots, dim) with ``slots`` a multiple of ``block_size`` (tokens): block ``j``
+    is rows ``j * block_size ... (j + 1) * block_size - 1`` of the slot axis. ``block_ids`` (*lead, n)
+    int64: for each leading index (a sequence of the batch), the blocks to copy, in any order and
+    possibly repeated. The result (*lead, n, block_size, dim) is a new tensor: entry ``[..., i, :, :]``
+    is block ``block_ids[..., i]``. Exactly ``n * block_size * dim`` elements per leading index are
+    copied. An index outside ``0 ... slots // block_size - 1`` raises ``IndexError``.
+    """
+    blocks = _check_blocks(remote, block_ids, block_size)
+    if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= blocks):
+        bad = block_ids[(block_ids < 0) | (block_ids >= blocks)][0]
+        raise IndexError(f"prefetch_blocks: block id {int(bad)} is out of range for a remote cache of {blocks} "
+                         f"blocks of {block_size} slots (valid ids 0 ... {blocks - 1})")
+    lead = remote.shape[:-2]
+    by_block = remote.reshape(*lead, blocks, block_size * remote.shape[-1])
+    out = torch.gather(by_block, -2, block_ids[..., None].expand(*block_ids.shape, by_block.shape[-1]))
+    return out.view(*block_ids.shape, block_size, remote.shape[-1])
+
+
+@prefetch_blocks.register_fake
+def _prefetch_blocks_fake(remote: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    _check_blocks(remote, block_ids, block_size)
+    return remote.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
+
+
 for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.prefetch.default,
-            torch.ops.hyperoffload.wait.default, torch.ops.hyperoffload.release.default):
+            torch.ops.hyperoffload.wait.default, torch.ops.hyperoffload.release.default,
+            torch.ops.hyperoffload.prefetch_blocks.default):
     # Transfers and frees are the point of the schedule even when nothing reads their result.
     torch.fx.node.has_side_effect(_op)
 del _op
@@ -125,5 +176,7 @@ OFFLOAD = torch.ops.hyperoffload.offload.default
 PREFETCH = torch.ops.hyperoffload.prefetch.default
 WAIT = torch.ops.hyperoffload.wait.default
 RELEASE = torch.ops.hyperoffload.release.default
+PREFETCH_BLOCKS = torch.ops.hyperoffload.prefetch_blocks.default
 
-__all__ = ["NAMESPACE", "OFFLOAD", "PREFETCH", "RELEASE", "WAIT", "offload", "prefetch", "release", "wait"]
+__all__ = ["NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE", "WAIT", "offload", "prefetch",
+           "prefetch_blocks", "release", "wait"]
