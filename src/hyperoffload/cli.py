@@ -561,7 +561,9 @@ COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out, err = Console(), Console(stderr=True)
+    # Tables piped to a file or another program keep their columns whole (rich would assume 80 columns).
+    out = Console() if sys.stdout.isatty() else Console(width=160)
+    err = Console(stderr=True)
     try:
         return COMMANDS[args.command](args, out, err)
     except (UnknownWorkload, CaptureError, HardwareError, PlanError, InfeasibleBudget, ValueError, OSError) as error:
