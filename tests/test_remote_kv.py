@@ -1,11 +1,15 @@
 """The remote KV cache of the DeepSeek-style workload: indexed prefetch, remote decode, block pool."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hyperoffload.cache_ops import PREFETCH_BLOCKS, prefetch_blocks
+from hyperoffload.workloads import DeepSeek, get_workload, greedy_generate
+from hyperoffload.workloads.deepseek_remote import new_remote_cache
 
 
 def test_prefetch_blocks_returns_exactly_the_selected_rows():
@@ -53,3 +57,70 @@ def test_prefetch_blocks_traces_under_make_fx_and_fake_mode():
 
 def test_prefetch_blocks_passes_opcheck():
     torch.library.opcheck(prefetch_blocks, (torch.randn(2, 16, 3), torch.tensor([[1, 0], [3, 3]]), 4))
+
+
+TINY = get_workload("tiny-deepseek")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = DeepSeek(TINY.config).eval()
+    # 100 + 65 tokens: 11 selection blocks of 16 for top-4 selection, so selection has real choices.
+    prompt = torch.randint(0, TINY.config.vocab_size, (2, 100))
+    return model, prompt, greedy_generate(model, prompt, 65)  # the prefill's token + 64 decode steps
+
+
+@pytest.mark.parametrize("pool_blocks", [None, 4, 6])
+def test_remote_kv_decode_gives_exactly_the_on_device_tokens(tiny, pool_blocks):
+    model, prompt, on_device = tiny
+    cfg = TINY.config
+    cache = new_remote_cache(model, 2, 165, pool_blocks=pool_blocks)
+    remote = greedy_generate(model, prompt, 65, cache=cache)
+    assert torch.equal(remote.tokens, on_device.tokens)
+    assert torch.equal(remote.logits, on_device.logits)  # the same values read in the same order
+    assert on_device.tokens.unique().numel() > 10
+    stats = cache.stats
+    assert stats.decode_steps == 64 and stats.tokens_decoded == 128
+    block_bytes = cfg.nsa_sel_block * cfg.kv_dim * 4
+    assert stats.selected_blocks == 64 * 2 * cfg.layers * cfg.nsa_top_n
+    assert stats.written_bytes == 2 * 164 * cfg.layers * cfg.kv_dim * 4  # every token once, every layer
+    if pool_blocks is None:
+        assert stats.fetched_bytes == stats.selected_blocks * block_bytes
+        assert stats.pool_hit_rate == 0
+    else:
+        assert stats.fetched_bytes == stats.fetched_blocks * block_bytes
+        assert 0.5 < stats.pool_hit_rate < 1  # blocks selected again are not moved again
+    # The device keeps the compressed keys, the window and the pool; the latent cache is remote.
+    layer = cache[0]
+    assert layer.remote.shape == (2, 176, cfg.kv_dim) and layer.window.shape == (2, cfg.nsa_window, cfg.kv_dim)
+    assert layer.compressed.shape == (2, (176 - 8) // 4 + 1, cfg.kv_dim)
+    pool_bytes = 0 if pool_blocks is None else 2 * pool_blocks * block_bytes
+    assert cache.device_bytes() == cfg.layers * (2 * (43 + 16) * cfg.kv_dim * 4 + pool_bytes)
+    assert 0 < stats.free_reselection_rate < stats.reselection_rate < 1
+
+
+def test_larger_pool_fetches_less_and_the_smallest_pool_evicts():
+    torch.manual_seed(3)
+    model = DeepSeek(TINY.config).eval()
+    prompt = torch.randint(0, TINY.config.vocab_size, (1, 120))
+    fetched = []
+    for pool_blocks in (None, 4, 8, 11):
+        cache = new_remote_cache(model, 1, 150, pool_blocks=pool_blocks)
+        greedy_generate(model, prompt, 30, cache=cache)
+        fetched.append(cache.stats.fetched_blocks)
+        if pool_blocks == 4:
+            assert all(len(table) == 4 for layer in cache.layers for table in layer.table)
+    assert fetched[0] > fetched[1] > fetched[2] >= fetched[3]
+    # A pool holding every block of the sequence fetches each block at most once per layer.
+    assert fetched[3] <= TINY.config.layers * 10
+
+
+def test_remote_cache_errors_name_the_problem():
+    model = DeepSeek(TINY.config).eval()
+    with pytest.raises(ValueError, match="pool_blocks .3. must be at least nsa_top_n .4."):
+        new_remote_cache(model, 1, 64, pool_blocks=3)
+    with pytest.raises(ValueError, match="nsa_window .4. >= nsa_cmp_block .8."):
+        new_remote_cache(DeepSeek(dataclasses.replace(TINY.config, nsa_window=4)), 1, 64)
+    with pytest.raises(ValueError, match="batch and context must be positive"):
+        new_remote_cache(model, 0, 64)

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperoffload.workloads.deepseek_remote import RemoteLayerCache
 from hyperoffload.workloads.llama import RMSNorm, apply_rope
 
 
@@ -115,7 +116,8 @@ class MLAttention(nn.Module):
     """MLA + NSA attention of one layer. ``forward(x, cos, sin, positions, cache)``:
 
     ``x`` (batch, seq, hidden); ``positions`` (seq,) int64; ``cache`` None (the sequence attends
-    to itself) or this layer's ``(latent, compressed)`` cache tensors, written in place.
+    to itself), this layer's ``(latent, compressed)`` cache tensors, written in place, or its
+    ``deepseek_remote.RemoteLayerCache`` (the latent cache in remote memory).
     """
 
     def __init__(self, cfg) -> None:
@@ -154,10 +156,23 @@ class MLAttention(nn.Module):
         q_latent = torch.einsum("bhsd,hdc->bhsc", q[..., :nope], wkv_b[:, :nope])
         query = torch.cat((q_latent, q_pe), dim=-1)  # (batch, heads, seq, rank + rope)
 
+        remote = isinstance(cache, RemoteLayerCache)
         if cache is None:
             slots, _ = cache_shapes(seq, cfg)
             keys = F.pad(latent, (0, 0, 0, slots - seq))
             compressed = self.compress.blocks(keys)
+        elif remote:
+            # The latent cache is in remote memory: a decode step reads the window and compressed keys
+            # kept on the device and fetches the selected blocks (deepseek_remote).
+            keys, compressed = cache.remote, cache.compressed
+            cache.write(latent, positions)
+            if seq == 1:
+                window_keys = cache.window_keys(positions)
+                last = torch.full((1,), cfg.nsa_window - 1, dtype=positions.dtype, device=positions.device)
+                self._update_compressed(window_keys, compressed, positions, at=last)
+            else:
+                # A prefill computed these keys itself, on the device, before writing them out.
+                compressed.copy_(self.compress.blocks(keys))
         else:
             keys, compressed = cache
             keys.index_copy_(1, positions, latent)
@@ -170,7 +185,10 @@ class MLAttention(nn.Module):
         selected = nsa_select(cmp_probs.detach(), positions, cfg.nsa_cmp_block, cfg.nsa_cmp_stride,
                               cfg.nsa_sel_block, keys.shape[1] // cfg.nsa_sel_block, cfg.nsa_top_n,
                               cfg.nsa_local_blocks)
-        if seq == 1 and not self.dense_branches:
+        if seq == 1 and remote:
+            chosen = selected[:, 0]
+            o_sel, o_win = self._attend_gathered(query, cache.fetch(chosen, positions), chosen, window_keys, positions)
+        elif seq == 1 and not self.dense_branches:
             o_sel, o_win = self._gathered_branches(query, keys, selected, positions)
         else:
             o_sel, o_win = self._dense_branches(query, keys, selected, positions)
@@ -179,13 +197,14 @@ class MLAttention(nn.Module):
         out = torch.einsum("bhsc,hvc->bshv", out, wkv_b[:, nope:])
         return self.wo(out.reshape(batch * seq, heads * cfg.v_head_dim)).view(batch, seq, -1)
 
-    def _update_compressed(self, keys, compressed, positions):
-        """Write the compressed key of the block that ends at this position, if one does."""
+    def _update_compressed(self, keys, compressed, positions, at=None):
+        """Write the compressed key of the block that ends at this position, if one does. ``keys`` holds
+        that block's tokens at rows ``at - nsa_cmp_block + 1 ... at`` (``at`` defaults to ``positions``)."""
         cfg = self.cfg
         ended = positions + 1 - cfg.nsa_cmp_block  # first token of the block ending here
         aligned = (ended >= 0) & (ended % cfg.nsa_cmp_stride == 0)
         slot = (ended.clamp(min=0) // cfg.nsa_cmp_stride).clamp(max=compressed.shape[1] - 1)
-        new = self.compress.ending_at(keys, positions)
+        new = self.compress.ending_at(keys, positions if at is None else at)
         compressed.index_copy_(1, slot, torch.where(aligned, new, compressed.index_select(1, slot)))
 
     def _compressed_branch(self, query, compressed, positions):
@@ -230,10 +249,20 @@ class MLAttention(nn.Module):
         batch, dim = keys.shape[0], keys.shape[-1]
         chosen = selected[:, 0]  # (batch, n)
         blocks = keys.view(batch, -1, block, dim)[torch.arange(batch, device=keys.device)[:, None], chosen]
-        token = chosen[..., None] * block + torch.arange(block, device=keys.device)  # (batch, n, block)
-        in_selected = (token <= positions).reshape(batch, 1, 1, -1)
         recent = positions - window + 1 + torch.arange(window, device=keys.device)
-        window_keys = keys.index_select(1, recent.clamp(min=0))
+        return self._attend_gathered(query, blocks, chosen, keys.index_select(1, recent.clamp(min=0)), positions)
+
+    def _attend_gathered(self, query, blocks, chosen, window_keys, positions):
+        """The selected and window branches of one query per sequence from the keys they read:
+        ``blocks`` (batch, n, nsa_sel_block, dim), the blocks ``chosen`` (batch, n), and ``window_keys``
+        (batch, nsa_window, dim), the tokens ``positions - nsa_window + 1 ... positions`` (those before
+        0 are masked)."""
+        cfg = self.cfg
+        block, window = cfg.nsa_sel_block, cfg.nsa_window
+        batch, dim = blocks.shape[0], blocks.shape[-1]
+        token = chosen[..., None] * block + torch.arange(block, device=blocks.device)  # (batch, n, block)
+        in_selected = (token <= positions).reshape(batch, 1, 1, -1)
+        recent = positions - window + 1 + torch.arange(window, device=blocks.device)
         in_window = (recent >= 0)[None, None, None]
         return (self._attend(query, blocks.reshape(batch, -1, dim), in_selected),
                 self._attend(query, window_keys, in_window))

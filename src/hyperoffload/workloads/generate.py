@@ -26,14 +26,18 @@ def _check(prompt: torch.Tensor, steps: int) -> None:
 
 
 @torch.no_grad()
-def greedy_generate(model: nn.Module, prompt: torch.Tensor, steps: int) -> Generated:
+def greedy_generate(model: nn.Module, prompt: torch.Tensor, steps: int, cache=None) -> Generated:
     """Prefill ``prompt`` (batch, tokens) into a cache from ``model.new_cache``, then decode one token
-    at a time with the cache, ``steps`` tokens in all (the first comes from the prefill)."""
+    at a time with the cache, ``steps`` tokens in all (the first comes from the prefill).
+
+    ``cache``: an empty cache for at least ``tokens + steps`` tokens to use instead of a new one, e.g.
+    ``deepseek_remote.new_remote_cache``'s (the KV cache in remote memory)."""
     _check(prompt, steps)
-    if not hasattr(model, "new_cache"):
+    if cache is None and not hasattr(model, "new_cache"):
         raise ValueError(f"{type(model).__name__} has no new_cache(batch, context); use greedy_generate_uncached")
     batch, length = prompt.shape
-    cache = model.new_cache(batch, length + steps)
+    if cache is None:
+        cache = model.new_cache(batch, length + steps)
     logits = model(prompt, cache=cache, start=torch.tensor([0]))[:, -1].float()
     tokens, chosen_from = [], []
     for step in range(steps):
