@@ -27,8 +27,8 @@ engine (the fetch is issued right after ``nsa_select`` and before the window bra
 
 A prefill (several tokens) writes its keys to remote memory and computes its attention from them
 as the on-device prefill does; in a real system those keys were computed on the device and are
-offloaded once. The pool path uses Python bookkeeping on the selected indices, so it runs eagerly
-and does not trace; the pool-less fetch is one ``prefetch_blocks`` call, which traces.
+offloaded once. The block table and the traffic counters read the selected indices in Python, so a
+step with this cache runs eagerly and does not trace (``prefetch_blocks`` itself traces).
 """
 
 from __future__ import annotations
