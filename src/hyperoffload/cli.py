@@ -287,7 +287,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     import time
 
     from hyperoffload.allocator_model import fragmentation_figures
-    from hyperoffload.analysis.window_bound import window_bound
+    from hyperoffload.analysis.window_bound import free_offload_budget, window_bound
     from hyperoffload.budgets import parse_budget
     from hyperoffload.plans import Kind
     from hyperoffload.units import format_seconds
@@ -316,8 +316,9 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         timeline = verify(plan, hardware)
     with err.status("Laying out memory and replaying the caching allocator..."):
         memory = fragmentation_figures(plan)
-        window = window_bound(program, hardware, budget, [i.target for i in plan.instructions
-                                                          if i.kind is Kind.COMPUTE]).seconds
+        order = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
+        window = window_bound(program, hardware, budget, order).seconds
+        free_budget = free_offload_budget(program, hardware, order)
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
     if figures.steady_state:
@@ -335,7 +336,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                           "hardware": hardware.name, "policy": args.policy, **figures.as_dict(),
                           "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
                           "instructions": len(plan.instructions), "static_layout": plan.layout is not None,
-                          "window_bound_s": window, **memory}))
+                          "window_bound_s": window, "free_budget_bytes": free_budget, **memory}))
         return 0
     out.print(figures_table(figures, title=title, hardware=hardware))
     arena = "the plan's static arena" if plan.layout is not None else "a static arena would take"
@@ -352,7 +353,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(f"planned in {plan_s:.1f} s; step_s / bound_s = {figures.step_s / figures.bound_s:.3f}, "
                   f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}, step_s / window_bound_s "
                   f"= {figures.step_s / window:.3f} (no plan in this op order can beat window_bound_s "
-                  f"{format_seconds(window)})")
+                  f"{format_seconds(window)}); below {format_bytes(free_budget)} no plan in this order can "
+                  f"offload for free")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Analyses over a Program: lifetimes, the device-memory profile, and the window bound on step time."""
 
 from hyperoffload.analysis.lifetimes import LiveRange, MemoryProfile, live_ranges, memory_profile, storage_ranges
-from hyperoffload.analysis.window_bound import WindowBound, window_bound
+from hyperoffload.analysis.window_bound import WindowBound, free_offload_budget, window_bound
 
-__all__ = ["LiveRange", "MemoryProfile", "WindowBound", "live_ranges", "memory_profile", "storage_ranges",
-           "window_bound"]
+__all__ = ["LiveRange", "MemoryProfile", "WindowBound", "free_offload_budget", "live_ranges", "memory_profile",
+           "storage_ranges", "window_bound"]

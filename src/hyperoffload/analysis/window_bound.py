@@ -52,19 +52,32 @@ class WindowBound:
     """Compute time in which the two windows of consecutive steps overlap (both directions copy)."""
 
 
-def window_bound(program: Program, hardware: Hardware, budget_bytes: int,
-                 order: Sequence[int] | None = None) -> WindowBound:
-    """The window bound of ``program`` run in ``order`` (default: as captured) under ``budget_bytes``."""
-    order = list(range(len(program.ops))) if order is None else list(order)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Windows:
+    """What the bound needs that does not depend on the budget (seconds, bytes)."""
+
+    compute: float
+    peak_position: int
+    live_at_peak: int
+    movable: int
+    """Bytes of the storages live at the peak that the peak op does not use (what can be away)."""
+    read_only: int
+    returned: int
+    d_window: float
+    h_window: float
+    overlap: float
+    meet: bool
+
+
+def _windows(program: Program, hardware: Hardware, order: list[int]) -> _Windows | None:
+    """The windows at the unplanned peak of ``order``, or None for a step with no ops."""
     times = np.asarray(op_times(program, hardware), dtype=np.float64)[order]
     compute = float(times.sum())
     checked = check_plan(plan_without_offload(program, order))
     live = np.asarray(checked.live_bytes, dtype=np.int64)
-    if live.size == 0 or live.max() <= budget_bytes:
-        return WindowBound(seconds=compute, compute_s=compute, peak_position=-1, excess_bytes=0, d2h_window_s=0.0,
-                           h2d_window_s=0.0, overlap_s=0.0)
+    if live.size == 0:
+        return None
     p = int(live.argmax())
-    excess = int(live[p] - budget_bytes)
     n = len(order)
     values = program.values
     uses: dict[int, list[int]] = {}
@@ -106,19 +119,55 @@ def window_bound(program: Program, hardware: Hardware, budget_bytes: int,
     # a stall there lengthens both, and the two directions can copy at once (sharing the link).
     # Otherwise every second a copy needs beyond its own window is a stall of its own.
     overlap = d_window + h_window - (compute - float(times[p]))
-    meet = overlap >= 0.0
-    overlap = max(0.0, overlap)
-    d_need = max(0.0, (excess - read_only) / hardware.d2h_bw - (d_window - overlap))
-    h_need = max(0.0, (excess - returned) / hardware.h2d_bw - (h_window - overlap))
+    return _Windows(compute=compute, peak_position=p, live_at_peak=int(live[p]),
+                    movable=sum(values[s].alloc_bytes for s in candidates), read_only=read_only, returned=returned,
+                    d_window=d_window, h_window=h_window, overlap=max(0.0, overlap), meet=overlap >= 0.0)
+
+
+def _extra(w: _Windows, hardware: Hardware, excess: int) -> float:
+    """Stall (seconds) the copies of ``excess`` bytes need beyond the compute in their windows."""
+    d_need = max(0.0, (excess - w.read_only) / hardware.d2h_bw - (w.d_window - w.overlap))
+    h_need = max(0.0, (excess - w.returned) / hardware.h2d_bw - (w.h_window - w.overlap))
     share = hardware.duplex_share
-    if meet:
-        together = min(d_need, h_need) / share + abs(d_need - h_need) if share > 0.5 else d_need + h_need
-        extra = max(0.0, together - overlap)
-    else:
-        extra = d_need + h_need
-    seconds = compute + extra
-    return WindowBound(seconds=seconds, compute_s=compute, peak_position=p, excess_bytes=excess,
-                       d2h_window_s=d_window, h2d_window_s=h_window, overlap_s=overlap)
+    if not w.meet:
+        return d_need + h_need
+    together = min(d_need, h_need) / share + abs(d_need - h_need) if share > 0.5 else d_need + h_need
+    return max(0.0, together - w.overlap)
+
+
+def window_bound(program: Program, hardware: Hardware, budget_bytes: int,
+                 order: Sequence[int] | None = None) -> WindowBound:
+    """The window bound of ``program`` run in ``order`` (default: as captured) under ``budget_bytes``."""
+    order = list(range(len(program.ops))) if order is None else list(order)
+    w = _windows(program, hardware, order)
+    if w is None or w.live_at_peak <= budget_bytes:
+        compute = w.compute if w is not None else 0.0
+        return WindowBound(seconds=compute, compute_s=compute, peak_position=-1, excess_bytes=0, d2h_window_s=0.0,
+                           h2d_window_s=0.0, overlap_s=0.0)
+    excess = w.live_at_peak - budget_bytes
+    return WindowBound(seconds=w.compute + _extra(w, hardware, excess), compute_s=w.compute,
+                       peak_position=w.peak_position, excess_bytes=excess, d2h_window_s=w.d_window,
+                       h2d_window_s=w.h_window, overlap_s=w.overlap)
+
+
+def free_offload_budget(program: Program, hardware: Hardware, order: Sequence[int] | None = None) -> int:
+    """The smallest budget (bytes) at which the window bound of ``order`` still equals the compute time:
+    below it no plan in that order can offload for free; at or above it, one might. (The window-bound
+    counterpart of BENCHMARKS.md's *hideable budget*, which lets copies run at any time.)"""
+    order = list(range(len(program.ops))) if order is None else list(order)
+    w = _windows(program, hardware, order)
+    if w is None:
+        return 0
+    lo, hi = 0, w.movable  # excess bytes: lo is free, and more than `movable` cannot be away at the peak
+    if _extra(w, hardware, hi) == 0.0:
+        return w.live_at_peak - hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _extra(w, hardware, mid) == 0.0:
+            lo = mid
+        else:
+            hi = mid
+    return w.live_at_peak - lo
 
 
 def _live_at(program: Program, checked, order: list[int], p: int, held_at_start: set[int]) -> list[int]:
@@ -133,4 +182,4 @@ def _live_at(program: Program, checked, order: list[int], p: int, held_at_start:
     return sorted(s for s in live if values[s].alloc_bytes > 0)
 
 
-__all__ = ["WindowBound", "window_bound"]
+__all__ = ["WindowBound", "free_offload_budget", "window_bound"]
