@@ -9,7 +9,6 @@ import itertools
 import json
 
 import pytest
-import torch
 from test_plan_executor import assert_identical
 
 from hyperoffload.budgets import parse_budget
@@ -20,30 +19,11 @@ from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import PlannerConfig, plan_hyperoffload
 from hyperoffload.runtime import ArenaOverlap, AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
 from hyperoffload.runtime.plan_executor import SyncTransfers
-from hyperoffload.workloads import capture_workload, get_workload
+
+pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
 
 SLOW = {"h2d_bw": 200e6, "d2h_bw": 200e6, "h2d_latency_s": 20e-6, "d2h_latency_s": 20e-6}
 """A link slow enough that offloads of tiny-llama's tensors are still in flight when their slots come up again."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_compute_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def captured():
-    return capture_workload(get_workload("tiny-llama"), "train", fake=False)
-
-
-@pytest.fixture(scope="module")
-def reference(captured):
-    """The unplanned step on clones of the inputs: (outputs, inputs after the step)."""
-    inputs = [t.clone() for t in captured.inputs]
-    return run_plan(plan_without_offload(captured.program), inputs).outputs, inputs
 
 
 @pytest.fixture(scope="module")

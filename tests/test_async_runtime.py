@@ -17,34 +17,12 @@ import hyperoffload
 from hyperoffload.cli import main
 from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
 from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
-from hyperoffload.runtime import (AsyncExecutor, BudgetExceeded, EmulatedLink, TransferError, execute_plan,
-                                  run_async, run_plan)
-from hyperoffload.workloads import capture_workload, get_workload
+from hyperoffload.runtime import (AsyncExecutor, BudgetExceeded, EmulatedLink, TransferError, run_async, run_plan)
+
+pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
 
 SLOW = dict(h2d_bw=200e6, d2h_bw=200e6, h2d_latency_s=20e-6, d2h_latency_s=20e-6)
 """A link slow enough that copies of tiny-llama's tensors are still in flight while later ops run."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_compute_thread():
-    """Compute on one thread, so the copy engines have a core of their own on small machines (as the run
-    command does); two OpenMP threads spinning against busy copy threads make steps crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def captured():
-    return capture_workload(get_workload("tiny-llama"), "train", fake=False)
-
-
-@pytest.fixture(scope="module")
-def reference(captured):
-    """The unplanned step on clones of the inputs: (outputs, inputs after the step)."""
-    inputs = [t.clone() for t in captured.inputs]
-    return run_plan(plan_without_offload(captured.program), inputs).outputs, inputs
 
 
 @pytest.fixture(scope="module")

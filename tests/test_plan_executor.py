@@ -11,17 +11,11 @@ from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
 from hyperoffload.runtime import run_reference
 from hyperoffload.runtime.plan_executor import run_plan
-from hyperoffload.workloads import capture_workload, get_workload
 
 START = -1
 """A round trip leaving at START is offloaded before the first op runs."""
 END = None
 """A round trip returning at END is never prefetched: the step leaves the storage in remote memory."""
-
-
-@pytest.fixture(scope="module")
-def captured():
-    return capture_workload(get_workload("tiny-llama"), "train", fake=False)
 
 
 @pytest.fixture(scope="module")
