@@ -106,8 +106,9 @@ def tiny_reference(tiny_train):
 
 
 # ``none`` and ``zero-infinity`` with DeepSpeed's defaults move nothing on tiny-llama: nothing to check;
-# ``distance short`` runs the same code as ``distance`` (its plans are checked above).
-MOVING = [name for name in VARIANTS if name not in ("none", "zero-infinity", "distance short")]
+# ``distance short`` runs the same code as ``distance`` (its plans are checked above); ``kv-naive`` moves
+# only a KV cache, which a training step has none of (its decode runs are checked below).
+MOVING = [name for name in VARIANTS if name not in ("none", "zero-infinity", "distance short", "kv-naive")]
 
 
 @pytest.mark.parametrize("name", MOVING)
@@ -305,3 +306,47 @@ def test_zero_infinity_defaults_leave_small_tensors_on_the_device(tiny_train):
     program = tiny_train.program
     plan = plan_zero_infinity(program, H100, 10**9)  # every tiny-llama tensor is under 1e5 elements
     assert not plan.initial_remote and all(i.kind is Kind.COMPUTE for i in plan.instructions)
+
+
+def test_kv_naive_fetches_the_whole_cache_each_decode_step_and_runs_exactly():
+    from hyperoffload.ir import ValueKind
+    from hyperoffload.plans import plan_without_offload
+    from hyperoffload.policies import plan_kv_naive
+    from hyperoffload.runtime import run_plan
+    from hyperoffload.simulate import simulate
+    from hyperoffload.workloads import capture_workload, get_workload
+
+    captured = capture_workload(get_workload("tiny-llama"), "decode", fake=False)
+    prog = captured.program
+    hardware = get_hardware("h100-sxm")
+    unplanned_peak = memory_profile(prog).peak_bytes
+    plan = plan_kv_naive(prog, hardware, unplanned_peak)
+    verify(plan, hardware)
+    cache = {prog.values[v].storage for v in prog.inputs if prog.values[v].kind is ValueKind.KV_CACHE}
+    cache_bytes = sum(prog.values[s].alloc_bytes for s in cache)
+    figures = simulate(plan, hardware).figures
+    assert figures.steady_state
+    assert figures.h2d_bytes == cache_bytes and figures.d2h_bytes == cache_bytes  # all in, all written back
+    assert figures.peak_bytes < unplanned_peak
+    planned_inputs = [t.clone() for t in captured.inputs]
+    reference_inputs = [t.clone() for t in captured.inputs]
+    planned = run_plan(plan, planned_inputs)
+    reference = run_plan(plan_without_offload(prog), reference_inputs)
+    assert all(torch.equal(a, b) for a, b in zip(planned.outputs, reference.outputs))
+    assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))  # the cache, updated
+
+
+def test_kv_naive_is_the_captured_step_without_a_cache_and_compare_leaves_it_out():
+    from hyperoffload.compare import compare
+    from hyperoffload.plans import Kind
+    from hyperoffload.policies import plan_kv_naive
+    from hyperoffload.workloads import capture_workload, get_workload
+
+    hardware = get_hardware("h100-sxm")
+    train = capture_workload(get_workload("tiny-llama"), "train").program
+    plan = plan_kv_naive(train, hardware, memory_profile(train).peak_bytes)
+    assert all(i.kind is Kind.COMPUTE for i in plan.instructions)
+    budget = memory_profile(train).peak_bytes
+    assert "kv-naive" not in [r.policy for r in compare(train, hardware, budget, None)]
+    decode = capture_workload(get_workload("tiny-llama"), "decode").program
+    assert "kv-naive" in [r.policy for r in compare(decode, hardware, memory_profile(decode).peak_bytes, None)]

@@ -7,6 +7,7 @@ from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.policies.distance import DistanceConfig, plan_distance
 from hyperoffload.policies.hyperoffload import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
+from hyperoffload.policies.kv_naive import plan_kv_naive
 from hyperoffload.policies.layerwise import LayerwiseConfig, plan_layerwise
 from hyperoffload.policies.reactive import ReactiveConfig, plan_reactive
 from hyperoffload.policies.xla_hidden import XlaHiddenConfig, plan_xla_hidden
@@ -22,9 +23,12 @@ def plan_none(program: Program, hardware: Hardware, budget_bytes: int) -> Plan:
 
 POLICIES: dict[str, Policy] = {"hyperoffload": plan_hyperoffload, "none": plan_none, "reactive": plan_reactive,
                                "distance": plan_distance, "zero-infinity": plan_zero_infinity,
-                               "layerwise": plan_layerwise, "xla-hidden": plan_xla_hidden}
+                               "layerwise": plan_layerwise, "xla-hidden": plan_xla_hidden, "kv-naive": plan_kv_naive}
 BASELINES = tuple(name for name in POLICIES if name != "hyperoffload")
 """Every policy but ours, in the order tables list them."""
+KV_ONLY = frozenset({"kv-naive"})
+"""Policies that move only a KV cache: on a step without one they are the captured step, so comparisons
+of such steps leave them out unless asked for."""
 
 
 def get_policy(name: str) -> Policy:
@@ -34,6 +38,6 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
 
 
-__all__ = ["BASELINES", "POLICIES", "DistanceConfig", "InfeasibleBudget", "LayerwiseConfig", "PlannerConfig", "Policy",
+__all__ = ["BASELINES", "KV_ONLY", "POLICIES", "DistanceConfig", "InfeasibleBudget", "LayerwiseConfig", "PlannerConfig", "Policy",
            "ReactiveConfig", "XlaHiddenConfig", "ZeroInfinityConfig", "get_policy", "minimum_budget", "plan_distance",
-           "plan_hyperoffload", "plan_layerwise", "plan_none", "plan_reactive", "plan_xla_hidden", "plan_zero_infinity"]
+           "plan_hyperoffload", "plan_kv_naive", "plan_layerwise", "plan_none", "plan_reactive", "plan_xla_hidden", "plan_zero_infinity"]
