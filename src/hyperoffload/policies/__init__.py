@@ -5,6 +5,7 @@ from collections.abc import Callable
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
+from hyperoffload.policies.common import fit_budget
 from hyperoffload.policies.distance import DistanceConfig, plan_distance
 from hyperoffload.policies.hyperoffload import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
 from hyperoffload.policies.kv_naive import plan_kv_naive
@@ -17,8 +18,9 @@ Policy = Callable[[Program, Hardware, int], Plan]
 
 
 def plan_none(program: Program, hardware: Hardware, budget_bytes: int) -> Plan:
-    """No offload: the step as captured. Its peak is what the step needs; a smaller budget is not met."""
-    return plan_without_offload(program)
+    """No offload: the step as captured, with the budget attached when its peak fits it. Otherwise the plan
+    has no budget and its peak is what the step needs."""
+    return fit_budget(plan_without_offload(program), budget_bytes)
 
 
 POLICIES: dict[str, Policy] = {"hyperoffload": plan_hyperoffload, "none": plan_none, "reactive": plan_reactive,
