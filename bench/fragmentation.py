@@ -24,7 +24,7 @@ from hyperoffload.allocator_model import fragmentation_figures
 from hyperoffload.analysis import memory_profile
 from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import check_plan
-from hyperoffload.policies import POLICIES, PlannerConfig, plan_hyperoffload
+from hyperoffload.policies import POLICIES, PlannerConfig, plan_hyperoffload, policies_for
 from hyperoffload.workloads import capture_workload, get_workload
 
 SCENARIOS = (("llama3-8b", "train", {}, 0.5), ("llama3-8b", "decode", {"batch": 8, "context": 32768}, 0.5))
@@ -34,7 +34,7 @@ GiB = 2**30
 def rows_for(workload: str, mode: str, sizes: dict, share: float, hardware, console: Console) -> list[dict]:
     program = capture_workload(get_workload(workload), mode, **sizes).program
     budget = int(memory_profile(program).peak_bytes * share)
-    plans = [(name, lambda p=policy: p(program, hardware, budget)) for name, policy in POLICIES.items()]
+    plans = [(name, lambda p=POLICIES[name]: p(program, hardware, budget)) for name in policies_for(program)]
     plans.append(("hyperoffload --static-layout",
                   lambda: plan_hyperoffload(program, hardware, budget, PlannerConfig(static_layout=True))))
     rows = []

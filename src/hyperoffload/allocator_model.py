@@ -29,9 +29,10 @@ cost of each ``cudaMalloc``.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hyperoffload.layout import residencies
+from hyperoffload.layout import Residency, residencies
 from hyperoffload.plans import Plan
 
 MIN_BLOCK = 512
@@ -164,7 +165,11 @@ def replay_caching_allocator(plan: Plan, limit_bytes: int | None = None) -> Allo
     """Replay ``plan``'s device allocations and frees, in instruction order, through the caching
     allocator model with a device limit of ``limit_bytes`` (default: the plan's budget)."""
     limit = plan.budget_bytes if limit_bytes is None else limit_bytes
-    found = residencies(plan)
+    return _replay(residencies(plan), limit)
+
+
+def _replay(found: Sequence[Residency], limit: int | None) -> AllocatorReport:
+    """Residencies, allocated and freed in instruction order, through the model under ``limit``."""
     events = sorted([(r.start, 1, k) for k, r in enumerate(found)] + [(r.end, 0, k) for k, r in enumerate(found)])
     model = CachingAllocatorModel(limit)
     held: dict[int, _Block] = {}
@@ -190,7 +195,8 @@ def fragmentation_figures(plan: Plan, limit_bytes: int | None = None) -> dict[st
     from hyperoffload.layout import arena_stalls, assign_offsets
 
     layout = plan.layout if plan.layout is not None else assign_offsets(plan)
-    report = replay_caching_allocator(plan, limit_bytes)
+    # The layout holds the plan's residencies already: replay those rather than derive them again.
+    report = _replay(layout.residencies, plan.budget_bytes if limit_bytes is None else limit_bytes)
     return {"arena_bytes": layout.arena_bytes, "arena_stalls": arena_stalls(layout),
             "allocator_stalls": report.stalls, "allocator_failures": report.failures,
             "allocator_reserved_bytes": report.reserved_peak_bytes}

@@ -100,6 +100,23 @@ def _add_policies_argument(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated policies to compare (default: all of them)")
 
 
+def _policy_from_args(args: argparse.Namespace, without_layout: str):
+    """``--policy``, planning with a static layout under ``--static-layout`` (a hyperoffload planner option;
+    ``without_layout`` says what another policy does instead, for the error)."""
+    from hyperoffload.policies import get_policy
+
+    policy = get_policy(args.policy)
+    if not args.static_layout:
+        return policy
+    if args.policy != "hyperoffload":
+        raise ValueError(f"--static-layout is a hyperoffload planner option; policy {args.policy!r} {without_layout}")
+    from functools import partial
+
+    from hyperoffload.policies import PlannerConfig, plan_hyperoffload
+
+    return partial(plan_hyperoffload, config=PlannerConfig(static_layout=True))
+
+
 def _policy_names(args: argparse.Namespace) -> list[str] | None:
     from hyperoffload.policies import get_policy
 
@@ -287,25 +304,16 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     import time
 
     from hyperoffload.allocator_model import fragmentation_figures
-    from hyperoffload.analysis.window_bound import free_offload_budget, window_bound
+    from hyperoffload.analysis.window_bound import window_bound
     from hyperoffload.budgets import parse_budget
     from hyperoffload.plans import Kind
     from hyperoffload.units import format_seconds
-    from hyperoffload.policies import get_policy
     from hyperoffload.report.figures import figures_table
     from hyperoffload.verify import verify
 
     hardware = hardware_from_args(args)
-    policy = get_policy(args.policy)
-    if args.static_layout:
-        if args.policy != "hyperoffload":
-            raise ValueError(f"--static-layout is a hyperoffload planner option; policy {args.policy!r} leaves "
-                             f"addresses to the allocator (its arena and allocator figures are reported anyway)")
-        from functools import partial
-
-        from hyperoffload.policies import PlannerConfig, plan_hyperoffload
-
-        policy = partial(plan_hyperoffload, config=PlannerConfig(static_layout=True))
+    policy = _policy_from_args(args, "leaves addresses to the allocator (its arena and allocator figures are "
+                                     "reported anyway)")
     captured = _capture(args, err)
     program = captured.program
     budget = parse_budget(args.budget, program, hardware)
@@ -316,9 +324,9 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         timeline = verify(plan, hardware)
     with err.status("Laying out memory and replaying the caching allocator..."):
         memory = fragmentation_figures(plan)
-        order = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
-        window = window_bound(program, hardware, budget, order).seconds
-        free_budget = free_offload_budget(program, hardware, order)
+        bound = window_bound(program, hardware, budget, [i.target for i in plan.instructions
+                                                         if i.kind is Kind.COMPUTE])
+        window, free_budget = bound.seconds, bound.free_budget_bytes
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
     if figures.steady_state:
@@ -458,7 +466,6 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     from hyperoffload.analysis import memory_profile
     from hyperoffload.budgets import parse_budget
-    from hyperoffload.policies import get_policy
     from hyperoffload.runtime import BudgetExceeded, EmulatedLink, TransferError
     from hyperoffload.runtime.measure import (RunConfig, executor_dispatch_s, executor_issue_s, for_executor,
                                               measure_run)
@@ -468,16 +475,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)
-    policy = get_policy(args.policy)
-    if args.static_layout:
-        if args.policy != "hyperoffload":
-            raise ValueError(f"--static-layout is a hyperoffload planner option; policy {args.policy!r} has no "
-                             f"static layout to run from")
-        from functools import partial
-
-        from hyperoffload.policies import PlannerConfig, plan_hyperoffload
-
-        policy = partial(plan_hyperoffload, config=PlannerConfig(static_layout=True))
+    policy = _policy_from_args(args, "has no static layout to run from")
     config = RunConfig(steps=args.steps, warmup=args.warmup, arena=args.static_layout)
     with err.status("Loading the cpu-emulated profile (calibrates this machine once per thread count)..."):
         cache = cpu_cache_path().with_name(f"cpu-calibration-{threads}-threads.json")

@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 from hyperoffload.analysis import memory_profile, window_bound
 from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware
-from hyperoffload.ir import Program, ValueKind
+from hyperoffload.ir import Program
 from hyperoffload.plans import Kind, Plan, check_plan
-from hyperoffload.policies import KV_ONLY, POLICIES, InfeasibleBudget, get_policy
+from hyperoffload.policies import InfeasibleBudget, get_policy, policies_for
 from hyperoffload.simulate import Timeline
 from hyperoffload.units import parse_bandwidth
 from hyperoffload.verify import verify
@@ -115,8 +115,7 @@ def compare(program: Program, hardware: Hardware, budget_bytes: int,
             policies: Sequence[str] | None = None) -> list[PolicyResult]:
     """Every policy in ``policies`` (default: all registered, less those that move only a KV cache when the
     step has none) for the same budget, in that order."""
-    has_kv = any(program.values[v].kind is ValueKind.KV_CACHE for v in program.inputs)
-    names = [n for n in POLICIES if has_kv or n not in KV_ONLY] if policies is None else list(policies)
+    names = policies_for(program) if policies is None else list(policies)
     peak = memory_profile(program).peak_bytes
     return [run_policy(program, hardware, budget_bytes, name, peak) for name in names]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hyperoffload.plans import Kind, Plan, check_plan
+from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan
 
 ALIGNMENT = 256
 """Bytes every slot's offset is a multiple of: what ``cudaMalloc`` guarantees, so kernels that need
@@ -58,11 +58,12 @@ class Layout:
         return self.arena_bytes - self.live_peak_bytes
 
 
-def residencies(plan: Plan) -> list[Residency]:
-    """Every device residency of ``plan``'s storages, in the order they are allocated."""
+def residencies(plan: Plan, checked: PlanCheck | None = None) -> list[Residency]:
+    """Every device residency of ``plan``'s storages, in the order they are allocated (``checked``:
+    ``check_plan(plan)`` if the caller has it already)."""
     program, instrs = plan.program, plan.instructions
     values = program.values
-    checked = check_plan(plan)
+    checked = check_plan(plan) if checked is None else checked
     n = len(instrs)
     open_at: dict[int, int] = {}
     result: list[Residency] = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from hyperoffload.hardware import Hardware
 from hyperoffload.layout import LayoutError, check_layout, residencies
-from hyperoffload.plans import Kind, Plan, PlanError, check_plan
+from hyperoffload.plans import Kind, Plan, PlanCheck, PlanError, check_plan
 from hyperoffload.simulate import COMPUTE, D2H, H2D, Timeline, simulate
 
 _TOLERANCE_S = 1e-12
@@ -26,11 +26,11 @@ class VerificationError(AssertionError):
 def verify(plan: Plan, hardware: Hardware | None = None) -> Timeline | None:
     """Check ``plan``; with ``hardware`` also simulate it and check the timeline. Returns the timeline."""
     try:
-        check_plan(plan)
+        checked = check_plan(plan)
     except PlanError as error:
         raise VerificationError(f"plan from policy {plan.policy!r} is invalid: {error}") from error
     if plan.layout is not None:
-        _check_layout(plan)
+        _check_layout(plan, checked)
     if hardware is None:
         return None
     timeline = simulate(plan, hardware)
@@ -38,11 +38,11 @@ def verify(plan: Plan, hardware: Hardware | None = None) -> Timeline | None:
     return timeline
 
 
-def _check_layout(plan: Plan) -> None:
+def _check_layout(plan: Plan, checked: PlanCheck) -> None:
     """A plan's static layout covers exactly its residencies, never places two live ones on the same
     bytes, and fits its budget."""
     layout = plan.layout
-    if layout.residencies != tuple(residencies(plan)):
+    if layout.residencies != tuple(residencies(plan, checked)):
         raise VerificationError(f"plan from policy {plan.policy!r}: its layout does not match its allocations")
     try:
         check_layout(layout)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hyperoffload.analysis.uses import storage_uses
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
@@ -50,6 +51,8 @@ class WindowBound:
     """Compute time of the H2D window (from the peak to the latest next use)."""
     overlap_s: float
     """Compute time in which the two windows of consecutive steps overlap (both directions copy)."""
+    free_budget_bytes: int
+    """The smallest budget at which this bound still equals ``compute_s`` (``free_offload_budget``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,14 +83,8 @@ def _windows(program: Program, hardware: Hardware, order: list[int]) -> _Windows
     p = int(live.argmax())
     n = len(order)
     values = program.values
-    uses: dict[int, list[int]] = {}
-    writes: dict[int, list[int]] = {}
-    for position, op_id in enumerate(order):
-        op = program.ops[op_id]
-        for s in {values[v].storage for v in (*op.inputs, *op.outputs)}:
-            uses.setdefault(s, []).append(position)
-        for s in {values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage}:
-            writes.setdefault(s, []).append(position)
+    found = storage_uses(program, order)
+    uses, writes = found.positions, found.writes
     held_at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
     outputs = {values[v].storage for v in program.outputs}
     working = {values[v].storage for v in (*program.ops[order[p]].inputs, *program.ops[order[p]].outputs)}
@@ -140,14 +137,17 @@ def window_bound(program: Program, hardware: Hardware, budget_bytes: int,
     """The window bound of ``program`` run in ``order`` (default: as captured) under ``budget_bytes``."""
     order = list(range(len(program.ops))) if order is None else list(order)
     w = _windows(program, hardware, order)
-    if w is None or w.live_at_peak <= budget_bytes:
-        compute = w.compute if w is not None else 0.0
-        return WindowBound(seconds=compute, compute_s=compute, peak_position=-1, excess_bytes=0, d2h_window_s=0.0,
-                           h2d_window_s=0.0, overlap_s=0.0)
+    if w is None:
+        return WindowBound(seconds=0.0, compute_s=0.0, peak_position=-1, excess_bytes=0, d2h_window_s=0.0,
+                           h2d_window_s=0.0, overlap_s=0.0, free_budget_bytes=0)
+    free = _free_budget(w, hardware)
+    if w.live_at_peak <= budget_bytes:
+        return WindowBound(seconds=w.compute, compute_s=w.compute, peak_position=-1, excess_bytes=0,
+                           d2h_window_s=0.0, h2d_window_s=0.0, overlap_s=0.0, free_budget_bytes=free)
     excess = w.live_at_peak - budget_bytes
     return WindowBound(seconds=w.compute + _extra(w, hardware, excess), compute_s=w.compute,
                        peak_position=w.peak_position, excess_bytes=excess, d2h_window_s=w.d_window,
-                       h2d_window_s=w.h_window, overlap_s=w.overlap)
+                       h2d_window_s=w.h_window, overlap_s=w.overlap, free_budget_bytes=free)
 
 
 def free_offload_budget(program: Program, hardware: Hardware, order: Sequence[int] | None = None) -> int:
@@ -156,8 +156,11 @@ def free_offload_budget(program: Program, hardware: Hardware, order: Sequence[in
     counterpart of BENCHMARKS.md's *hideable budget*, which lets copies run at any time.)"""
     order = list(range(len(program.ops))) if order is None else list(order)
     w = _windows(program, hardware, order)
-    if w is None:
-        return 0
+    return 0 if w is None else _free_budget(w, hardware)
+
+
+def _free_budget(w: _Windows, hardware: Hardware) -> int:
+    """The largest excess whose copies need no stall, as a budget (bisection: the stall grows with it)."""
     lo, hi = 0, w.movable  # excess bytes: lo is free, and more than `movable` cannot be away at the peak
     if _extra(w, hardware, hi) == 0.0:
         return w.live_at_peak - hi

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 
 from hyperoffload.hardware import Hardware
-from hyperoffload.ir import Program
+from hyperoffload.ir import Program, ValueKind
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.policies.common import fit_budget
 from hyperoffload.policies.distance import DistanceConfig, plan_distance
@@ -33,6 +33,13 @@ KV_ONLY = frozenset({"kv-naive"})
 of such steps leave them out unless asked for."""
 
 
+def policies_for(program: Program) -> list[str]:
+    """The registered policies that apply to ``program``: all of them, less those that move only a KV
+    cache when the step has none."""
+    has_kv = any(program.values[v].kind is ValueKind.KV_CACHE for v in program.inputs)
+    return [name for name in POLICIES if has_kv or name not in KV_ONLY]
+
+
 def get_policy(name: str) -> Policy:
     try:
         return POLICIES[name]
@@ -40,6 +47,7 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
 
 
-__all__ = ["BASELINES", "KV_ONLY", "POLICIES", "DistanceConfig", "InfeasibleBudget", "LayerwiseConfig", "PlannerConfig", "Policy",
-           "ReactiveConfig", "XlaHiddenConfig", "ZeroInfinityConfig", "get_policy", "minimum_budget", "plan_distance",
-           "plan_hyperoffload", "plan_kv_naive", "plan_layerwise", "plan_none", "plan_reactive", "plan_xla_hidden", "plan_zero_infinity"]
+__all__ = ["BASELINES", "KV_ONLY", "POLICIES", "DistanceConfig", "InfeasibleBudget", "LayerwiseConfig",
+           "PlannerConfig", "Policy", "ReactiveConfig", "XlaHiddenConfig", "ZeroInfinityConfig", "get_policy",
+           "minimum_budget", "policies_for", "plan_distance", "plan_hyperoffload", "plan_kv_naive", "plan_layerwise",
+           "plan_none", "plan_reactive", "plan_xla_hidden", "plan_zero_infinity"]

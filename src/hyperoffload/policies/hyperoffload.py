@@ -36,7 +36,7 @@ from hyperoffload.layout import assign_offsets, prefetch_into_arena
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies.lanes import Lane
 from hyperoffload.policies.reorder import hoist_updates
-from hyperoffload.policies.spans import Span, idle_spans, positions_arrays, storage_uses
+from hyperoffload.policies.spans import Span, Uses, idle_spans, positions_arrays, storage_uses
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.units import format_bytes
 
@@ -94,20 +94,41 @@ def _min_span_bytes(config: PlannerConfig, live: np.ndarray) -> int:
     return int(live.max()) // 10_000 if live.size else 0
 
 
+@dataclass(frozen=True, slots=True)
+class _OrderFacts:
+    """What planning in one execution order starts from (positions in ``order``; bytes)."""
+
+    order: list[int]
+    live: np.ndarray
+    """Device bytes at each position with no offload (``check_plan``'s accounting)."""
+    uses: Uses
+    spans: list[Span]
+    min_span_bytes: int
+
+
+def _order_facts(program: Program, order: Sequence[int], config: PlannerConfig) -> _OrderFacts:
+    order = list(order)
+    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
+    min_span_bytes = _min_span_bytes(config, live)
+    uses = storage_uses(program, order)
+    return _OrderFacts(order, live, uses, idle_spans(program, uses, min_bytes=min_span_bytes), min_span_bytes)
+
+
 def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
                    order: Sequence[int] | None = None) -> tuple[int, str]:
     """The smallest budget (bytes) this planner can meet with the ops in ``order`` (default: the
     order the planner would try first and last, captured and refined; the smaller), and what sets it."""
     if order is None:
         return min((minimum_budget(program, config, o) for o in candidate_orders(program)), key=lambda r: r[0])
-    order = list(order)
-    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
+    return _minimum(program, _order_facts(program, order, config))
+
+
+def _minimum(program: Program, facts: _OrderFacts) -> tuple[int, str]:
+    live = facts.live
     if live.size == 0:
         return 0, "the step has no ops"
-    min_span_bytes = _min_span_bytes(config, live)
-    spans = idle_spans(program, storage_uses(program, order), min_bytes=min_span_bytes)
     removable = np.zeros(live.size + 1, dtype=np.int64)
-    for span in spans:
+    for span in facts.spans:
         removable[span.first + 1] += span.nbytes
         removable[span.last] -= span.nbytes
         if span.cyclic:  # the span wraps: it also covers the step from its start up to the first use
@@ -115,13 +136,13 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
             removable[live.size] -= span.nbytes
     unavoidable = live - np.cumsum(removable)[:-1]
     p = int(unavoidable.argmax())
-    op = program.ops[order[p]]
+    op = program.ops[facts.order[p]]
     values = program.values
     working = {values[v].storage for v in (*op.inputs, *op.outputs)}
     own = sum(values[s].alloc_bytes for s in working)
     why = (f"op {op.name} ({op.target}) needs {format_bytes(own)} of its own inputs and outputs on the device, and "
            f"{format_bytes(int(unavoidable[p]) - own)} more by storages used by the ops right before and after it "
-           f"or smaller than {format_bytes(min_span_bytes)}")
+           f"or smaller than {format_bytes(facts.min_span_bytes)}")
     return int(unavoidable[p]), why
 
 
@@ -174,14 +195,15 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
 def _search(program, hardware, budget_bytes, config, hint: tuple[tuple[int, ...], float] | None = None):
     """The fastest plan found whose live bytes never exceed ``budget_bytes``, and the order and margin
     it was made with. With a ``hint`` from an earlier search, plans only in that order and margin."""
-    base = plan_without_offload(program, budget_bytes=None)
-    live = np.asarray(check_plan(base).live_bytes, dtype=np.int64)
     captured = tuple(range(len(program.ops)))
-    if live.size == 0 or live.max() <= budget_bytes:
-        return Plan(program=program, instructions=base.instructions, policy=POLICY, budget_bytes=budget_bytes), None
     orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [captured]
-    smallest = [minimum_budget(program, config, order) for order in orders]
-    feasible = [order for order, (least, _) in zip(orders, smallest) if budget_bytes >= least]
+    facts = [_order_facts(program, orders[0], config)]
+    if orders[0] == captured and (facts[0].live.size == 0 or facts[0].live.max() <= budget_bytes):
+        base = plan_without_offload(program)
+        return Plan(program=program, instructions=base.instructions, policy=POLICY, budget_bytes=budget_bytes), None
+    facts += [_order_facts(program, order, config) for order in orders[1:]]
+    smallest = [_minimum(program, f) for f in facts]
+    feasible = [f for f, (least, _) in zip(facts, smallest) if budget_bytes >= least]
     if not feasible:
         least, why = min(smallest, key=lambda r: r[0])
         raise InfeasibleBudget(f"a budget of {format_bytes(budget_bytes)} is below the smallest this planner can "
@@ -190,29 +212,26 @@ def _search(program, hardware, budget_bytes, config, hint: tuple[tuple[int, ...]
     if hint:
         config = replace(config, bandwidth_margins=(hint[1],))
     best = _plan_in_order(program, hardware, budget_bytes, feasible[0], times_by_op, config)
-    best_order = feasible[0]
+    best_order = feasible[0].order
     # The other orders are tried with the best plan's margin alone and planned in full only if that
     # already beats the best plan: most steps are fastest in the captured order, and this keeps the
     # cost of finding that out to one planning pass.
-    for order in feasible[1:]:
-        quick = _plan_in_order(program, hardware, budget_bytes, order, times_by_op,
+    for f in feasible[1:]:
+        quick = _plan_in_order(program, hardware, budget_bytes, f, times_by_op,
                                replace(config, bandwidth_margins=(best.margin,), refinements=0))
         if quick.step_s < best.step_s:
-            full = _plan_in_order(program, hardware, budget_bytes, order, times_by_op, config)
-            best, best_order = min(quick, full, key=lambda t: t.step_s), order
-    return best.plan, (best_order, best.margin)
+            full = _plan_in_order(program, hardware, budget_bytes, f, times_by_op, config)
+            best, best_order = min(quick, full, key=lambda t: t.step_s), f.order
+    return best.plan, (tuple(best_order), best.margin)
 
 
-def _plan_in_order(program, hardware, budget_bytes, order: Sequence[int], times_by_op: np.ndarray,
+def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by_op: np.ndarray,
                    config: PlannerConfig) -> _Tried:
-    """The fastest plan found with the compute ops in ``order``."""
-    order = list(order)
-    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
+    """The fastest plan found with the compute ops in ``facts.order``."""
+    order, live, uses, spans = facts.order, facts.live, facts.uses, facts.spans
     times = times_by_op[order]
     end = np.cumsum(times)
     step = _Step(start=end - times, end=end, times=times, live=live)
-    uses = storage_uses(program, order)
-    spans = idle_spans(program, uses, min_bytes=_min_span_bytes(config, live))
     best: _Tried | None = None
     for margin in config.bandwidth_margins:
         plan = _plan_for_margin(program, hardware, budget_bytes, step, spans, uses.writes, margin, config, order)
