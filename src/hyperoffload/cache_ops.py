@@ -12,11 +12,17 @@ operator                              MindSpore                   plan instructi
 ``hyperoffload::wait(x)``             stream/event sync           ``WAIT``: a transfer has finished
 ``hyperoffload::release(x)``          ``Free``                    ``RELEASE``: drop the device copy
 ``hyperoffload::prefetch_blocks``     indexed ``UpdateToDevice``  none: chosen at run time (NSA)
+``hyperoffload::fetch_blocks_pooled`` the same, via a block pool  none: chosen at run time (NSA)
+``hyperoffload::store_rows``          ``UpdateToRemote`` of rows  none: a step's new KV rows
 ====================================  ==========================  ==================================
 
 ``prefetch_blocks(remote, block_ids, block_size)`` is the indexed prefetch of a remote KV cache
 (``workloads.deepseek_remote``): it copies only the cache blocks whose indices a decode step
 computes at run time (NSA's ``nsa_select``), so no plan instruction names it; the step itself calls it.
+``fetch_blocks_pooled`` does the same through a device block pool with a block table, so blocks still
+resident are not moved again, and ``store_rows`` writes a step's new rows to the remote cache. The
+capture marks these three as *lane ops* (``LANE_OPS``, ``ir.Op.lane``): data movement that is part of
+the step itself, which the simulator runs on a copy lane.
 
 The first four are the smallest set that lets a plan say everything it needs: a copy in each direction, a
 point where the compute stream depends on a copy (so copies can be issued early and overlap
@@ -165,9 +171,100 @@ def _prefetch_blocks_fake(remote: torch.Tensor, block_ids: torch.Tensor, block_s
     return remote.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
 
 
+def _check_pool(remote: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor,
+                block_size: int) -> int:
+    """Check the shapes ``fetch_blocks_pooled`` takes; return the number of blocks in ``remote``."""
+    blocks = _check_blocks(remote, block_ids, block_size)
+    batch, _, dim = remote.shape
+    if pool.dim() != 4 or (pool.shape[0], pool.shape[2], pool.shape[3]) != (batch, block_size, dim) \
+            or pool.dtype != remote.dtype:
+        raise ValueError(f"fetch_blocks_pooled: pool must be {remote.dtype} of shape ({batch}, pool_blocks, "
+                         f"{block_size}, {dim}), got {pool.dtype} {tuple(pool.shape)}")
+    if slots.dtype != torch.int64 or tuple(slots.shape) != (batch, pool.shape[1], 2):
+        raise ValueError(f"fetch_blocks_pooled: slots must be int64 of shape ({batch}, {pool.shape[1]}, 2), got "
+                         f"{slots.dtype} {tuple(slots.shape)}")
+    if block_ids.shape[-1] > pool.shape[1]:
+        raise ValueError(f"fetch_blocks_pooled: {block_ids.shape[-1]} blocks per sequence do not fit a pool of "
+                         f"{pool.shape[1]}; a pool holds at least the blocks one step reads")
+    return blocks
+
+
+@torch.library.custom_op(f"{NAMESPACE}::store_rows", mutates_args=("remote",), device_types="cpu")
+def store_rows(remote: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write ``rows`` (batch, seq, dim) into the remote cache ``remote`` (batch, slots, dim) at the slot
+    indices ``positions`` (seq,): the device -> remote copy of a step's new KV rows."""
+    remote.index_copy_(1, positions, rows)
+
+
+@store_rows.register_fake
+def _store_rows_fake(remote: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
+    if rows.dim() != 3 or rows.shape[0] != remote.shape[0] or rows.shape[2] != remote.shape[2]:
+        raise ValueError(f"store_rows: rows must be ({remote.shape[0]}, seq, {remote.shape[2]}), got {tuple(rows.shape)}")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fetch_blocks_pooled", mutates_args=("pool", "slots"), device_types="cpu")
+def fetch_blocks_pooled(remote: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor,
+                        positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The blocks ``block_ids`` (batch, n) of ``remote`` (batch, slots, dim), through a device block pool.
+
+    ``pool`` (batch, pool_blocks, block_size, dim) holds resident blocks; ``slots`` (batch, pool_blocks, 2)
+    int64 is its block table: per pool slot, the block it holds (-1: free) and when it was last read (a
+    counter). Blocks not resident are copied from ``remote`` (``prefetch_blocks``'s copy) into a free slot,
+    the lowest first, or else into the least recently read slot whose block this step does not read; every
+    block read becomes the most recently read, in ``block_ids`` order. The row at ``positions`` (one
+    element: the step's own token, just written to ``remote`` by ``store_rows``) is refreshed in its block
+    if that block was resident, so the pool never serves stale rows. Returns (batch, n, block_size, dim),
+    a new tensor. An index outside the cache raises ``IndexError``.
+    """
+    blocks = _check_pool(remote, pool, slots, block_ids, block_size)
+    if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= blocks):
+        raise IndexError(f"fetch_blocks_pooled: block ids must be in 0 ... {blocks - 1}")
+    position = int(positions[0])
+    own, row = divmod(position, block_size)
+    slot_of = torch.empty_like(block_ids)
+    for b, ids in enumerate(block_ids.tolist()):
+        held = {int(blk): k for k, blk in enumerate(slots[b, :, 0].tolist()) if blk >= 0}
+        if own in held:
+            pool[b, held[own], row] = remote[b, position]
+        clock = int(slots[b, :, 1].max()) + 1
+        wanted = set(ids)
+        missing = list(dict.fromkeys(i for i in ids if i not in held))
+        free = [k for k in range(pool.shape[1]) if int(slots[b, k, 0]) < 0]
+        for index in missing:
+            if free:
+                k = free.pop(0)
+            else:  # evict the least recently read block this step does not read
+                k = min((k for blk, k in held.items() if blk not in wanted), key=lambda k: int(slots[b, k, 1]))
+                del held[int(slots[b, k, 0])]
+            held[index] = k
+            slots[b, k, 0] = index
+        if missing:
+            pool[b, [held[i] for i in missing]] = prefetch_blocks(remote[b], torch.tensor(missing), block_size)
+        for j, index in enumerate(ids):
+            slots[b, held[index], 1] = clock + j
+            slot_of[b, j] = held[index]
+    return pool[torch.arange(pool.shape[0])[:, None], slot_of]
+
+
+@fetch_blocks_pooled.register_fake
+def _fetch_blocks_pooled_fake(remote, pool, slots, block_ids, positions, block_size):
+    _check_pool(remote, pool, slots, block_ids, block_size)
+    return pool.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
+
+
+LANE_OPS = {
+    "hyperoffload.prefetch_blocks.default": "h2d",
+    "hyperoffload.fetch_blocks_pooled.default": "h2d",
+    "hyperoffload.store_rows.default": "d2h",
+}
+"""Operators that move data between remote memory and the device inside a step: the capture marks
+them as lane ops (``Op.lane``) and the simulator runs them on that copy lane."""
+
+
 for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.prefetch.default,
             torch.ops.hyperoffload.wait.default, torch.ops.hyperoffload.release.default,
-            torch.ops.hyperoffload.prefetch_blocks.default):
+            torch.ops.hyperoffload.prefetch_blocks.default, torch.ops.hyperoffload.store_rows.default,
+            torch.ops.hyperoffload.fetch_blocks_pooled.default):
     # Transfers and frees are the point of the schedule even when nothing reads their result.
     torch.fx.node.has_side_effect(_op)
 del _op
@@ -177,6 +274,9 @@ PREFETCH = torch.ops.hyperoffload.prefetch.default
 WAIT = torch.ops.hyperoffload.wait.default
 RELEASE = torch.ops.hyperoffload.release.default
 PREFETCH_BLOCKS = torch.ops.hyperoffload.prefetch_blocks.default
+STORE_ROWS = torch.ops.hyperoffload.store_rows.default
+FETCH_BLOCKS_POOLED = torch.ops.hyperoffload.fetch_blocks_pooled.default
 
-__all__ = ["NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE", "WAIT", "offload", "prefetch",
-           "prefetch_blocks", "release", "wait"]
+__all__ = ["FETCH_BLOCKS_POOLED", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE",
+           "STORE_ROWS", "WAIT", "fetch_blocks_pooled", "offload", "prefetch", "prefetch_blocks", "release",
+           "store_rows", "wait"]

@@ -47,8 +47,20 @@ def roofline_time(op: Op, program: Program, hardware: Hardware) -> float:
 
 
 def op_time(op: Op, program: Program, hardware: Hardware) -> float:
-    """Seconds ``op`` takes on ``hardware`` by its registered rule or the roofline."""
+    """Seconds ``op`` takes on the compute stream of ``hardware``, by its registered rule or the
+    roofline; 0 for a lane op, which runs on a copy lane instead (``lane_op_time``)."""
+    if op.lane is not None:
+        return 0.0
     return _RULES.get(op.target, roofline_time)(op, program, hardware)
+
+
+def lane_op_time(op: Op, hardware: Hardware) -> float:
+    """Seconds a lane op occupies its copy lane when it has the link to itself: latency + bytes / bandwidth."""
+    if op.lane == "h2d":
+        return transfer_time(op.transfer_bytes, hardware.h2d_bw, hardware.h2d_latency_s)
+    if op.lane == "d2h":
+        return transfer_time(op.transfer_bytes, hardware.d2h_bw, hardware.d2h_latency_s)
+    raise ValueError(f"op {op.name} is not a lane op")
 
 
 def op_times(program: Program, hardware: Hardware) -> tuple[float, ...]:

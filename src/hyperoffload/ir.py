@@ -59,6 +59,9 @@ class Value:
     """Id of the value owning the storage this value lives in (its own id if it owns it)."""
     alloc_bytes: int
     """Bytes of the storage allocation if this value owns it, else 0."""
+    remote: bool = False
+    """True for a storage that lives in remote memory for the whole step (a step input such as a
+    remote KV cache): it takes no device memory (``alloc_bytes`` is 0) and only lane ops touch it."""
 
     @property
     def owns_storage(self) -> bool:
@@ -88,11 +91,19 @@ class Op:
     """Bytes of tensor data read (device memory traffic)."""
     bytes_written: int = 0
     """Bytes of tensor data written."""
+    lane: str | None = None
+    """``"h2d"`` or ``"d2h"`` for a *lane op*: an op that moves data between remote memory and the
+    device (an indexed prefetch of KV blocks, a write of new rows to a remote cache). It runs on that
+    copy lane, not on the compute stream, once the ops it depends on have finished. None for compute."""
+    transfer_bytes: int = 0
+    """For a lane op, the bytes it moves over the link per step (for a data-dependent fetch, the
+    expected bytes under the capture's stated statistics); 0 for compute ops."""
 
     @property
     def is_view(self) -> bool:
         """True for ops that only make aliases: they move no data and cost nothing."""
-        return self.flops == 0 and self.bytes_read == 0 and self.bytes_written == 0 and not self.mutates
+        return (self.flops == 0 and self.bytes_read == 0 and self.bytes_written == 0 and not self.mutates
+                and self.lane is None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False, weakref_slot=True)
@@ -200,6 +211,8 @@ def verify_program(program: Program) -> None:
             raise ValueError(f"value {v.name} aliases {v.storage}, which is not a storage owner")
         if v.alloc_bytes < 0 or v.nbytes < 0 or (not v.owns_storage and v.alloc_bytes):
             raise ValueError(f"value {v.name} has inconsistent byte counts")
+        if v.remote and (v.alloc_bytes or not values[v.storage].remote):
+            raise ValueError(f"remote value {v.name} must take no device memory and alias only remote storage")
     defined = [False] * len(values)
     for i in (*program.inputs, *program.constants):
         defined[i] = True
@@ -211,10 +224,19 @@ def verify_program(program: Program) -> None:
                 raise ValueError(f"op {op.name} reads {values[v].name} before it is produced")
         if not set(op.mutates) <= set(op.inputs):
             raise ValueError(f"op {op.name} mutates a value it does not read")
+        if op.lane not in (None, "h2d", "d2h"):
+            raise ValueError(f"op {op.name} has lane {op.lane!r}; a lane is 'h2d', 'd2h' or None")
+        touches_remote = any(values[v].remote for v in op.inputs)
+        if touches_remote and op.lane is None:
+            raise ValueError(f"op {op.name} ({op.target}) reads a remote value on the compute stream; only lane "
+                             f"ops (an indexed prefetch, a remote write) may touch remote memory")
         for v in op.outputs:
             if defined[v]:
                 raise ValueError(f"value {values[v].name} is produced twice (again by {op.name})")
             defined[v] = True
+    stray = [v.name for v in values if v.remote and v.id not in set(program.inputs)]
+    if stray:
+        raise ValueError(f"remote values must be step inputs (lane ops take them whole), not {stray[:5]}")
     missing = [values[v].name for v in program.outputs if not defined[v]]
     if missing:
         raise ValueError(f"step outputs never produced: {missing}")

@@ -119,3 +119,26 @@ def sdpa_backward_flops(call: OpCall) -> int:
 def tensors_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the elements of ``tensors`` (numel x element size), summed."""
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# Indexed reads and in-place indexed writes touch only the rows they select, not the whole tensor
+# indexed: a decode step's gather of KV blocks or write of one token's row must not be charged the
+# whole cache's bytes (the memory-bound roofline would otherwise count gigabytes per layer).
+_GATHERS = frozenset({"aten.index", "aten.index_select", "aten.gather", "aten.embedding"})
+_INPLACE_SCATTERS = {"aten.index_copy_": "source", "aten.index_put_": "values", "aten.scatter_": "src"}
+
+
+def count_bytes(call: OpCall) -> tuple[int, int]:
+    """(bytes read, bytes written) of device memory by ``call``: every input read and every output
+    written, except that a gather reads only what it returns (plus its indices) and an in-place
+    indexed write reads and writes only the rows it writes (plus its indices)."""
+    index_bytes = sum(t.numel() * t.element_size() for t in call.inputs if not t.is_floating_point())
+    if call.target in _GATHERS:
+        out = tensors_bytes(call.outputs)
+        return out + index_bytes, out
+    if call.target in _INPLACE_SCATTERS:
+        rows = call.argument(_INPLACE_SCATTERS[call.target])
+        if isinstance(rows, torch.Tensor):
+            written = tensors_bytes((rows,))
+            return written + index_bytes, written
+    return tensors_bytes(call.inputs), tensors_bytes(call.outputs)

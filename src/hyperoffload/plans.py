@@ -137,6 +137,9 @@ def check_plan(plan: Plan) -> PlanCheck:
         else:
             if not 0 <= ins.target < len(values) or storage_of[ins.target] != ins.target:
                 raise PlanError(i, f"{ins.kind.value} of value id {ins.target}, which is not a storage owner")
+            if values[ins.target].remote:
+                raise PlanError(i, f"{ins.kind.value} of {values[ins.target].name}: it lives in remote memory for the "
+                                   f"whole step; only the step's lane ops move its data")
             if ins.kind is Kind.OFFLOAD:
                 uses.setdefault(ins.target, []).append(i)
     last_use = {s: u[-1] for s, u in uses.items()}

@@ -16,6 +16,10 @@ moved). Rules, in the order a real runtime would follow them:
 * While both lanes move data, each gets ``duplex_share`` of its bandwidth.
 * Where the profile charges ``issue_s`` (a runtime whose one thread issues copies and runs ops), an
   op runs that much longer for each cache instruction issued since the op before it.
+* A lane op (``Op.lane``: an indexed prefetch of KV blocks, a write to a remote cache) is a copy
+  on its lane of ``Op.transfer_bytes``: issued, and its outputs allocated, when the compute stream
+  reaches it, it starts once every op it depends on has finished; an op that depends on it waits
+  for it (a copy stall).
 
 The plan is checked first (``check_plan``); an invalid plan raises ``PlanError`` naming the
 instruction and is never simulated. Results are deterministic.
@@ -111,6 +115,23 @@ class _Copy:
         self.instr, self.start, self.latency_end, self.remaining = instr, start, latency_end, remaining
 
 
+def lane_traffic(program) -> tuple[int, int]:
+    """Bytes the program's own lane ops move per step: (remote -> device, device -> remote)."""
+    h2d = sum(op.transfer_bytes for op in program.ops if op.lane == "h2d")
+    d2h = sum(op.transfer_bytes for op in program.ops if op.lane == "d2h")
+    return h2d, d2h
+
+
+def plan_traffic(plan: Plan) -> tuple[int, int]:
+    """Bytes a plan moves per step, its cache instructions and the program's lane ops together:
+    (remote -> device, device -> remote)."""
+    values = plan.program.values
+    h2d, d2h = lane_traffic(plan.program)
+    h2d += sum(values[i.target].alloc_bytes for i in plan.instructions if i.kind is Kind.PREFETCH)
+    d2h += sum(values[i.target].alloc_bytes for i in plan.instructions if i.kind is Kind.OFFLOAD)
+    return h2d, d2h
+
+
 def simulate(plan: Plan, hardware: Hardware) -> Timeline:
     """Simulate ``plan`` on ``hardware``; raise ``PlanError`` if the plan is invalid.
 
@@ -186,6 +207,11 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     lane_queue = {H2D: [], D2H: []}
     pending_transfer: dict[int, int] = {}
     wait_for = [-1] * n
+    on_lane = [False] * n  # copies: prefetches, offloads and lane ops
+    copy_bytes = [0] * n
+    op_instr = {ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE}
+    deps = program.dependencies()
+    lane_deps: list[tuple[int, ...]] = [()] * n  # lane op: the ops it waits for; compute op: the lane ops
     for i, ins in enumerate(instrs):
         if ins.kind is Kind.COMPUTE:
             op = program.ops[ins.target]
@@ -194,18 +220,26 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 readers_since[s] = i
             for s in {values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage}:
                 last_writer[s] = i
-            compute_stream.append(i)
+            if op.lane is None:
+                compute_stream.append(i)
+                lane_deps[i] = tuple(op_instr[d] for d in deps[ins.target] if program.ops[d].lane is not None)
+            else:
+                on_lane[i], copy_bytes[i] = True, op.transfer_bytes
+                lane_deps[i] = tuple(op_instr[d] for d in deps[ins.target])
+                lane_queue[H2D if op.lane == "h2d" else D2H].append(i)
         elif ins.kind is Kind.WAIT:
             wait_for[i] = pending_transfer.pop(ins.target)
             compute_stream.append(i)
         elif ins.kind is Kind.OFFLOAD:
             after[i] = last_writer.get(ins.target, -1)
+            on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
             last_offload[ins.target] = i
             pending_transfer[ins.target] = i
             lane_queue[D2H].append(i)
         elif ins.kind is Kind.PREFETCH:
             alloc[i] = values[ins.target].alloc_bytes
             after[i] = last_offload.get(ins.target, -1)
+            on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
             pending_transfer[ins.target] = i
             lane_queue[H2D].append(i)
         else:  # RELEASE
@@ -286,8 +320,9 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         progressed = True
         while progressed:
             progressed = False
-            # Prefetches are issued, and their buffers allocated, when the compute stream reaches them.
-            while next_alloc < len(allocating) and instrs[allocating[next_alloc]].kind is Kind.PREFETCH:
+            # Prefetches and lane ops are issued, and their buffers allocated, when the compute stream
+            # reaches them.
+            while next_alloc < len(allocating) and on_lane[allocating[next_alloc]]:
                 i = allocating[next_alloc]
                 if not reached(i) or can_allocate(i):
                     break
@@ -302,6 +337,8 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 if ins.kind is Kind.WAIT:
                     if finish[wait_for[i]] < 0:
                         why = "copy"
+                elif any(finish[d] < 0 for d in lane_deps[i]):
+                    why = "copy"
                 else:
                     why = can_allocate(i)
                 if why:
@@ -335,11 +372,10 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 i = queue[lane_pos[lane]]
                 if not reached(i) or (after[i] >= 0 and finish[after[i]] < 0):
                     continue
-                if instrs[i].kind is Kind.PREFETCH and not issued[i]:
+                if not issued[i] or any(finish[d] < 0 for d in lane_deps[i]):
                     continue
                 lane_pos[lane] += 1
-                size = values[instrs[i].target].alloc_bytes
-                active[lane] = _Copy(i, t, t + latency[lane], float(size))
+                active[lane] = _Copy(i, t, t + latency[lane], float(copy_bytes[i]))
                 progressed = True
             # A compute of zero duration finishes at once.
             if compute_running >= 0 and compute_busy_until <= t + _EPS:
@@ -389,15 +425,16 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     step = per_step or plan
     compute_s = float(sum(op_times(step.program, hardware))) if per_step else float(sum(cost))
     step_s = max((iv.end for iv in intervals), default=0.0)
-    h2d_bytes = sum(step.program.values[i.target].alloc_bytes for i in step.instructions if i.kind is Kind.PREFETCH)
-    d2h_bytes = sum(step.program.values[i.target].alloc_bytes for i in step.instructions if i.kind is Kind.OFFLOAD)
+    h2d_bytes, d2h_bytes = plan_traffic(step)
     lower_bound = max(compute_s, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
     excess = bound = duplex_bound = None
     if budget is not None:
         excess = max(0, memory_profile(step.program).peak_bytes - budget)
-        bound = max(compute_s, excess / hardware.h2d_bw, excess / hardware.d2h_bw)
+        # Lane ops' bytes cross whatever the plan does (the step itself moves them): they add to the excess.
+        forced_h2d, forced_d2h = lane_traffic(step.program)
+        bound = max(compute_s, (excess + forced_h2d) / hardware.h2d_bw, (excess + forced_d2h) / hardware.d2h_bw)
         both_ways = min(1 / hardware.duplex_share, 2.0)
-        duplex_bound = max(compute_s, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
+        duplex_bound = max(bound, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
     memory.sort(key=lambda e: e[0])
     figures = Figures(
         compute_s=compute_s, step_s=step_s, exposed_s=step_s - compute_s, lower_bound_s=lower_bound,

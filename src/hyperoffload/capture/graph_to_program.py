@@ -10,7 +10,7 @@ analysis agree with a real run byte for byte.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from hyperoffload.cache_ops import FETCH_BLOCKS_POOLED, LANE_OPS
 from hyperoffload.capture.tags import KIND_KEY, PHASE_KEY
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
-from hyperoffload.op_rules import OpCall, count_flops
+from hyperoffload.op_rules import OpCall, count_bytes, count_flops
 
 
 class CaptureError(ValueError):
@@ -45,16 +46,20 @@ class _Builder:
     storage_owner: dict[int, int] = field(default_factory=dict)
     node_values: dict[str, int] = field(default_factory=dict)
     tuple_values: dict[str, dict[int, int]] = field(default_factory=dict)
+    fetch_fraction: float = 1.0
 
-    def add(self, name: str, tensor: torch.Tensor, kind: ValueKind | None, tag: ValueKind | None = None) -> int:
+    def add(self, name: str, tensor: torch.Tensor, kind: ValueKind | None, tag: ValueKind | None = None,
+            remote: bool = False) -> int:
         vid = len(self.records)
         storage = tensor.untyped_storage()
         key = storage._cdata
         owner = self.storage_owner.setdefault(key, vid)
+        remote = remote or (owner != vid and self.records[owner]["remote"])  # views of remote memory stay remote
         self.records.append(dict(
             id=vid, name=name, shape=tuple(int(s) for s in tensor.shape), dtype=_dtype_name(tensor.dtype),
             nbytes=tensor.numel() * tensor.element_size(), storage=owner,
-            alloc_bytes=int(storage.nbytes()) if owner == vid else 0, kind=kind, tag=tag))
+            alloc_bytes=int(storage.nbytes()) if owner == vid and not remote else 0, kind=kind, tag=tag,
+            remote=remote))
         return vid
 
     def value_of(self, node: torch.fx.Node, user: torch.fx.Node) -> int:
@@ -66,10 +71,17 @@ class _Builder:
 
 
 def program_from_graph(gm: torch.fx.GraphModule, input_kinds: Sequence[ValueKind], *, name: str, mode: str,
-                       input_names: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Program:
+                       input_names: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
+                       remote_inputs: Collection[int] = ()) -> Program:
     """Build a Program from ``gm``; ``input_kinds`` gives the kind of each placeholder in order and
-    ``input_names`` readable names for them (default: the placeholder names)."""
+    ``input_names`` readable names for them (default: the placeholder names).
+
+    ``remote_inputs``: indices of placeholders that live in remote memory (``Value.remote``). Calls of the
+    operators in ``cache_ops.LANE_OPS`` become lane ops; a pooled block fetch moves its output's bytes
+    times ``meta["pool_fetch_fraction"]`` (the stated share of selected blocks not already in the pool,
+    default 1)."""
     b = _Builder()
+    b.fetch_fraction = float((meta or {}).get("pool_fetch_fraction", 1.0))
     inputs: list[int] = []
     constants: list[int] = []
     ops: list[Op] = []
@@ -89,7 +101,7 @@ def program_from_graph(gm: torch.fx.GraphModule, input_kinds: Sequence[ValueKind
             kind = next(kinds)
             if not isinstance(val, torch.Tensor):
                 raise CaptureError(f"step input {node.name} is {type(val).__name__}; only tensors can be inputs")
-            vid = b.add(next(names), val, kind)
+            vid = b.add(next(names), val, kind, remote=len(inputs) in remote_inputs)
             b.node_values[node.name] = vid
             inputs.append(vid)
         elif node.op == "get_attr":
@@ -169,11 +181,19 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
         flops = bytes_read = bytes_written = 0
     else:
         flops = count_flops(call)
-        bytes_read = sum(b.records[v]["nbytes"] for v in input_ids)
-        bytes_written = sum(b.records[v]["nbytes"] for v in output_ids)
+        bytes_read, bytes_written = count_bytes(call)
+    lane = LANE_OPS.get(str(target))
+    transfer = 0
+    if lane == "h2d":
+        transfer = sum(b.records[v]["nbytes"] for v in output_ids)
+        if str(target) == str(FETCH_BLOCKS_POOLED):
+            transfer = round(transfer * b.fetch_fraction)
+    elif lane == "d2h":  # the rows written: every input that is neither remote nor an index
+        transfer = sum(b.records[v]["nbytes"] for v in input_ids
+                       if not b.records[v]["remote"] and b.records[v]["dtype"] not in ("int64", "int32"))
     return Op(id=op_id, name=node.name, target=str(target), inputs=tuple(input_ids), outputs=tuple(output_ids),
               mutates=tuple(dict.fromkeys(mutated)), phase=phase, flops=int(flops), bytes_read=bytes_read,
-              bytes_written=bytes_written)
+              bytes_written=bytes_written, lane=lane, transfer_bytes=transfer)
 
 
 def _finalise_kinds(records: list[dict], reads: dict[int, set[Phase]]) -> tuple[Value, ...]:
@@ -193,5 +213,5 @@ def _finalise_kinds(records: list[dict], reads: dict[int, set[Phase]]) -> tuple[
             owner_kind[r["id"]] = ValueKind.TEMPORARY
     return tuple(
         Value(id=r["id"], name=r["name"], shape=r["shape"], dtype=r["dtype"], nbytes=r["nbytes"],
-              kind=owner_kind[r["storage"]], storage=r["storage"], alloc_bytes=r["alloc_bytes"])
+              kind=owner_kind[r["storage"]], storage=r["storage"], alloc_bytes=r["alloc_bytes"], remote=r["remote"])
         for r in records)

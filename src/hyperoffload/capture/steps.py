@@ -115,8 +115,10 @@ def _split_state(model: nn.Module):
     return trainable, frozen, buffers
 
 
-def _trace(step: Callable, flat: Sequence[torch.Tensor], kinds: Sequence[ValueKind], input_names: Sequence[str], *,
-           name: str, mode: str, meta: dict) -> Captured:
+def trace_step(step: Callable, flat: Sequence[torch.Tensor], kinds: Sequence[ValueKind], input_names: Sequence[str], *,
+               name: str, mode: str, meta: dict, remote_inputs: Sequence[int] = ()) -> Captured:
+    """Trace ``step(*flat)`` into a Program: ``kinds`` and ``input_names`` per input, ``remote_inputs`` the
+    indices of inputs that live in remote memory (``program_from_graph``)."""
     start = time.perf_counter()
     flat = _own_storages(flat)
     try:
@@ -127,7 +129,8 @@ def _trace(step: Callable, flat: Sequence[torch.Tensor], kinds: Sequence[ValueKi
         raise CaptureError(
             f"tracing the {mode} step of {name} failed: {type(error).__name__}: {error}. The model must run "
             f"on the example inputs with static shapes and no data-dependent Python control flow") from error
-    program = program_from_graph(gm, kinds, name=name, mode=mode, input_names=input_names, meta=meta)
+    program = program_from_graph(gm, kinds, name=name, mode=mode, input_names=input_names, meta=meta,
+                                 remote_inputs=remote_inputs)
     return Captured(program=program, inputs=tuple(flat), step=step, capture_s=time.perf_counter() - start)
 
 
@@ -216,7 +219,7 @@ def capture_train_step(model: nn.Module, args: Any, target: torch.Tensor | None 
                    *(f"master:{n}" for n in trained[:len(masters)]), "adamw_step",
                    *_batch_names(len(batch)), *(["target"] if targets else [])]
     info = {"mode": "train", "optimizer": "adamw", "master_weights": optimizer.master_weights, **(meta or {})}
-    return _trace(step, flat, kinds, input_names, name=name or type(model).__name__, mode="train", meta=info)
+    return trace_step(step, flat, kinds, input_names, name=name or type(model).__name__, mode="train", meta=info)
 
 
 def capture_prefill_step(model: nn.Module, args: Any, *, kwargs: dict | None = None, name: str | None = None,
@@ -236,7 +239,7 @@ def capture_prefill_step(model: nn.Module, args: Any, *, kwargs: dict | None = N
 
     flat = [p.detach() for _, p in params] + [b for _, b in buffers] + batch
     kinds = [ValueKind.PARAMETER] * n_state + [ValueKind.INPUT] * len(batch)
-    return _trace(step, flat, kinds, [*names, *_batch_names(len(batch))], name=name or type(model).__name__,
+    return trace_step(step, flat, kinds, [*names, *_batch_names(len(batch))], name=name or type(model).__name__,
                   mode="prefill",
                   meta={"mode": "prefill", **(meta or {})})
 
@@ -271,5 +274,5 @@ def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *,
     # A model may name its cache tensors (``cache_names()``, in flattening order); else they are numbered.
     cache_names = model.cache_names() if hasattr(model, "cache_names") else range(len(cache_flat))
     input_names = [*names, *(f"kv_cache.{n}" for n in cache_names), "tokens", "start"]
-    return _trace(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
+    return trace_step(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
                   meta={"mode": "decode", "context": context, **(meta or {})})

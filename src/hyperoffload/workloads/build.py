@@ -6,6 +6,8 @@ import torch
 
 from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_step, capture_prefill_step,
                                   capture_train_step, default_dtype, fake_build)
+from hyperoffload.workloads.deepseek import DeepSeekConfig
+from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION, capture_remote_decode_step
 from hyperoffload.workloads.presets import Workload
 
 MODES = ("train", "prefill", "decode")
@@ -13,16 +15,24 @@ MODES = ("train", "prefill", "decode")
 
 def capture_workload(workload: Workload, mode: str, *, batch: int | None = None, seq: int | None = None,
                      context: int | None = None, fake: bool = True, master_weights: bool = False,
-                     seed: int = 0) -> Captured:
+                     seed: int = 0, remote_kv: bool = False, pool_blocks: int | None = None,
+                     reselection: float | None = None) -> Captured:
     """Capture ``mode`` ("train", "prefill" or "decode") of ``workload``.
 
     ``fake=True`` builds the model and batch as fake tensors (no memory: any size can be
     inspected and planned); ``fake=False`` builds real random weights seeded by ``seed``, so
     the step can be executed. ``seq`` is tokens per sequence for train and prefill, ``context``
     the tokens already cached for decode (which feeds one new token per sequence).
+
+    ``remote_kv=True`` (decode of a DeepSeek-style workload) captures the step with its latent KV
+    cache in remote memory (``deepseek_remote.capture_remote_decode_step``), with a device block pool
+    of ``pool_blocks`` blocks per sequence and layer (None: no pool) and the stated ``reselection``
+    statistic (default ``deepseek_remote.DEFAULT_RESELECTION``).
     """
     if mode not in MODES:
         raise CaptureError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if remote_kv and mode != "decode":
+        raise CaptureError(f"a remote KV cache is captured for decode only, not {mode}")
     batch = workload.batch if batch is None else batch
     seq = workload.seq if seq is None else seq
     context = workload.context if context is None else context
@@ -45,4 +55,11 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
                                   name=workload.name, meta={**meta, "seq": seq})
     if mode == "prefill":
         return capture_prefill_step(model, (tokens,), name=workload.name, meta={**meta, "seq": seq})
+    if remote_kv:
+        if not isinstance(workload.config, DeepSeekConfig):
+            raise CaptureError(f"a remote KV cache needs a DeepSeek-style workload (MLA + NSA); {workload.name} "
+                               f"is not one")
+        return capture_remote_decode_step(
+            model, tokens, context, pool_blocks=pool_blocks, name=workload.name, meta=meta,
+            reselection=DEFAULT_RESELECTION if reselection is None else reselection)
     return capture_decode_step(model, tokens, context, name=workload.name, meta=meta)
