@@ -21,7 +21,8 @@ from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_har
 from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth, parse_bytes, parse_duration
-from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload
+from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload, with_nsa_block
+from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION
 
 EXIT_USER_ERROR = 2
 
@@ -33,6 +34,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share between 0 and 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share between 0 and 1, got {text}")
     return value
 
 
@@ -57,6 +68,12 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-weights", action="store_true",
                         help="train with a float32 master copy of the weights")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--nsa-block", type=_positive, metavar="TOKENS",
+                        help="DeepSeek-style workloads: the NSA selection block (default: the preset's)")
+    parser.add_argument("--reselection", type=_share, metavar="SHARE",
+                        help="DeepSeek-style decode: the stated share of a step's selected blocks that the previous "
+                             "step also selected, which sets how much a remote KV cache's block pool saves "
+                             f"(default {DEFAULT_RESELECTION}, measured on tiny-deepseek)")
 
 
 def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_hardware_arguments(sweep)
     _add_budget_argument(sweep, required=False)
     _add_policies_argument(sweep)
-    sweep.add_argument("--vary", required=True, choices=("h2d-bw", "d2h-bw", "budget"), help="what to vary")
+    sweep.add_argument("--vary", required=True, choices=("h2d-bw", "d2h-bw", "budget", "nsa-block"),
+                       help="what to vary (nsa-block: the NSA selection block in tokens, DeepSeek-style decode)")
     sweep.add_argument("--values", required=True, metavar="V1,V2,...",
                        help="comma-separated values: rates (8GB/s,16GB/s) or budgets (40GiB,60%%,hideable)")
     sweep.add_argument("--plot", metavar="FILE", help="write a PNG of step time against the varied quantity")
@@ -216,9 +234,11 @@ def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
             return capture_hf(model, args.mode, batch=args.batch or 1, seq=args.seq or 128,
                               name=args.workload)
     workload = get_workload(args.workload)
+    workload = with_nsa_block(workload, getattr(args, "nsa_block", None))
     with console.status(f"Capturing the {args.mode} step of {workload.name} on {kind} tensors..."):
         return capture_workload(workload, args.mode, batch=args.batch, seq=args.seq, context=args.context,
-                                master_weights=args.master_weights, fake=fake)
+                                master_weights=args.master_weights, fake=fake,
+                                reselection=getattr(args, "reselection", None))
 
 
 
@@ -400,8 +420,14 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     names = _policy_names(args)
     values = [v for v in args.values.split(",") if v.strip()]
     program = _capture(args, err).program
+
+    def recapture(value: str):
+        args.nsa_block = _positive(value)
+        return _capture(args, err).program
+
     with err.status(f"Comparing every policy at {len(values)} values of {args.vary}..."):
-        points = sweep(program, hardware, vary=args.vary, values=values, budget=args.budget, policies=names)
+        points = sweep(program, hardware, vary=args.vary, values=values, budget=args.budget, policies=names,
+                       recapture=recapture)
     budget = f", budget {args.budget}" if args.vary != "budget" else ""
     title = f"{program.name} {program.mode} on {hardware.name}{budget}: simulated step time against {args.vary}"
     if args.plot:

@@ -90,7 +90,7 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     window = None
     if feasible:
         order = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
-        window = window_bound(program, hardware, budget_bytes, order).seconds
+        window = window_bound(plan.program, hardware, budget_bytes, order).seconds
     return PolicyResult(policy=policy, budget_bytes=budget_bytes, feasible=feasible, plan_s=plan_s, plan=plan,
                         timeline=timeline, note=note, window_bound_s=window)
 
@@ -141,12 +141,20 @@ def _vary_budget(program: Program, hardware: Hardware, budget: str, value: str) 
     return hardware, budget_bytes, float(budget_bytes)
 
 
+def _vary_nsa_block(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
+    # ``program`` is already the step captured at this block size (``sweep``'s ``recapture``).
+    return hardware, parse_budget(budget, program, hardware), float(value)
+
+
 VARIES: dict[str, tuple[Setting, str]] = {
     "h2d-bw": (_vary_h2d, "host-to-device bandwidth (bytes/s)"),
     "d2h-bw": (_vary_d2h, "device-to-host bandwidth (bytes/s)"),
     "budget": (_vary_budget, "device-memory budget (bytes)"),
+    "nsa-block": (_vary_nsa_block, "NSA selection block (tokens)"),
 }
 """What a sweep can vary: how one value sets up the hardware and budget, and the x axis's meaning."""
+RECAPTURED = frozenset({"nsa-block"})
+"""Varied quantities that change the step itself: ``sweep`` needs a ``recapture`` for them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,21 +170,27 @@ class SweepPoint:
 
 
 def sweep(program: Program, hardware: Hardware, *, vary: str, values: Sequence[str], budget: str | None,
-          policies: Sequence[str] | None = None) -> list[SweepPoint]:
+          policies: Sequence[str] | None = None,
+          recapture: Callable[[str], Program] | None = None) -> list[SweepPoint]:
     """``compare`` at each of ``values`` of ``vary`` (a key of ``VARIES``). The budget text is parsed at each
-    point against that point's profile (so ``hideable`` follows the bandwidth); unused when varying the budget."""
+    point against that point's profile and step (so ``hideable`` follows the bandwidth, and a percentage the
+    step's own peak); unused when varying the budget. A quantity of the step itself (``RECAPTURED``) takes
+    ``recapture(value)``, the step captured at that value."""
     if vary not in VARIES:
         raise ValueError(f"cannot vary {vary!r}; choose one of: {', '.join(VARIES)}")
     if not values:
         raise ValueError("a sweep needs at least one value, e.g. --values 8GB/s,16GB/s,32GB/s")
     if budget is None and vary != "budget":
         raise ValueError(f"varying {vary} needs a --budget (bytes, a percentage or hideable)")
+    if vary in RECAPTURED and recapture is None:
+        raise ValueError(f"varying {vary} changes the step: it needs a recapture function")
     setting, _ = VARIES[vary]
     points = []
     for value in values:
-        varied, budget_bytes, x = setting(program, hardware, budget or "", value.strip())
+        step = recapture(value.strip()) if vary in RECAPTURED else program
+        varied, budget_bytes, x = setting(step, hardware, budget or "", value.strip())
         points.append(SweepPoint(value=value.strip(), x=x, hardware=varied,
-                                 results=tuple(compare(program, varied, budget_bytes, policies))))
+                                 results=tuple(compare(step, varied, budget_bytes, policies))))
     return points
 
 

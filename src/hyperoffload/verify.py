@@ -65,6 +65,7 @@ def _check_timeline(plan: Plan, timeline: Timeline) -> None:
     by_instruction = {iv.instruction: iv for iv in timeline.intervals}
     landed_out: dict[int, float] = {}
     landed_in: dict[int, float] = {}
+    finished_op: dict[int, float] = {}  # op id -> when it finished (this step's copy of it, in steady state)
     for i, ins in enumerate(instrs):
         interval = by_instruction.get(i)
         if ins.kind is Kind.OFFLOAD and interval is not None:
@@ -75,9 +76,20 @@ def _check_timeline(plan: Plan, timeline: Timeline) -> None:
             if ins.target in landed_out and interval.start + _TOLERANCE_S < landed_out[ins.target]:
                 raise fail(i, "the prefetch starts before the offload it reads from has landed")
             landed_in[ins.target] = interval.end
+        elif ins.kind is Kind.COMPUTE and interval is not None and program.ops[ins.target].lane is not None:
+            op = program.ops[ins.target]
+            assert interval.stream == (H2D if op.lane == "h2d" else D2H)
+            for d in program.dependencies()[op.id]:
+                before = finished_op.get(d)
+                if before is not None and interval.start + _TOLERANCE_S < before:
+                    raise fail(i, f"the lane op starts before {program.ops[d].name}, which it depends on, has finished")
+            finished_op[op.id] = interval.end
+            for v in op.outputs:
+                landed_in[program.values[v].storage] = interval.end
         elif ins.kind is Kind.COMPUTE and interval is not None:
             assert interval.stream == COMPUTE
             op = program.ops[ins.target]
+            finished_op[op.id] = interval.end
             for s in {program.values[v].storage for v in op.inputs}:
                 if s in landed_in and interval.start + _TOLERANCE_S < landed_in[s]:
                     raise fail(i, f"starts before the prefetch of {program.values[s].name} has landed")

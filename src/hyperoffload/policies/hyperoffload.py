@@ -35,10 +35,11 @@ from hyperoffload.ir import Program
 from hyperoffload.layout import assign_offsets, prefetch_into_arena
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies.lanes import Lane
-from hyperoffload.policies.reorder import hoist_updates
+from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops
 from hyperoffload.policies.spans import Span, Uses, idle_spans, positions_arrays, storage_uses
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.units import format_bytes
+from hyperoffload.variants import has_remote_kv, largest_pool_variant, remote_kv_variant
 
 POLICY = "hyperoffload"
 
@@ -148,16 +149,40 @@ def _minimum(program: Program, facts: _OrderFacts) -> tuple[int, str]:
 
 def candidate_orders(program: Program) -> list[tuple[int, ...]]:
     """Execution orders the planner starts from: the captured one, and the refined one (optimizer
-    updates hoisted into the backward pass, see ``reorder``) when it differs."""
-    captured = tuple(range(len(program.ops)))
-    refined = hoist_updates(program)
+    updates hoisted into the backward pass, see ``reorder``) when it differs; in both, the step's own
+    lane ops (a decode step's block fetches) get independent compute to overlap (``overlap_lane_ops``)."""
+    captured = overlap_lane_ops(program)
+    refined = overlap_lane_ops(program, hoist_updates(program))
     return [captured] if refined == captured else [captured, refined]
 
 
 def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
                       config: PlannerConfig = PlannerConfig()) -> Plan:
     """The fastest plan found whose device memory never exceeds ``budget_bytes``: its live bytes, and
-    with ``config.static_layout`` its arena (``plan.layout``), which then is all the memory it reserves."""
+    with ``config.static_layout`` its arena (``plan.layout``), which then is all the memory it reserves.
+
+    A decode step with a remote-KV form (``variants``) is also planned in that form, with the largest
+    block pool that fits the budget (or none, if no pool fits); the faster plan wins, the smaller peak
+    on a tie. Such a plan's program is the remote-KV form."""
+    if not has_remote_kv(program):
+        return _plan_program(program, hardware, budget_bytes, config)
+    tried: list[tuple[float, int, Plan]] = []
+    failure: InfeasibleBudget | None = None
+    forms = [program, largest_pool_variant(program, budget_bytes) or remote_kv_variant(program, None)]
+    for form in forms:
+        try:
+            plan = _plan_program(form, hardware, budget_bytes, config)
+        except InfeasibleBudget as error:
+            failure = error if failure is None or error.min_budget_bytes < failure.min_budget_bytes else failure
+            continue
+        figures = simulate(plan, hardware).figures
+        tried.append((figures.step_s, figures.peak_bytes, plan))
+    if not tried:
+        raise failure
+    return min(tried, key=lambda t: t[:2])[2]
+
+
+def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, config: PlannerConfig) -> Plan:
     plan, hint = _search(program, hardware, budget_bytes, config)
     if not config.static_layout:
         return plan
@@ -195,11 +220,11 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
 def _search(program, hardware, budget_bytes, config, hint: tuple[tuple[int, ...], float] | None = None):
     """The fastest plan found whose live bytes never exceed ``budget_bytes``, and the order and margin
     it was made with. With a ``hint`` from an earlier search, plans only in that order and margin."""
-    captured = tuple(range(len(program.ops)))
-    orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [captured]
+    first = overlap_lane_ops(program)
+    orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [first]
     facts = [_order_facts(program, orders[0], config)]
-    if orders[0] == captured and (facts[0].live.size == 0 or facts[0].live.max() <= budget_bytes):
-        base = plan_without_offload(program)
+    if orders[0] == first and (facts[0].live.size == 0 or facts[0].live.max() <= budget_bytes):
+        base = plan_without_offload(program, order=first)
         return Plan(program=program, instructions=base.instructions, policy=POLICY, budget_bytes=budget_bytes), None
     facts += [_order_facts(program, order, config) for order in orders[1:]]
     smallest = [_minimum(program, f) for f in facts]

@@ -20,6 +20,7 @@ update may run, so the result is always a valid order with bit-identical results
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 from hyperoffload.ir import Phase, Program
 
@@ -65,4 +66,91 @@ def hoist_updates(program: Program) -> tuple[int, ...]:
     return tuple(order)
 
 
-__all__ = ["hoist_updates"]
+LOOKAHEAD_OPS = 256
+"""How far ahead of the captured order (in ops) ``overlap_lane_ops`` may pull independent work to run
+while a fetch is in flight: enough for the rest of a transformer layer, not so far that ops of distant
+layers (and their memory) move."""
+
+
+def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
+                     lookahead: int = LOOKAHEAD_OPS) -> tuple[int, ...]:
+    """``order`` (default: captured) with the step's lane ops given compute to hide behind.
+
+    A lane op (``Op.lane``: an indexed fetch of KV blocks, a write to a remote cache) runs as soon as
+    the ops it depends on have run, and an op that reads what a remote -> device lane op produced is
+    put after every ready op up to ``lookahead`` positions further in ``order`` that does not (NSA's
+    window branch and gates run while the selected blocks arrive). Otherwise ops keep their order;
+    ``Program.dependencies()`` keeps the result valid. Equal to ``order`` for a step without lane ops.
+    """
+    order = tuple(range(len(program.ops))) if order is None else tuple(order)
+    ops = program.ops
+    if not any(op.lane for op in ops):
+        return order
+    deps = program.dependencies()
+    position = {op_id: p for p, op_id in enumerate(order)}
+    fetched = {v for op in ops if op.lane == "h2d" for v in op.outputs}
+    values = program.values
+    fetched_storages = {values[v].storage for v in fetched}
+    deferred = [op.lane is None and any(values[v].storage in fetched_storages for v in op.inputs) for op in ops]
+    waiting = [len(d) for d in deps]
+    dependents: list[list[int]] = [[] for _ in ops]
+    for op_id, d in enumerate(deps):
+        for before in d:
+            dependents[before].append(op_id)
+    ready = [(position[i], i) for i in range(len(ops)) if waiting[i] == 0]
+    heapq.heapify(ready)
+    result: list[int] = []
+    while ready:
+        frontier = ready[0][0]
+        held: list[tuple[int, int]] = []
+        chosen = None
+        while ready and ready[0][0] < frontier + lookahead:
+            item = heapq.heappop(ready)
+            if ops[item[1]].lane is not None or not deferred[item[1]]:
+                chosen = item
+                break
+            held.append(item)
+        if chosen is None:  # only ops waiting for a fetch are near: run the earliest of them
+            chosen = held.pop(0)
+        for item in held:
+            heapq.heappush(ready, item)
+        # A lane op, once ready, is issued before anything else.
+        result.append(chosen[1])
+        for after in dependents[chosen[1]]:
+            waiting[after] -= 1
+            if waiting[after] == 0:
+                heapq.heappush(ready, (-1 if ops[after].lane else position[after], after))
+    assert len(result) == len(ops), "an op never became ready"
+    return tuple(result)
+
+
+def fetch_on_demand(program: Program, order: Sequence[int] | None = None) -> tuple[int, ...]:
+    """``order`` (default: captured) with each remote -> device lane op moved to just before the first op
+    that reads its result: a fetch issued when the data is needed, as a runtime that swaps blocks in on a
+    miss does."""
+    order = list(range(len(program.ops)) if order is None else order)
+    ops = program.ops
+    fetches = [i for i in order if ops[i].lane == "h2d"]
+    if not fetches:
+        return tuple(order)
+    deps = program.dependencies()
+    first_reader: dict[int, int] = {}
+    for op_id in order:
+        for d in deps[op_id]:
+            if ops[d].lane == "h2d":
+                first_reader.setdefault(d, op_id)
+    before: dict[int, list[int]] = {}
+    for f in fetches:
+        if f in first_reader:
+            before.setdefault(first_reader[f], []).append(f)
+    moved = {f for fs in before.values() for f in fs}
+    result: list[int] = []
+    for op_id in order:
+        if op_id in moved:
+            continue
+        result.extend(before.get(op_id, ()))
+        result.append(op_id)
+    return tuple(result)
+
+
+__all__ = ["fetch_on_demand", "hoist_updates", "overlap_lane_ops"]

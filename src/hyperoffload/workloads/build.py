@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_step, capture_prefill_step,
                                   capture_train_step, default_dtype, fake_build)
 from hyperoffload.workloads.deepseek import DeepSeekConfig
-from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION, capture_remote_decode_step
+from hyperoffload.variants import register_remote_kv
+from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION, capture_remote_decode_step, pool_facts
 from hyperoffload.workloads.presets import Workload
 
 MODES = ("train", "prefill", "decode")
@@ -62,4 +65,27 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
         return capture_remote_decode_step(
             model, tokens, context, pool_blocks=pool_blocks, name=workload.name, meta=meta,
             reselection=DEFAULT_RESELECTION if reselection is None else reselection)
-    return capture_decode_step(model, tokens, context, name=workload.name, meta=meta)
+    if not isinstance(workload.config, DeepSeekConfig):
+        return capture_decode_step(model, tokens, context, name=workload.name, meta=meta)
+    captured = capture_decode_step(model, tokens, context, name=workload.name,
+                                   meta={**meta, **pool_facts(workload.config, batch, context, workload.dtype.itemsize)})
+
+    def remote(pool: int | None):
+        return capture_workload(workload, "decode", batch=batch, context=context, fake=fake, seed=seed,
+                                remote_kv=True, pool_blocks=pool, reselection=reselection)
+
+    register_remote_kv(captured.program, remote)
+    return captured
+
+
+def with_nsa_block(workload: Workload, block: int | None) -> Workload:
+    """``workload`` with its NSA selection block set to ``block`` tokens (None: unchanged)."""
+    if block is None:
+        return workload
+    if not isinstance(workload.config, DeepSeekConfig):
+        raise CaptureError(f"--nsa-block applies to DeepSeek-style workloads (NSA); {workload.name} has no NSA")
+    try:
+        config = dataclasses.replace(workload.config, nsa_sel_block=block)
+    except ValueError as error:
+        raise CaptureError(f"--nsa-block {block}: {error}") from None
+    return dataclasses.replace(workload, config=config)

@@ -325,4 +325,17 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
     return trace_step(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
                       remote_inputs=remote,
                       meta={"mode": "decode", "context": context, "kv": "remote", "pool_blocks": pool_blocks,
-                            "reselection": reselection, "pool_fetch_fraction": fraction, **(meta or {})})
+                            "reselection": reselection, "pool_fetch_fraction": fraction,
+                            **pool_facts(cfg, batch, context, cache.layers[0].remote.element_size()),
+                            **(meta or {})})
+
+
+def pool_facts(cfg, batch: int, context: int, element_size: int) -> dict:
+    """What sizing a block pool needs to know about a decode step at ``context`` (position of its token):
+    ``nsa_top_n`` (blocks a step reads per sequence and layer, the smallest pool), ``nsa_sel_block``,
+    ``valid_blocks`` (blocks holding tokens up to the step's own) and ``pool_block_bytes`` (device bytes
+    one more pool block per sequence costs over all layers: the block and its block-table entry)."""
+    block_bytes = cfg.nsa_sel_block * cfg.kv_dim * element_size
+    return {"nsa_top_n": cfg.nsa_top_n, "nsa_sel_block": cfg.nsa_sel_block,
+            "valid_blocks": context // cfg.nsa_sel_block + 1,
+            "pool_block_bytes": cfg.layers * batch * (block_bytes + 2 * 8)}
