@@ -1,0 +1,170 @@
+"""Lane ops: a step's own transfers (a decode step's block fetches and remote writes) in the IR, the
+simulator, the order refinement, and the decode policies that use them (``paged``, ``hyperoffload``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hyperoffload.analysis import memory_profile
+from hyperoffload.cli import main
+from hyperoffload.hardware import get_hardware
+from hyperoffload.ir import Op, Phase, ValueKind
+from hyperoffload.plans import PlanError, plan_without_offload
+from hyperoffload.policies import POLICIES, policies_for
+from hyperoffload.policies.reorder import fetch_on_demand, overlap_lane_ops
+from hyperoffload.simulate import simulate
+from hyperoffload.variants import has_remote_kv, largest_pool_variant
+from hyperoffload.verify import verify
+from hyperoffload.workloads import capture_workload, get_workload
+from hyperoffload.workloads.deepseek_remote import expected_fetch_fraction
+from programs import op, program, simple_hardware, value
+
+GB = 10**9
+
+
+def lane(oid, inputs, outputs, direction, nbytes):
+    return Op(id=oid, name=f"lane{oid}", target="test.lane", inputs=tuple(inputs), outputs=tuple(outputs),
+              phase=Phase.FORWARD, lane=direction, transfer_bytes=nbytes)
+
+
+def fetch_step(fetch_bytes: int):
+    """op0: 1 s -> x; a fetch of ``fetch_bytes`` from the remote cache, indexed by x; op2 reads the blocks
+    (1 s); op3 (1 s) needs only x. Values: 0 remote cache, 1 weights, 2 x, 3 blocks, 4 y, 5 z."""
+    remote = dataclasses.replace(value(0, 4 * GB, ValueKind.KV_CACHE), alloc_bytes=0, remote=True)
+    values = [remote, value(1, 64, ValueKind.PARAMETER), value(2, 64), value(3, 1024), value(4, 64), value(5, 64)]
+    ops = [op(0, [1], [2], flops=GB), lane(1, [0, 2], [3], "h2d", fetch_bytes), op(2, [3], [4], flops=GB),
+           op(3, [2], [5], flops=GB)]
+    return program(values, ops, [0, 1], [4, 5])
+
+
+def test_a_fetch_runs_on_its_lane_after_its_index_and_its_reader_waits():
+    prog = fetch_step(2 * GB)  # 2 s at 1 GB/s
+    hw = simple_hardware(bw=GB, latency=0.0)
+    captured = simulate(plan_without_offload(prog), hw)
+    # op0 [0, 1]; fetch [1, 3]; op2 waits, runs [3, 4]; op3 [4, 5].
+    assert captured.figures.step_s == pytest.approx(5.0)
+    assert captured.figures.stall_copy_s == pytest.approx(2.0)
+    assert captured.figures.h2d_bytes == 2 * GB and captured.figures.compute_s == pytest.approx(3.0)
+    fetch = next(iv for iv in captured.intervals if iv.stream == "h2d")
+    assert (fetch.start, fetch.end) == (pytest.approx(1.0), pytest.approx(3.0))
+    # Overlapped: op3 runs while the blocks arrive; op2 waits one second less.
+    order = overlap_lane_ops(prog)
+    assert order == (0, 1, 3, 2)
+    overlapped = simulate(plan_without_offload(prog, order=order), hw)
+    assert overlapped.figures.step_s == pytest.approx(4.0)
+    verify(plan_without_offload(prog, order=order), hw)
+    # The device never holds the remote cache; the fetched blocks count from when the fetch is issued.
+    assert captured.figures.peak_bytes == 64 * 3 + 1024
+
+
+def test_bound_counts_the_bytes_a_step_must_fetch():
+    prog = fetch_step(8 * GB)
+    plan = dataclasses.replace(plan_without_offload(prog, order=overlap_lane_ops(prog)), budget_bytes=10**6)
+    figures = simulate(plan, simple_hardware(bw=GB)).figures
+    assert figures.bound_s == pytest.approx(8.0)  # the fetch's 8 GB at 1 GB/s, not compute's 3 s
+    assert figures.step_s == pytest.approx(1 + 8 + 1)
+
+
+def test_fetch_on_demand_moves_a_fetch_to_its_reader():
+    prog = fetch_step(GB)
+    assert fetch_on_demand(prog, (0, 1, 3, 2)) == (0, 3, 1, 2)
+    assert fetch_on_demand(prog) == (0, 1, 2, 3)
+
+
+def test_remote_values_only_move_through_lane_ops():
+    prog = fetch_step(GB)
+    bad = list(prog.ops)
+    bad[2] = op(2, [0, 3], [4], flops=GB)  # a compute op reading the remote cache
+    with pytest.raises(ValueError, match="reads a remote value on the compute stream"):
+        program(prog.values, bad, [0, 1], [4, 5])
+    heavy = [dataclasses.replace(prog.values[0], alloc_bytes=8), *prog.values[1:]]
+    with pytest.raises(ValueError, match="must take no device memory"):
+        program(heavy, prog.ops, [0, 1], [4, 5])
+    from hyperoffload.plans import Instr, Kind, Plan
+    plan = plan_without_offload(prog)
+    offload = Plan(program=prog, instructions=(Instr(Kind.OFFLOAD, 0), *plan.instructions))
+    with pytest.raises(PlanError, match="lives in remote memory"):
+        simulate(offload, simple_hardware())
+
+
+@pytest.mark.parametrize("pool, valid, expected", [(None, 100, 1.0), (16, 100, 0.25), (58, 100, 0.125),
+                                                   (100, 100, 0.0), (16, 10, 0.0)])
+def test_expected_fetch_fraction(pool, valid, expected):
+    assert expected_fetch_fraction(pool, 16, valid, reselection=0.75) == pytest.approx(expected)
+
+
+def test_expected_fetch_fraction_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least nsa_top_n"):
+        expected_fetch_fraction(8, 16, 100)
+    with pytest.raises(ValueError, match="share between 0 and 1"):
+        expected_fetch_fraction(16, 16, 100, reselection=1.5)
+
+
+@pytest.fixture(scope="module")
+def v2_lite_decode():
+    """deepseek-v2-lite decode, batch 16, context 32768, fake tensors: the KV cache is a third of the peak."""
+    return capture_workload(get_workload("deepseek-v2-lite"), "decode", batch=16, context=32768).program
+
+
+def test_remote_kv_form_captures_lane_ops_and_no_cache_bytes(v2_lite_decode):
+    assert has_remote_kv(v2_lite_decode) and "paged" in policies_for(v2_lite_decode)
+    peak = memory_profile(v2_lite_decode).peak_bytes
+    form = largest_pool_variant(v2_lite_decode, int(peak * 0.8))
+    cfg = get_workload("deepseek-v2-lite").config
+    assert memory_profile(form).peak_bytes <= peak * 0.8
+    fetches = [o for o in form.ops if o.lane == "h2d"]
+    stores = [o for o in form.ops if o.lane == "d2h"]
+    assert len(fetches) == len(stores) == cfg.layers
+    assert sum(v.remote for v in form.values) == cfg.layers
+    selected = 16 * cfg.nsa_top_n * cfg.nsa_sel_block * cfg.kv_dim * 2  # bf16
+    fraction = form.meta["pool_fetch_fraction"]
+    assert 0 < fraction < 0.25 and fetches[0].transfer_bytes == round(selected * fraction)
+    assert stores[0].transfer_bytes == 16 * cfg.kv_dim * 2  # one token's latent per sequence
+    # A budget no pool fits takes the form without a pool; one nothing fits, None.
+    bare = largest_pool_variant(v2_lite_decode, memory_profile(form).peak_bytes - form.meta["pool_block_bytes"]
+                                * (form.meta["pool_blocks"] - cfg.nsa_top_n) - 1)
+    assert bare.meta["pool_blocks"] is None
+    assert largest_pool_variant(v2_lite_decode, 10**6) is None
+
+
+@pytest.mark.parametrize("hardware", ["h200", "ascend-910c"])
+def test_decode_policies_on_a_remote_cache(v2_lite_decode, hardware):
+    hw = get_hardware(hardware)
+    peak = memory_profile(v2_lite_decode).peak_bytes
+    budget = int(peak * 0.74)
+    results = {}
+    for name in ("hyperoffload", "paged", "kv-naive"):
+        plan = POLICIES[name](v2_lite_decode, hw, budget)
+        assert plan.budget_bytes == budget, name
+        results[name] = verify(plan, hw).figures
+    ours = results["hyperoffload"]
+    assert ours.peak_bytes <= 0.74 * peak
+    assert ours.step_s < results["paged"].step_s and ours.step_s < results["kv-naive"].step_s
+    assert ours.step_s <= 1.05 * ours.bound_s
+
+
+def test_with_room_for_everything_hyperoffload_is_no_slower_than_none(v2_lite_decode):
+    hw = get_hardware("h200")
+    peak = memory_profile(v2_lite_decode).peak_bytes
+    ours = simulate(POLICIES["hyperoffload"](v2_lite_decode, hw, peak), hw).figures
+    none = simulate(POLICIES["none"](v2_lite_decode, hw, peak), hw).figures
+    assert ours.step_s <= none.step_s and ours.peak_bytes <= none.peak_bytes
+
+
+def test_sweep_over_nsa_block_sizes(capsys):
+    code = main(["sweep", "--workload", "tiny-deepseek", "--mode", "decode", "--batch", "2", "--context", "2000",
+                 "--hardware", "h200", "--budget", "80%", "--vary", "nsa-block", "--values", "16,32",
+                 "--policies", "hyperoffload,paged", "--json"])
+    assert code == 0
+    import json
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["value"], r["policy"]) for r in rows} == {(v, p) for v in ("16", "32") for p in ("hyperoffload", "paged")}
+    assert all(r["feasible"] for r in rows)
+
+
+def test_nsa_block_flag_errors_name_the_problem(capsys):
+    assert main(["plan", "--workload", "tiny-llama", "--mode", "decode", "--hardware", "h200", "--budget", "80%",
+                 "--nsa-block", "32"]) != 0
+    assert "has no NSA" in " ".join(capsys.readouterr().err.split())
