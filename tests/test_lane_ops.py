@@ -54,6 +54,9 @@ def test_a_fetch_runs_on_its_lane_after_its_index_and_its_reader_waits():
     assert order == (0, 1, 3, 2)
     overlapped = simulate(plan_without_offload(prog, order=order), hw)
     assert overlapped.figures.step_s == pytest.approx(4.0)
+    # No order beats the chain op0 -> fetch -> op2: 1 + 2 + 1 s.
+    assert overlapped.figures.dependency_bound_s == pytest.approx(4.0)
+    assert simulate(plan_without_offload(fetch_step(GB // 2)), hw).figures.dependency_bound_s == pytest.approx(3.0)
     verify(plan_without_offload(prog, order=order), hw)
     # The device never holds the remote cache; the fetched blocks count from when the fetch is issued.
     assert captured.figures.peak_bytes == 64 * 3 + 1024

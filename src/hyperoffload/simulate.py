@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hyperoffload.analysis import memory_profile
-from hyperoffload.cost import op_times
+from hyperoffload.cost import lane_op_time, op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan
 
@@ -86,6 +86,11 @@ class Figures:
     """``bound_s`` with the link's both-directions penalty: moving the excess each way at once takes at
     least excess * min(1 / duplex_share, 2) / bandwidth (both lanes at the shared rate, or one after the
     other, whichever is faster). None without a budget."""
+    dependency_bound_s: float | None = None
+    """The step time no order of the program's ops can beat, whatever the memory: the larger of
+    ``compute_s`` and the longest chain of dependent ops, a lane op counting its transfer time (a decode
+    step's block fetch can start only once selection has run, and attention only once it has landed).
+    Equal to ``compute_s`` for a step without lane ops."""
     steady_state: bool = False
     """True when the plan keeps state in remote memory between steps and ``step_s`` is the period of
     consecutive steps (two were simulated)."""
@@ -113,6 +118,19 @@ class _Copy:
 
     def __init__(self, instr: int, start: float, latency_end: float, remaining: float) -> None:
         self.instr, self.start, self.latency_end, self.remaining = instr, start, latency_end, remaining
+
+
+def dependency_bound(program, hardware: Hardware) -> float:
+    """Seconds: ``Figures.dependency_bound_s`` of ``program`` on ``hardware``."""
+    compute = op_times(program, hardware)
+    if not any(op.lane for op in program.ops):
+        return float(sum(compute))
+    deps = program.dependencies()
+    finish = [0.0] * len(program.ops)
+    for op in program.ops:  # ids are a topological order: the captured order is valid
+        own = lane_op_time(op, hardware) if op.lane else compute[op.id]
+        finish[op.id] = max((finish[d] for d in deps[op.id]), default=0.0) + own
+    return max(float(sum(compute)), max(finish, default=0.0))
 
 
 def lane_traffic(program) -> tuple[int, int]:
@@ -442,6 +460,7 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         d2h_bytes=d2h_bytes, stalls=len(stalls),
         stall_copy_s=sum(s.end - s.start for s in stalls if s.cause == "copy"),
         stall_memory_s=sum(s.end - s.start for s in stalls if s.cause == "memory"),
-        budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound)
+        budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound,
+        dependency_bound_s=dependency_bound(step.program, hardware))
     return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), figures=figures,
                     plan=plan)

@@ -162,13 +162,18 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
     with ``config.static_layout`` its arena (``plan.layout``), which then is all the memory it reserves.
 
     A decode step with a remote-KV form (``variants``) is also planned in that form, with the largest
-    block pool that fits the budget (or none, if no pool fits); the faster plan wins, the smaller peak
-    on a tie. Such a plan's program is the remote-KV form."""
+    block pool that fits the budget, or, if none fits, both without a pool and with the smallest pool
+    (planned to move other state out to make room for it); the faster plan wins, the smaller peak on a
+    tie. Such a plan's program is the remote-KV form."""
     if not has_remote_kv(program):
         return _plan_program(program, hardware, budget_bytes, config)
     tried: list[tuple[float, int, Plan]] = []
     failure: InfeasibleBudget | None = None
-    forms = [program, largest_pool_variant(program, budget_bytes) or remote_kv_variant(program, None)]
+    remote = largest_pool_variant(program, budget_bytes) or remote_kv_variant(program, None)
+    forms = [program, remote]
+    if remote.meta.get("pool_blocks") is None:
+        # No pool fits the step as captured; one may once the planner moves other state (weights) out.
+        forms.append(remote_kv_variant(program, program.meta["nsa_top_n"]))
     for form in forms:
         try:
             plan = _plan_program(form, hardware, budget_bytes, config)
