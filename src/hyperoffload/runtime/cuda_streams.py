@@ -23,6 +23,12 @@ semantics" note on streams and ``record_stream``):
   later offloads of that storage, in this step and the next. Reuse is safe because a storage's next
   offload is ordered after the compute stream has waited for its previous prefetch. Buffers never
   leave the backend: a step output left in remote memory is returned as a copy.
+* **Lane ops run inline.** A lane op (an indexed fetch of KV blocks, a write of rows to a remote cache) is
+  run at once on the current (compute) stream, as an ordinary op: ``lane_op`` returns no handle, so the
+  executor treats it as finished and later ops are ordered after it by the stream. This is the simplest
+  correct behaviour (its kernel reads pinned host memory from the compute stream), but it does not overlap
+  the op with compute as the simulator's copy lanes do; running it on a side stream would need the
+  compute stream's work on its inputs recorded before it and an event for its readers, as ``prefetch`` has.
 * **Errors.** CUDA reports a failed copy when its event is synchronized; ``synchronize`` raises it
   as ``TransferError``. Copies cannot be cancelled, so ``abort`` waits for them.
 
@@ -35,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hyperoffload.runtime.plan_executor import TransferError
+from hyperoffload.runtime.plan_executor import TransferError, run_lane_inline
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -115,6 +121,11 @@ class CudaStreams:
         event = torch.cuda.Event()
         event.record(stream)
         return CudaTransfer(label, direction, buffers[0].nbytes(), event, buffers)
+
+    def lane_op(self, label: str, lane: str, nbytes: int, work, after: Sequence[CudaTransfer]) -> None:
+        """Run a lane op's ``work`` inline on the current stream (see the module docstring); lane ops run
+        here inline, so those in ``after`` were issued before it on the same stream and stream order covers them."""
+        run_lane_inline(label, work)
 
     def wait(self, handle: CudaTransfer) -> None:
         self._compute_stream().wait_event(handle.event)

@@ -19,6 +19,14 @@ a link of exactly that bandwidth and latency. Completing on the clock rather tha
 engine sleep and wake keeps the engine from competing with compute for the GIL at arbitrary moments,
 and late wake-ups of any thread never pile up into a slower link.
 
+Lane ops (``EmulatedLink.lane_op``: a step's own data movement, such as an indexed fetch of KV blocks)
+run on the engine of their direction like a copy, in FIFO order with its copies: the engine runs the op's
+kernel when it reaches it, after the copies and lane ops it depends on have moved their bytes, and the op
+completes ``latency + bytes / bandwidth`` after its ideal start (``bytes``: what the kernel reports it moved),
+or as long after as the kernel's CPU time, whichever is later. The kernel runs Python on the engine's
+thread, so it shares the GIL with compute: on this emulation a lane op's kernel time is taken from the
+compute thread, which a copy engine's DMA would not do; its link time still overlaps compute.
+
 Faults: an exception in a copy is caught on the engine's thread and stored in the copy's
 ``Transfer``; ``Transfer.wait`` raises it on the waiting thread as a ``TransferError`` naming
 the copy. A copy that depends on a failed one fails too. ``cancel`` drops copies the engine has not
@@ -45,10 +53,13 @@ H2D, D2H = "h2d", "d2h"
 class Transfer:
     """One copy on an engine: a handle the issuing thread can poll or wait on."""
 
-    __slots__ = ("label", "direction", "nbytes", "issued_s", "start_s", "end_s", "error", "cancelled", "_copied")
+    __slots__ = ("label", "direction", "nbytes", "what", "issued_s", "start_s", "end_s", "error", "cancelled",
+                 "_copied")
 
-    def __init__(self, label: str, direction: str, nbytes: int) -> None:
+    def __init__(self, label: str, direction: str, nbytes: int, what: str = "copy of") -> None:
         self.label, self.direction, self.nbytes = label, direction, nbytes
+        self.what = what
+        """``"copy of"`` for a copy, ``"lane op"`` for a lane op (how errors name it)."""
         self.issued_s = time.perf_counter()
         self.start_s = self.end_s = 0.0
         """Ideal start and end on the engine's clock (``time.perf_counter`` seconds), set once copied."""
@@ -79,7 +90,7 @@ class Transfer:
         """Block until the copy has completed; raise ``TransferError`` on this thread if it failed."""
         self.join()
         if self.error is not None:
-            raise TransferError(f"{self.direction} copy of {self.label} ({self.nbytes} bytes) failed: "
+            raise TransferError(f"{self.direction} {self.what} {self.label} ({self.nbytes} bytes) failed: "
                                 f"{self.error}") from self.error
         remaining = self.end_s - time.perf_counter()
         if remaining > 0:
@@ -95,11 +106,11 @@ class Transfer:
 
 
 class _Job:
-    __slots__ = ("transfer", "src", "dst", "after")
+    __slots__ = ("transfer", "src", "dst", "after", "work")
 
-    def __init__(self, transfer: Transfer, src: torch.UntypedStorage, dst: torch.UntypedStorage,
-                 after: Transfer | None) -> None:
-        self.transfer, self.src, self.dst, self.after = transfer, src, dst, after
+    def __init__(self, transfer: Transfer, src: torch.UntypedStorage | None, dst: torch.UntypedStorage | None,
+                 after: Sequence[Transfer], work: Callable[[], int | None] | None = None) -> None:
+        self.transfer, self.src, self.dst, self.after, self.work = transfer, src, dst, after, work
 
 
 def _copy_bytes(dst: torch.UntypedStorage, src: torch.UntypedStorage) -> None:
@@ -137,7 +148,18 @@ class CopyEngine:
         if not self._thread.is_alive():
             raise TransferError(f"the {self.direction} copy engine is closed; create a new link")
         transfer = Transfer(label, self.direction, src.nbytes())
-        self._queue.put(_Job(transfer, src, dst, after))
+        self._queue.put(_Job(transfer, src, dst, () if after is None else (after,)))
+        return transfer
+
+    def submit_work(self, label: str, nbytes: int, work: Callable[[], int | None],
+                    after: Sequence[Transfer] = ()) -> Transfer:
+        """Queue a lane op: ``work()`` runs on this engine once every transfer in ``after`` has moved its bytes,
+        and returns the bytes it moved (None: ``nbytes``); the op completes when a copy of that many bytes
+        would (see the module docstring)."""
+        if not self._thread.is_alive():
+            raise TransferError(f"the {self.direction} copy engine is closed; create a new link")
+        transfer = Transfer(label, self.direction, nbytes, "lane op")
+        self._queue.put(_Job(transfer, None, None, tuple(after), work))
         return transfer
 
     def close(self) -> None:
@@ -155,25 +177,34 @@ class CopyEngine:
             except BaseException as error:  # noqa: BLE001 - every failure goes to the waiting thread
                 transfer.error = error
             finally:
-                job.src = job.dst = job.after = None  # let go of the buffers before anyone is told
+                job.src = job.dst = job.after = job.work = None  # let go of the buffers before anyone is told
                 transfer._copied.release()
 
     def _copy(self, job: _Job) -> None:
         transfer = job.transfer
-        after = job.after
-        if after is not None:
+        for after in job.after:
             after.join()
             if after.error is not None:
-                raise TransferError(f"it needed {after.direction} copy of {after.label}, which failed") from after.error
+                raise TransferError(f"it needed {after.direction} {after.what} {after.label}, which "
+                                    f"failed") from after.error
         if transfer.cancelled:
             raise TransferError("cancelled before it started")
-        start = max(self._clock, transfer.issued_s, after.end_s if after is not None else 0.0)
+        start = max(self._clock, transfer.issued_s, *(after.end_s for after in job.after))
         if self._fault is not None:
             self._fault(transfer)
-        copying = time.perf_counter()
-        if transfer.nbytes:
-            _copy_bytes(job.dst, job.src)
-        copied_s = time.perf_counter() - copying
+        if job.work is not None:
+            # The kernel's own CPU time: run from Python on this thread, its wall time would also count the
+            # waits for the GIL that the compute thread holds, which a real copy engine never has.
+            working = time.thread_time()
+            moved = job.work()
+            copied_s = time.thread_time() - working
+            if moved is not None:
+                transfer.nbytes = moved
+        else:
+            copying = time.perf_counter()
+            if transfer.nbytes:
+                _copy_bytes(job.dst, job.src)
+            copied_s = time.perf_counter() - copying
         # The link's time, or the memory system's if it is slower; a late start of this thread is not the
         # link's (``done`` also waits for the bytes to be copied, whenever that is).
         end = start + max(self.latency_s + transfer.nbytes / self.bandwidth, copied_s)
@@ -240,6 +271,15 @@ class EmulatedLink:
     def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
                  after: Transfer | None) -> Transfer:
         return self.h2d.submit(label, src, dst, after)
+
+    def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None],
+                after: Sequence[Transfer]) -> Transfer:
+        """Run a lane op's ``work`` on the engine of ``lane`` (``"h2d"`` or ``"d2h"``), after ``after``; see
+        ``hyperoffload.runtime.plan_executor.Transfers.lane_op``."""
+        engine = self.h2d if lane == H2D else self.d2h if lane == D2H else None
+        if engine is None:
+            raise ValueError(f"lane op {label}: lane must be {H2D!r} or {D2H!r}, got {lane!r}")
+        return engine.submit_work(label, nbytes, work, after)
 
     def wait(self, handle: Transfer) -> None:
         handle.wait()

@@ -14,10 +14,24 @@ storage's bytes. Instructions act on them in plan order:
 * ``PREFETCH s`` allocates a new device storage and starts a copy of the remote buffer into it.
 * ``WAIT s`` waits for the latest transfer of ``s``; only then are the remembered views rebuilt on
   a prefetched storage, so no op can read a copy that has not landed.
+* ``COMPUTE op`` of a *lane op* (``Op.lane``: an indexed fetch of KV blocks, a write of rows to a remote
+  cache) hands the op's kernel, with the input tensors it reads, to the transfer backend's lane of that
+  direction (``Transfers.lane_op``), as the simulator runs it: after the lane ops it depends on
+  (``Program.dependencies()``) have finished, in FIFO order with that lane's copies. The interpreter goes
+  on; the first instruction that depends on the lane op (reads its outputs, or touches a storage it writes
+  or writes one it reads), or an ``OFFLOAD`` of a storage it writes, waits for it first (counted in
+  ``copy_wait_s``), and every lane op has finished when the step returns. Its outputs join the device tier
+  once the step sees it finished; the device storages it reads stay counted until then, even if the plan
+  frees them meanwhile. A lane op that fails raises ``TransferError``.
+
+*Remote* values (``Value.remote``: a step input living in remote memory for the whole step, such as a
+remote KV cache) are in the environment so lane ops can read and write them, but their storages are never
+device bytes: they are neither counted nor dropped, and only lane ops touch them.
 
 How copies run is the transfer backend's business (``Transfers``): ``SyncTransfers`` copies at
-once on the caller's thread (``run_plan``, the reference); ``hyperoffload.runtime.emulated_link``
-runs them on throttled copy threads and ``hyperoffload.runtime.cuda_streams`` on CUDA side streams.
+once on the caller's thread (``run_plan``, the reference, which runs lane ops inline too);
+``hyperoffload.runtime.emulated_link`` runs them, lane ops included, on throttled copy threads and
+``hyperoffload.runtime.cuda_streams`` on CUDA side streams.
 
 Device bytes are measured from the tensors themselves: the distinct storages (by address) that the
 device tier references, plus device storages an unfinished transfer still holds (a prefetch not yet
@@ -104,16 +118,17 @@ class PlanRun:
     peak_bytes: int
     """Largest entry of ``live_bytes`` (the inputs' device bytes for a plan with no instructions)."""
     h2d_bytes: int
-    """Bytes copied remote -> device by PREFETCH instructions."""
+    """Bytes copied remote -> device by PREFETCH instructions and by h2d lane ops (the bytes each moved)."""
     d2h_bytes: int
-    """Bytes copied device -> remote by OFFLOAD instructions."""
+    """Bytes copied device -> remote by OFFLOAD instructions and by d2h lane ops."""
     state: tuple[torch.Tensor, ...] = ()
     """With ``donate=True``: the step's inputs after the step, where the plan left them (pass them to the
     next step). Empty otherwise."""
     wall_s: float = 0.0
     """Seconds from the first instruction to the step's return."""
     copy_wait_s: float = 0.0
-    """Seconds the caller's thread spent waiting for copies (WAIT instructions and the end of the step)."""
+    """Seconds the caller's thread spent waiting for copies and lane ops (WAIT instructions, instructions that
+    depend on a lane op, and the end of the step)."""
     memory_wait_s: float = 0.0
     """Seconds the caller's thread waited for a released storage's offload to finish so an allocation fits."""
     carried: int = 0
@@ -153,6 +168,25 @@ class Transfers(Protocol):
     def abort(self, handles: Sequence[Any]) -> None:
         """Stop or finish every transfer in ``handles`` so none touches any buffer afterwards; never raises."""
 
+    def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None], after: Sequence[Any]) -> Any:
+        """Run a lane op on copy lane ``lane`` (``"h2d"`` or ``"d2h"``), after the transfers and lane ops in
+        ``after`` (which write what it reads, or read what it writes) have finished; return its handle.
+
+        ``work()`` runs the op's kernel and returns the bytes it moved (None: ``nbytes``, the op's stated
+        ``transfer_bytes``); the lane takes at least as long as it would for a copy of that many bytes. An
+        exception from ``work`` fails the handle: ``wait``/``synchronize`` raise it as ``TransferError``.
+        ``work`` must have returned on the host by the time ``wait`` returns (the executor then reads the
+        outputs it produced). Optional: without it the executor runs lane ops inline on the caller's thread.
+        """
+
+
+def run_lane_inline(label: str, work: Callable[[], int | None]) -> None:
+    """Run a lane op's ``work`` at once on the caller's thread; a failure is raised as ``TransferError``."""
+    try:
+        work()
+    except Exception as error:  # noqa: BLE001 - a failed lane op is a failed transfer, whatever the kernel raised
+        raise TransferError(f"lane op {label} failed: {error}") from error
+
 
 class SyncTransfers:
     """The reference backend: every copy happens at once, on the caller's thread."""
@@ -180,6 +214,9 @@ class SyncTransfers:
 
     def abort(self, handles: Sequence[Any]) -> None:
         pass
+
+    def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None], after: Sequence[Any]) -> None:
+        run_lane_inline(label, work)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +293,55 @@ class _InFlight:
     remote: torch.UntypedStorage
     held: bool = True
     """Whether the device bytes still count on the transfer's behalf (until the step sees it finish)."""
+
+
+@dataclass(slots=True, eq=False)
+class _LaneFlight:
+    """A lane op handed to its lane that the step has not yet seen finish."""
+
+    op: Any
+    """The ``ir.Op``."""
+    index: int
+    """The instruction that issued it."""
+    writes: frozenset[int]
+    """Storage ids it writes (its ``mutates``)."""
+    handle: Any = None
+    produced: list[torch.Tensor] | None = None
+    """Its output tensors, in ``op.outputs`` order, once its kernel has run (set on the lane's thread)."""
+    moved: int = 0
+    """Bytes it moved over the link (set on the lane's thread)."""
+    holds: list[_InFlight] | None = None
+    """The device storages it reads or writes, counted on its behalf until the step sees it finish."""
+
+
+_PREFETCH_BLOCKS = "hyperoffload.prefetch_blocks.default"
+_FETCH_BLOCKS_POOLED = "hyperoffload.fetch_blocks_pooled.default"
+_STORE_ROWS = "hyperoffload.store_rows.default"
+
+
+def _run_lane_kernel(program, op, node: torch.fx.Node, bound: dict) -> tuple[list[torch.Tensor], int]:
+    """Run a lane op's kernel on the tensors in ``bound`` (fx node -> tensor); return its outputs and the bytes
+    it moved between the tiers: those it really copied for the cache operators whose traffic follows from
+    their arguments, else the op's stated ``transfer_bytes``."""
+    args = torch.fx.node.map_arg(node.args, bound.__getitem__)
+    pooled = op.target == _FETCH_BLOCKS_POOLED and len(args) >= 6 and not node.kwargs
+    if pooled:
+        remote, _, slots, _, positions, block_size = args[:6]
+        held = slots[..., 0].clone()  # the block table before the fetch: what was resident
+    with torch.no_grad():  # grad mode is per thread, and this may run on a lane's thread
+        outputs = run_op(program, op, node, bound.__getitem__)
+    if op.target == _PREFETCH_BLOCKS:
+        moved = sum(t.nbytes for t in outputs)
+    elif op.target == _STORE_ROWS and len(args) >= 2:
+        moved = args[1].nbytes
+    elif pooled:
+        row = remote.shape[-1] * remote.element_size()
+        fetched = int((slots[..., 0] != held).sum())  # every block brought in takes a slot holding another block
+        refreshed = int((held == int(positions[0]) // block_size).any(-1).sum())  # its own row, if resident
+        moved = fetched * block_size * row + refreshed * row
+    else:
+        moved = op.transfer_bytes
+    return outputs, moved
 
 
 class _ArenaRanges:
@@ -456,6 +542,11 @@ class _Step:
         self.copy_wait_s = self.memory_wait_s = 0.0
         self.slot_waits = 0
         self.caller_meta: dict[int, _ViewMeta] = {}  # caller tensors' views, when the step drops the tensors
+        # Storages living in remote memory for the whole step: in the environment for the lane ops, never device bytes.
+        self.remote_tier = frozenset(s for s in set(self.storage_of) if values[s].remote)
+        self.deps = program.dependencies()
+        self.lanes: dict[int, _LaneFlight] = {}  # op id -> lane op not yet seen finished, in issue order
+        self.lane_op = getattr(transfers, "lane_op", None)
 
         for vid, tensor in self.caller.items():
             s = self.storage_of[vid]
@@ -478,11 +569,15 @@ class _Step:
 
     # --- the device tier --------------------------------------------------------------------------
     def put(self, vid: int, tensor: torch.Tensor) -> None:
+        s = self.storage_of[vid]
         self.env[vid] = tensor
-        self.aliases.setdefault(self.storage_of[vid], set()).add(vid)
-        self.bytes.hold(tensor.untyped_storage())
+        self.aliases.setdefault(s, set()).add(vid)
+        if s not in self.remote_tier:
+            self.bytes.hold(tensor.untyped_storage())
 
     def drop_storage(self, s: int) -> dict[int, torch.Tensor]:
+        if s in self.remote_tier:
+            return {}  # not a device storage: nothing to give back, and the lane ops still need it
         dropped = {v: self.env.pop(v) for v in self.aliases.pop(s, ())}
         for t in dropped.values():
             self._let_go(t.untyped_storage())
@@ -660,6 +755,8 @@ class _Step:
                     if self.alloc[i]:
                         self._make_room(self.alloc[i])
                     self._execute(i, ins)
+                    if self.lanes:
+                        self._land_finished()
                     self._poll()
                     live.append(self.bytes.total)
                     if self.plan.budget_bytes is not None and self.bytes.total > self.plan.budget_bytes:
@@ -667,13 +764,15 @@ class _Step:
                             f"instruction #{i} ({ins.describe(self.program)}): measured {self.bytes.total} device "
                             f"bytes, over the budget of {self.plan.budget_bytes}")
                     for freed in self.checked.frees_after[i]:
+                        if self.lanes:
+                            self._await_producer(freed)
                         self.drop_storage(freed)
                     if on_instruction is not None:
                         on_instruction(i)
                 i = len(self.plan.instructions)
                 outputs, state = self._finish()
         except BaseException as error:
-            self.transfers.abort([f.handle for f in self.started])
+            self.transfers.abort([f.handle for f in self.started] + [f.handle for f in self.lanes.values()])
             if hasattr(error, "add_note"):  # Python 3.11+: say where, and that nothing is left running
                 where = (f"instruction #{i} ({self.plan.instructions[i].describe(self.program)})"
                          if 0 <= i < len(self.plan.instructions) else "the end of the step")
@@ -693,6 +792,11 @@ class _Step:
         program, values = self.program, self.program.values
         if ins.kind is Kind.COMPUTE:
             op = program.ops[s]
+            if op.lane is not None:
+                self._issue_lane(i, op)
+                return
+            if self.lanes:
+                self._await_lanes(self.deps[s])
             outputs = run_op(program, op, self.nodes[op.name], self.lookup)
             if self.slots is not None:
                 outputs = list(outputs)
@@ -702,6 +806,9 @@ class _Step:
             for w in {self.storage_of[v] for v in op.mutates}:
                 self.remote.pop(w, None)  # stale now; check_plan forbids prefetching it
         elif ins.kind is Kind.OFFLOAD:
+            if self.lanes:  # a lane op still writing the storage: copy its result, not what was there before
+                for flight in [f for f in self.lanes.values() if s in f.writes]:
+                    self._await_lane(flight)
             source = self.device_storage(s, i)
             target = self.remote_home.get(s)
             if target is None:
@@ -751,6 +858,99 @@ class _Step:
             self.copy_wait_s += time.perf_counter() - start
             self._landed(flight)
 
+    # --- lane ops ---------------------------------------------------------------------------------
+    def _issue_lane(self, i: int, op) -> None:
+        """Hand lane op ``op`` (instruction ``i``) to its lane, after the pending lane ops it depends on."""
+        node = self.nodes[op.name]
+        after = []
+        if self.lanes:
+            reads = set(op.inputs)
+            for d in self.deps[op.id]:
+                flight = self.lanes.get(d)
+                if flight is None:
+                    continue
+                if reads.intersection(flight.op.outputs):
+                    self._await_lane(flight)  # its outputs must exist as tensors before this op can be given them
+                else:
+                    after.append(flight.handle)  # a storage hazard: the lanes order the two
+        bound = {n: self.lookup(n) for n in node.all_input_nodes}
+        for w in {self.storage_of[v] for v in op.mutates}:
+            self.remote.pop(w, None)  # stale now, as after a compute op's write
+        flight = _LaneFlight(op=op, index=i, writes=frozenset(self.storage_of[v] for v in op.mutates))
+        program = self.program
+
+        def work() -> int:
+            flight.produced, flight.moved = _run_lane_kernel(program, op, node, bound)
+            return flight.moved
+
+        label = f"{op.name} ({op.target})"
+        if self.lane_op is None:
+            run_lane_inline(label, work)
+        else:
+            flight.handle = self.lane_op(label, op.lane, op.transfer_bytes, work, after)
+        if flight.produced is not None and flight.handle is None:  # run inline: nothing is in flight
+            self._land_lane(flight)
+            return
+        # The storages it reads or writes stay device bytes on its behalf until it has finished, even if the
+        # plan frees or releases them meanwhile (and, in an arena, their bytes are not reused before then).
+        flight.holds = []
+        seen: set[int] = set()
+        for v in op.inputs:
+            sid = self.storage_of[v]
+            if sid in self.remote_tier or sid in seen:
+                continue
+            seen.add(sid)
+            hold = _InFlight(Kind.COMPUTE, sid, flight.handle, self.env[v].untyped_storage(), None)
+            self.bytes.hold(hold.device)
+            self.holding.append(hold)
+            self.started.append(hold)
+            flight.holds.append(hold)
+        self.lanes[op.id] = flight
+
+    def _await_lane(self, flight: _LaneFlight) -> None:
+        """Wait for lane op ``flight`` (counted as copy wait) and bring its outputs into the device tier."""
+        start = time.perf_counter()
+        self.transfers.wait(flight.handle)
+        self.copy_wait_s += time.perf_counter() - start
+        self._land_lane(flight)
+
+    def _await_lanes(self, ops: Sequence[int]) -> None:
+        for d in ops:
+            flight = self.lanes.get(d)
+            if flight is not None:
+                self._await_lane(flight)
+
+    def _await_producer(self, s: int) -> None:
+        """The plan frees ``s``: if a pending lane op produces it, let it land first so that it is dropped."""
+        for flight in [f for f in self.lanes.values() if any(self.storage_of[o] == s for o in f.op.outputs)]:
+            self._await_lane(flight)
+
+    def _land_finished(self) -> None:
+        """Bring in the outputs of the lane ops that have finished (their bytes count from then on)."""
+        for flight in [f for f in self.lanes.values() if self.transfers.is_done(f.handle)]:
+            self._await_lane(flight)  # returns at once, or raises if it failed
+
+    def _land_lane(self, flight: _LaneFlight) -> None:
+        op = flight.op
+        self.lanes.pop(op.id, None)
+        outputs = flight.produced
+        if outputs is None:
+            raise TransferError(f"lane op {op.name} ({op.target}) finished without producing its outputs")
+        if self.slots is not None:
+            outputs = list(outputs)
+            self._outputs_into_arena(flight.index, op, outputs)
+        for vid, tensor in zip(op.outputs, outputs):
+            self.put(vid, tensor)
+        flight.produced = None
+        if op.lane == "h2d":
+            self.h2d += flight.moved
+        else:
+            self.d2h += flight.moved
+        if flight.holds:
+            for hold in flight.holds:
+                self._finished(hold)
+            self.holding = [f for f in self.holding if f.held]
+
     def _track(self, flight: _InFlight) -> None:
         self.bytes.hold(flight.device)
         self.started.append(flight)
@@ -768,6 +968,8 @@ class _Step:
     def _finish(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Complete the step's transfers (or carry the last offloads of donated state), then build results."""
         program = self.program
+        for lane in list(self.lanes.values()):  # every lane op has finished when the step returns
+            self._await_lane(lane)
         returned = {self.storage_of[v] for v in program.outputs}
         for s, flight in sorted(self.in_flight.items()):
             if (self.carry and flight.kind is Kind.OFFLOAD and flight.remote is self.remote_home.get(s)
