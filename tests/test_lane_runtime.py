@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
-from hyperoffload.ir import kind_bytes, ValueKind
+from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
+from hyperoffload.ir import ValueKind, kind_bytes
 from hyperoffload.plans import check_plan, plan_without_offload
+from hyperoffload.policies import POLICIES
 from hyperoffload.policies.reorder import fetch_on_demand, overlap_lane_ops
 from hyperoffload.runtime import AsyncExecutor, EmulatedLink, TransferError, run_async, run_plan
 from hyperoffload.workloads import get_workload
@@ -23,9 +25,9 @@ from hyperoffload.workloads.build import capture_workload
 pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
 
 BATCH, CONTEXT = 2, 200
-SLOW = dict(h2d_bw=200e6, d2h_bw=200e6, h2d_latency_s=20e-6, d2h_latency_s=20e-6)
+SLOW = {"h2d_bw": 200e6, "d2h_bw": 200e6, "h2d_latency_s": 20e-6, "d2h_latency_s": 20e-6}
 """A slow link: a layer's block fetch (20 KiB) takes about as long as its kernel."""
-CRAWL = dict(h2d_bw=20e6, d2h_bw=20e6, h2d_latency_s=50e-6, d2h_latency_s=50e-6)
+CRAWL = {"h2d_bw": 20e6, "d2h_bw": 20e6, "h2d_latency_s": 50e-6, "d2h_latency_s": 50e-6}
 """A link slow enough that a layer's block fetch (about 1 ms) outlasts its kernel many times over, so how much
 of it the step waits for depends on the order; about what the compute between an early fetch and its reader
 takes, so that order can hide most of it."""
@@ -213,4 +215,29 @@ def test_a_step_interrupted_with_lane_ops_in_flight_stops_cleanly(remote_steps):
         inputs = _clones(captured)
         run = executor.run(plan, inputs)
     _assert_identical(run.outputs, want_outputs)
+    _assert_identical(inputs, want_inputs)
+
+
+def test_planned_copies_share_the_lanes_with_lane_ops_within_the_budget(remote_steps):
+    """A plan that also offloads and prefetches (the pool and block table a pooled fetch writes among them) runs
+    its copies on the same lanes as the lane ops: an offload of a storage a lane op writes waits for it."""
+    captured = remote_steps[4]
+    program = captured.program
+    calibration = CpuCalibration(key="test", matmul_flops={"float32": 50e9}, memory_bw=10e9, op_overhead_s=10e-6,
+                                 memory_bytes=2**34)
+    hardware = cpu_emulated(calibration, h2d_bw=SLOW["h2d_bw"], d2h_bw=SLOW["d2h_bw"], latency_s=SLOW["h2d_latency_s"])
+    peak = check_plan(plan_without_offload(program)).peak_bytes
+    plan = POLICIES["hyperoffload"](program, hardware, int(0.6 * peak))
+    assert plan.budget_bytes is not None and any(ins.kind.value == "offload" for ins in plan.instructions)
+    want_outputs, want_inputs = _eager(captured)
+    with EmulatedLink(**SLOW) as link:
+        inputs = _clones(captured)
+        run = run_async(plan, inputs, link=link)
+    _assert_identical(run.outputs, want_outputs)
+    _assert_identical(inputs, want_inputs)
+    assert run.peak_bytes <= plan.budget_bytes
+    # From one arena too (a compute-only plan, whose arena fits any budget that fits the step).
+    inputs = _clones(captured)
+    arena_run = run_plan(plan_without_offload(program, order=overlap_lane_ops(program)), inputs, arena=True)
+    _assert_identical(arena_run.outputs, want_outputs)
     _assert_identical(inputs, want_inputs)

@@ -15,7 +15,9 @@ starts, as a training loop would::
         ex.synchronize()                     # before reading the state
 
 The instruction handling is ``hyperoffload.runtime.plan_executor.execute_plan``, shared with the
-synchronous reference; only the transfer backend differs. Every step measures device-tier bytes
+synchronous reference; only the transfer backend differs. The step's own lane ops (``Op.lane``: the block fetches and
+row stores of a remote KV cache) run on the link's copy lanes too, overlapping compute as the simulator
+models them; on CUDA they run inline on the compute stream (see ``cuda_streams``). Every step measures device-tier bytes
 after every instruction and fails with ``BudgetExceeded`` if they pass the plan's budget; a copy
 that fails, or a step stopped by an exception (``KeyboardInterrupt`` included), raises on the
 caller's thread only after every copy of that step has stopped, and the executor can run the next

@@ -142,7 +142,7 @@ class PlanRun:
 
 
 class Transfers(Protocol):
-    """How copies between the tiers run. A *handle* is whatever ``offload``/``prefetch`` return."""
+    """How copies between the tiers run. A *handle* is whatever ``offload``/``prefetch``/``lane_op`` return."""
 
     def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         """A new device storage of ``nbytes`` (for a prefetch), allocated where ``like``'s tier lives."""
@@ -168,7 +168,8 @@ class Transfers(Protocol):
     def abort(self, handles: Sequence[Any]) -> None:
         """Stop or finish every transfer in ``handles`` so none touches any buffer afterwards; never raises."""
 
-    def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None], after: Sequence[Any]) -> Any:
+    def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None],
+                after: Sequence[Any]) -> Any:
         """Run a lane op on copy lane ``lane`` (``"h2d"`` or ``"d2h"``), after the transfers and lane ops in
         ``after`` (which write what it reads, or read what it writes) have finished; return its handle.
 
@@ -176,7 +177,8 @@ class Transfers(Protocol):
         ``transfer_bytes``); the lane takes at least as long as it would for a copy of that many bytes. An
         exception from ``work`` fails the handle: ``wait``/``synchronize`` raise it as ``TransferError``.
         ``work`` must have returned on the host by the time ``wait`` returns (the executor then reads the
-        outputs it produced). Optional: without it the executor runs lane ops inline on the caller's thread.
+        outputs it produced). A backend that has run it inline, in order with what follows, returns None
+        (nothing is in flight). Optional: without it the executor runs lane ops inline on the caller's thread.
         """
 
 
@@ -184,7 +186,7 @@ def run_lane_inline(label: str, work: Callable[[], int | None]) -> None:
     """Run a lane op's ``work`` at once on the caller's thread; a failure is raised as ``TransferError``."""
     try:
         work()
-    except Exception as error:  # noqa: BLE001 - a failed lane op is a failed transfer, whatever the kernel raised
+    except Exception as error:  # a failed lane op is a failed transfer, whatever the kernel raised
         raise TransferError(f"lane op {label} failed: {error}") from error
 
 
@@ -215,7 +217,8 @@ class SyncTransfers:
     def abort(self, handles: Sequence[Any]) -> None:
         pass
 
-    def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None], after: Sequence[Any]) -> None:
+    def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None],
+                after: Sequence[Any]) -> None:
         run_lane_inline(label, work)
 
 
@@ -542,7 +545,7 @@ class _Step:
         self.copy_wait_s = self.memory_wait_s = 0.0
         self.slot_waits = 0
         self.caller_meta: dict[int, _ViewMeta] = {}  # caller tensors' views, when the step drops the tensors
-        # Storages living in remote memory for the whole step: in the environment for the lane ops, never device bytes.
+        # Storages in remote memory for the whole step: in the environment for the lane ops, never device bytes.
         self.remote_tier = frozenset(s for s in set(self.storage_of) if values[s].remote)
         self.deps = program.dependencies()
         self.lanes: dict[int, _LaneFlight] = {}  # op id -> lane op not yet seen finished, in issue order
@@ -1048,4 +1051,4 @@ def _why_not_repeatable(plan: Plan) -> str | None:
 
 
 __all__ = ["ArenaOverlap", "ArenaSlots", "BudgetExceeded", "PlanRun", "PreparedPlan", "SyncTransfers", "TransferError",
-           "Transfers", "arena_slots", "execute_plan", "prepare_plan", "run_plan", "with_arena"]
+           "Transfers", "arena_slots", "execute_plan", "prepare_plan", "run_lane_inline", "run_plan", "with_arena"]
