@@ -21,6 +21,7 @@ from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_har
 from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth, parse_bytes, parse_duration
+from hyperoffload.variants import kv_placement
 from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload, with_nsa_block
 from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION
 
@@ -344,8 +345,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         timeline = verify(plan, hardware)
     with err.status("Laying out memory and replaying the caching allocator..."):
         memory = fragmentation_figures(plan)
-        bound = window_bound(program, hardware, budget, [i.target for i in plan.instructions
-                                                         if i.kind is Kind.COMPUTE])
+        bound = window_bound(plan.program, hardware, budget, [i.target for i in plan.instructions
+                                                              if i.kind is Kind.COMPUTE])
         window, free_budget = bound.seconds, bound.free_budget_bytes
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
@@ -364,9 +365,17 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                           "hardware": hardware.name, "policy": args.policy, **figures.as_dict(),
                           "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
                           "instructions": len(plan.instructions), "static_layout": plan.layout is not None,
-                          "window_bound_s": window, "free_budget_bytes": free_budget, **memory}))
+                          "window_bound_s": window, "free_budget_bytes": free_budget, **memory,
+                          **kv_placement(plan.program)}))
         return 0
     out.print(figures_table(figures, title=title, hardware=hardware))
+    kv = kv_placement(plan.program)
+    if kv.get("kv") == "remote":
+        pool = "no block pool" if kv["pool_blocks"] is None else f"a block pool of {kv['pool_blocks']} blocks per " \
+            f"sequence and layer"
+        out.print(f"KV cache: in remote memory, {pool}; a step fetches {kv['fetch_share']:.1%} of its selected blocks "
+                  f"(stated reselection {kv['reselection']}); step_s / dependency_bound_s = "
+                  f"{figures.step_s / figures.dependency_bound_s:.3f}", highlight=False)
     arena = "the plan's static arena" if plan.layout is not None else "a static arena would take"
     over = " [yellow]over the budget: --static-layout plans for one that fits[/yellow]" \
         if memory["arena_bytes"] > budget else ""

@@ -76,3 +76,19 @@ def largest_pool_variant(program: Program, budget_bytes: int) -> Program | None:
         pool -= 1
         variant = remote_kv_variant(program, pool)
     return variant
+
+
+def kv_placement(program: Program) -> dict:
+    """How a planned program holds its KV cache, for reports: ``kv`` ("remote" for a remote-KV form,
+    "device" for a step with a KV cache captured on the device), and for a remote form its ``pool_blocks``
+    (per sequence and layer; None: no pool), the expected share of selected blocks fetched
+    (``fetch_share``) and the stated ``reselection`` statistic. Empty for a step without a KV cache."""
+    meta = program.meta
+    if meta.get("kv") == "remote":
+        return {"kv": "remote", "pool_blocks": meta.get("pool_blocks"), "fetch_share": meta.get("pool_fetch_fraction"),
+                "reselection": meta.get("reselection")}
+    from hyperoffload.ir import ValueKind
+
+    if any(program.values[v].kind is ValueKind.KV_CACHE for v in program.inputs):
+        return {"kv": "device"}
+    return {}
