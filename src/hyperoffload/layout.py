@@ -7,12 +7,18 @@ an allocation and its free is a *residency*; a storage that leaves and returns h
 each may sit at a different offset.
 
 ``assign_offsets`` places every residency so that two residencies that are live at the same
-instruction never share a byte, in an arena as close to the plan's live-byte peak as a greedy
-packing gets (TFLite's "greedy by size" arena planner: largest residency first, each at the lowest
-offset that fits among the already placed residencies it overlaps in time). With every address
-known before the step runs, no allocation can fail, wait for a cache flush, or fragment the
-device: the arena is the only reservation, and ``check_layout`` proves the packing by replaying
-the plan's allocations against it.
+instruction never share a byte, in an arena as close to the plan's live-byte peak (the least any
+packing needs) as it finds. It tries several packings and keeps the smallest: TFLite's "greedy by
+size" (largest residency first, each at the lowest offset that fits among the already placed
+residencies it overlaps in time), two skylines that stack residencies in time, and a sweep in
+time order that puts each residency next to a neighbour that outlives it, from the floor or from
+the ceiling. Each is then compacted: turned upside down and let fall, which never raises a
+residency. Training plans hold families of equal-sized residencies whose lifetimes nest (saved
+activations) or cross (gradients that accumulate while activations are freed); greedy by size
+stacks the smaller long-lived ones above the envelope of the larger, which the time-ordered
+packings avoid. With every address known before the step runs, no allocation can fail, wait for a
+cache flush, or fragment the device: the arena is the only reservation, and ``check_layout``
+proves the packing by replaying the plan's allocations against it.
 """
 
 from __future__ import annotations
@@ -93,7 +99,8 @@ def residencies(plan: Plan, checked: PlanCheck | None = None) -> list[Residency]
 
 
 def assign_offsets(plan: Plan) -> Layout:
-    """A static layout of ``plan``'s device memory (greedy by size; see the module docstring)."""
+    """A static layout of ``plan``'s device memory: the smallest of several packings (see the module
+    docstring), each settled by compaction."""
     found = residencies(plan)
     live_peak = _live_peak(found)
     if not found:
@@ -102,36 +109,194 @@ def assign_offsets(plan: Plan) -> Layout:
     end = np.fromiter((r.end for r in found), np.int64, len(found))
     # Slots are whole multiples of ALIGNMENT, so every offset is aligned as a device allocation would be.
     size = np.fromiter((-(-r.nbytes // ALIGNMENT) * ALIGNMENT for r in found), np.int64, len(found))
-    # Largest first, longest-lived first among equals: big, long residencies fix the arena's shape and
-    # small ones fill the gaps they leave. (Ordering by bytes x lifetime, by lifetime, or by start, and
-    # best-fit gaps instead of the lowest, all packed llama3-8b training plans worse.)
-    offsets = _pack(np.lexsort((start - end, -size)), start, end, size)
+    offsets = pack_blocks(start, end, size)
     return Layout(residencies=tuple(found), offsets=tuple(int(o) for o in offsets),
                   arena_bytes=int((offsets + size).max()), live_peak_bytes=live_peak)
 
 
-def _pack(order: np.ndarray, start: np.ndarray, end: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """Offsets placing residencies in ``order``, each at the lowest gap left by those placed before it
-    that overlap it in time."""
-    offsets = np.full(size.size, -1, dtype=np.int64)
-    placed = np.zeros(size.size, dtype=bool)
-    for i in order:
-        overlapping = np.flatnonzero(placed & (start < end[i]) & (end > start[i]))
-        offsets[i] = _lowest_gap(offsets[overlapping], size[overlapping], int(size[i]))
-        placed[i] = True
+def pack_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Offsets (bytes) for blocks of ``size`` bytes live over instructions [``start``, ``end``) such that
+    no two blocks live at once share a byte, with the arena (the highest block end) as small as the
+    packings tried here get it; never larger than greedy by size's."""
+    if size.size == 0:
+        return np.zeros(0, np.int64)
+    # Blocks live over the whole step sit below the others at no cost: the others' live peak plus theirs
+    # is the step's, so whatever the packing loses, it loses on the others.
+    whole = (start <= start.min()) & (end >= end.max())
+    offsets = np.zeros(size.size, np.int64)
+    offsets[whole] = np.cumsum(size[whole]) - size[whole]
+    rest = np.flatnonzero(~whole)
+    if rest.size:
+        offsets[rest] = int(size[whole].sum()) + _pack_crossing(start[rest], end[rest], size[rest])
+    greedy = _first_fit(np.lexsort((start - end, -size)), start, end, size)
+    return greedy if _arena(greedy, size) < _arena(offsets, size) else offsets
+
+
+def _pack_crossing(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """The smallest of a few packings, each compacted once, then the best compacted until it settles.
+
+    Greedy by size stacks every smaller block above the larger ones it overlaps, so long-lived small
+    blocks (saved activations, accumulating gradients) end up above the envelope of the large ones
+    over their whole lifetime. The packings here instead follow time: two skylines (stacking blocks as
+    they are live together, by area and by lifetime) and a sweep that keeps blocks next to neighbours
+    that outlive them. Which wins depends on the plan, so all are tried; each is a fraction of a
+    second on an 8B training plan."""
+    lower = _live_peak_arrays(start, end, size)
+    longest = np.empty(size.size, np.int64)
+    longest[np.lexsort((size, end - start))] = np.arange(size.size)  # by lifetime, then size
+    builders = (lambda: _skyline(start, end, size, size.astype(float) * (end - start)),
+                lambda: _skyline(start, end, size, longest),
+                lambda: _sweep(start, end, size, lower))
+    best = None
+    for build in builders:
+        offsets = _compact(build(), start, end, size, rounds=1)
+        if best is None or _arena(offsets, size) < _arena(best, size):
+            best = offsets
+        if _arena(best, size) == lower:  # nothing packs tighter than the live peak
+            return best
+    return _compact(best, start, end, size, rounds=8)
+
+
+def _arena(offsets: np.ndarray, size: np.ndarray) -> int:
+    return int((offsets + size).max())
+
+
+def _first_fit(order: np.ndarray, start: np.ndarray, end: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Offsets placing blocks in ``order``, each at the lowest gap left by those placed before it that
+    overlap it in time (TFLite's greedy placement for a given order)."""
+    n = size.size
+    offsets = np.empty(n, np.int64)
+    # The placed blocks, kept sorted by offset so that those overlapping a block in time come out in
+    # offset order without a sort per block.
+    low = np.empty(n, np.int64)
+    high = np.empty(n, np.int64)
+    first = np.empty(n, np.int64)
+    last = np.empty(n, np.int64)
+    for m, i in enumerate(order.tolist()):  # m blocks placed so far
+        s, e, need = int(start[i]), int(end[i]), int(size[i])
+        offset = 0
+        if m:
+            hit = (first[:m] < e) & (last[:m] > s)
+            lo = low[:m][hit]
+            if lo.size and lo[0] < need:
+                reach = np.maximum.accumulate(high[:m][hit])  # the highest byte used by blocks up to here
+                fits = np.flatnonzero(lo[1:] - reach[:-1] >= need)
+                offset = int(reach[fits[0]]) if fits.size else int(reach[-1])
+        offsets[i] = offset
+        k = int(np.searchsorted(low[:m], offset, "right"))
+        for column, value in ((low, offset), (high, offset + need), (first, s), (last, e)):
+            column[k + 1:m + 1] = column[k:m]
+            column[k] = value
     return offsets
 
 
-def _lowest_gap(offsets: np.ndarray, sizes: np.ndarray, need: int) -> int:
-    """The lowest offset with ``need`` free bytes among blocks [offset, offset + size)."""
-    if offsets.size == 0:
-        return 0
-    by_offset = np.argsort(offsets, kind="stable")
-    lo = offsets[by_offset]
-    reach = np.maximum.accumulate(lo + sizes[by_offset])  # highest byte used by blocks up to here
-    before = np.concatenate(([0], reach[:-1]))
-    fits = np.flatnonzero(lo - before >= need)
-    return int(before[fits[0]]) if fits.size else int(reach[-1])
+def _compact(offsets: np.ndarray, start: np.ndarray, end: np.ndarray, size: np.ndarray, rounds: int) -> np.ndarray:
+    """Turn the packing upside down and let every block fall to the lowest gap, lowest block first, up to
+    ``rounds`` times or until two rounds in a row gain nothing.
+
+    A block never lands above where it was (the blocks below it only fell, so its old place is still
+    free), so the arena never grows; turning it over lets the other side settle, which is where the
+    gains come from after the first round."""
+    top = _arena(offsets, size)
+    idle = 0
+    for _ in range(rounds):
+        flipped = top - (offsets + size)
+        offsets = _first_fit(np.lexsort((-size, flipped)), start, end, size)
+        settled = _arena(offsets, size)
+        idle = idle + 1 if settled == top else 0
+        top = settled
+        if idle == 2:
+            break
+    return offsets
+
+
+def _skyline(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.ndarray) -> np.ndarray:
+    """Offsets from a skyline packing over time: repeatedly take the lowest stretch of the skyline (the
+    top of the blocks placed so far at each instruction), put on it the unplaced block of highest
+    ``priority`` whose lifetime lies within the stretch, or, if none does, raise the stretch to its
+    lower neighbour (the bytes in between stay unused).
+
+    Blocks are stacked as they are live together rather than by size, which keeps blocks that come and
+    go with the same neighbours (a layer's activations, its gradients) in one column."""
+    times = np.unique(np.concatenate((start, end)))
+    s = np.searchsorted(times, start)
+    e = np.searchsorted(times, end)
+    spans = times.size - 1
+    never = np.iinfo(np.int64).max
+    height = np.zeros(spans + 1, np.int64)
+    height[spans] = never  # a sentinel that ends every stretch
+    by_start = np.argsort(s, kind="stable")
+    s_sorted = s[by_start]
+    placed = np.zeros(size.size, bool)
+    offsets = np.empty(size.size, np.int64)
+    left = size.size
+    while left:
+        lo = int(np.argmin(height[:spans]))  # the leftmost lowest span starts the stretch
+        level = height[lo]
+        hi = lo + int(np.argmax(height[lo:] != level))
+        window = by_start[np.searchsorted(s_sorted, lo):np.searchsorted(s_sorted, hi)]
+        fits = window[~placed[window] & (e[window] <= hi)]
+        if fits.size == 0:
+            height[lo:hi] = min(height[lo - 1] if lo else never, height[hi])
+            continue
+        i = fits[np.argmax(priority[fits])]
+        offsets[i] = level
+        placed[i] = True
+        left -= 1
+        height[s[i]:e[i]] = level + size[i]
+    return offsets
+
+
+def _sweep(start: np.ndarray, end: np.ndarray, size: np.ndarray, ceiling: int) -> np.ndarray:
+    """Offsets from placing blocks in start order among the blocks live then, in an arena of
+    ``ceiling`` bytes (exceeded only where nothing fits), each against the neighbour whose end is the
+    soonest after its own: on the block below a gap, at the gap's bottom, or under the block above it,
+    at the gap's top; the arena's floor and ceiling never end. A tie goes to the smaller gap.
+
+    Blocks then sit next to blocks that outlive them, so the bytes a block frees join its neighbour's
+    when that ends too, instead of leaving a hole between longer-lived blocks. With the ceiling as a
+    second floor, two families that cross in time (activations freed in the backward pass while
+    gradients accumulate) grow from opposite ends instead of on top of each other."""
+    n = size.size
+    offsets = np.empty(n, np.int64)
+    never = np.iinfo(np.int64).max
+    low = np.empty(n, np.int64)
+    high = np.empty(n, np.int64)
+    ends = np.empty(n, np.int64)
+    m = 0
+    for i in np.lexsort((-size, start)).tolist():
+        s, e, need = int(start[i]), int(end[i]), int(size[i])
+        live = ends[:m] > s
+        if not live.all():
+            m = int(live.sum())
+            low[:m], high[:m], ends[:m] = low[:len(live)][live], high[:len(live)][live], ends[:len(live)][live]
+        below = np.concatenate(([0], high[:m]))  # gap k runs from below[k] to above[k]
+        above = np.concatenate((low[:m], [max(ceiling, int(below[-1]))]))
+        gap = above - below
+        fit = np.flatnonzero(gap >= need)
+        if fit.size == 0:
+            offset = int(below[-1])
+        else:
+            neighbour = np.concatenate((np.concatenate(([never], ends[:m]))[fit], np.concatenate((ends[:m], [never]))[fit]))
+            # Outliving the neighbour leaves a hole when it goes: worse than any neighbour that lasts.
+            cost = np.where(neighbour >= e, neighbour - e, never // 2 + (e - neighbour))
+            k = int(np.lexsort((np.concatenate((gap[fit], gap[fit])), cost))[0])
+            offset = int(below[fit[k]]) if k < fit.size else int(above[fit[k - fit.size]]) - need
+        offsets[i] = offset
+        k = int(np.searchsorted(low[:m], offset, "right"))
+        for column, value in ((low, offset), (high, offset + need), (ends, e)):
+            column[k + 1:m + 1] = column[k:m]
+            column[k] = value
+        m += 1
+    return offsets
+
+
+def _live_peak_arrays(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> int:
+    """The peak of live bytes over blocks [``start``, ``end``) of ``size`` bytes (frees first at a tie)."""
+    times = np.concatenate((start, end))
+    change = np.concatenate((size, -size))
+    order = np.lexsort((change, times))
+    return int(np.cumsum(change[order]).max())
 
 
 def _live_peak(found: list[Residency]) -> int:
@@ -246,4 +411,4 @@ def check_layout(layout: Layout) -> None:
 
 
 __all__ = ["ALIGNMENT", "Layout", "LayoutError", "Residency", "arena_stalls", "assign_offsets", "check_layout",
-           "prefetch_into_arena", "residencies"]
+           "pack_blocks", "prefetch_into_arena", "residencies"]
