@@ -21,7 +21,7 @@ from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_har
 from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth, parse_bytes, parse_duration
-from hyperoffload.variants import kv_placement
+from hyperoffload.variants import find_captured, kv_placement
 from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload, with_nsa_block
 from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION
 
@@ -541,9 +541,11 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 tasks[phase] = progress.add_task(phase, total=total)
             progress.update(tasks[phase], completed=done)
 
+        # A decode plan may run the step's remote-KV form: its inputs are that capture's.
+        form = find_captured(plan.program) or captured
         try:
             with EmulatedLink.for_hardware(hardware) as link:
-                figures = measure_run(plan, captured.inputs, link, hardware, config, progress=report)
+                figures = measure_run(plan, form.inputs, link, hardware, config, progress=report)
         except (BudgetExceeded, TransferError) as error:
             err.print(f"[red]run failed:[/red] {error}", highlight=False)
             return 1
@@ -553,8 +555,13 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
               "sim_step_s_uncalibrated": simulate(plan, bare).figures.step_s}
     # A policy may not promise the budget (``none`` never offloads): report against the budget asked for.
     within = figures.measured_peak_bytes <= budget
-    result.update(budget_bytes=budget, feasible=within, static_layout=args.static_layout)
+    result.update(budget_bytes=budget, feasible=within, static_layout=args.static_layout,
+                  **kv_placement(plan.program))
     exact = figures.max_abs_diff == 0.0
+    if form is not captured:
+        # max_abs_diff compares with the remote form unplanned; close the chain to the on-device cache.
+        result["max_abs_diff_vs_device_kv"] = _form_diff(program, captured, plan.program, form)
+        exact = exact and result["max_abs_diff_vs_device_kv"] == 0.0
     if args.json:
         print(json.dumps(result))
         return 0 if exact else 1
@@ -577,7 +584,14 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
                       f"the one buffer the planned steps ran from ({format_bytes(plan.layout.live_peak_bytes)} "
                       f"live at peak)")
     table.add_row("max_abs_diff", f"{figures.max_abs_diff:g}",
-                  "bit-identical to the unplanned step" if exact else "DIFFERS from the unplanned step")
+                  "bit-identical to the unplanned step" if figures.max_abs_diff == 0.0
+                  else "DIFFERS from the unplanned step")
+    if form is not captured:
+        kv = result["max_abs_diff_vs_device_kv"]
+        pool = "no pool" if result["pool_blocks"] is None else f"a pool of {result['pool_blocks']} blocks"
+        table.add_row("max_abs_diff_vs_device_kv", f"{kv:g}",
+                      f"KV cache in remote memory ({pool}): outputs "
+                      + ("bit-identical to the on-device cache's" if kv == 0.0 else "DIFFER from the on-device cache's"))
     table.add_row("moved per step", f"{format_bytes(figures.h2d_bytes)} in, {format_bytes(figures.d2h_bytes)} out",
                   f"waited {format_seconds(figures.copy_wait_s)} for copies, {format_seconds(figures.memory_wait_s)} "
                   f"for memory")
@@ -588,6 +602,18 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
               f"{format_bytes(peak)} peak), {figures.wall_s / figures.unplanned_wall_s:.2f}x the unplanned step's time; "
               f"the simulator predicted {figures.sim_step_s / figures.unplanned_wall_s:.2f}x.", highlight=False)
     return 0 if exact else 1
+
+
+def _form_diff(program, captured, variant, form) -> float:
+    """Largest difference of the step's outputs between its captured form and another form of it (the
+    remote-KV decode step), each run unplanned on fresh copies of its own inputs."""
+    from hyperoffload.plans import plan_without_offload
+    from hyperoffload.runtime import run_plan
+    from hyperoffload.runtime.measure import max_abs_diff
+
+    device = run_plan(plan_without_offload(program), [t.clone() for t in captured.inputs]).outputs
+    other = run_plan(plan_without_offload(variant), [t.clone() for t in form.inputs]).outputs
+    return max_abs_diff(list(other), list(device))
 
 
 COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate, "plan": _plan,
