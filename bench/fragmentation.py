@@ -4,8 +4,8 @@ For every policy of the comparison, the plan at one budget is replayed through t
 allocator model (``hyperoffload.allocator_model``: PyTorch's rounding, segments, best fit, splitting,
 no compaction, free-and-retry) with the budget as the device limit, and packed into a static arena
 (``hyperoffload.layout``). Policies that do not meet the budget show it as allocator failures.
-Columns: the plan's live-byte peak, the arena and its overhead over that peak, the allocator's
-reserved peak, its free-and-retry stalls and out-of-memory failures. A final
+Columns: the plan's live-byte peak, the arena and its overhead over that peak, the seconds packing
+it took, the allocator's reserved peak, its free-and-retry stalls and out-of-memory failures. A final
 row plans HyperOffload with ``--static-layout``, whose arena stays within the budget by construction.
 
     .venv/bin/python bench/fragmentation.py                   # llama3-8b training and decode (a few minutes)
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
@@ -23,6 +24,7 @@ from rich.table import Table
 from hyperoffload.allocator_model import fragmentation_figures
 from hyperoffload.analysis import memory_profile
 from hyperoffload.hardware import get_hardware
+from hyperoffload.layout import assign_offsets
 from hyperoffload.plans import check_plan
 from hyperoffload.policies import POLICIES, PlannerConfig, plan_hyperoffload, policies_for
 from hyperoffload.workloads import capture_workload, get_workload
@@ -45,20 +47,27 @@ def rows_for(workload: str, mode: str, sizes: dict, share: float, hardware, cons
         except ValueError as error:  # a policy that refuses the budget says why
             console.print(f"[yellow]{name}: {error}[/yellow]")
             continue
+        packing = None
+        if plan.layout is None:  # the static-layout plan was packed while planning
+            packed = time.perf_counter()
+            plan = replace(plan, layout=assign_offsets(plan))
+            packing = time.perf_counter() - packed
         figures = fragmentation_figures(plan, budget)
         rows.append({"policy": name, "live": check_plan(plan).peak_bytes, "budget": budget, **figures,
-                     "seconds": time.perf_counter() - start})
+                     "seconds": time.perf_counter() - start, "layout_seconds": packing})
     return rows
 
 
 def table(rows: list[dict], title: str) -> Table:
     out = Table(title=title, title_justify="left")
-    for column in ("policy", "live GiB", "arena GiB", "arena overhead", "allocator reserved GiB", "allocator stalls",
-                   "allocator OOM", "within budget (arena / allocator)"):
+    for column in ("policy", "live GiB", "arena GiB", "arena overhead", "layout s", "allocator reserved GiB",
+                   "allocator stalls", "allocator OOM", "within budget (arena / allocator)"):
         out.add_column(column, justify="right")
     for r in rows:
         out.add_row(r["policy"], f"{r['live'] / GiB:.2f}", f"{r['arena_bytes'] / GiB:.2f}",
-                    f"{r['arena_bytes'] / r['live'] - 1:.1%}", f"{r['allocator_reserved_bytes'] / GiB:.2f}",
+                    f"{r['arena_bytes'] / r['live'] - 1:.1%}",
+                    "in plan" if r["layout_seconds"] is None else f"{r['layout_seconds']:.2f}",
+                    f"{r['allocator_reserved_bytes'] / GiB:.2f}",
                     str(r["allocator_stalls"]), str(r["allocator_failures"]),
                     f"{'yes' if r['arena_bytes'] <= r['budget'] else 'no'} / "
                     f"{'yes' if r['allocator_reserved_bytes'] <= r['budget'] else 'no'}")

@@ -166,12 +166,10 @@ def _first_fit(order: np.ndarray, start: np.ndarray, end: np.ndarray, size: np.n
     overlap it in time (TFLite's greedy placement for a given order)."""
     n = size.size
     offsets = np.empty(n, np.int64)
-    # The placed blocks, kept sorted by offset so that those overlapping a block in time come out in
-    # offset order without a sort per block.
-    low = np.empty(n, np.int64)
-    high = np.empty(n, np.int64)
-    first = np.empty(n, np.int64)
-    last = np.empty(n, np.int64)
+    # The placed blocks (offset, end byte, first and last instruction), kept sorted by offset so that
+    # those overlapping a block in time come out in offset order without a sort per block.
+    placed = np.empty((4, n), np.int64)
+    low, high, first, last = placed
     for m, i in enumerate(order.tolist()):  # m blocks placed so far
         s, e, need = int(start[i]), int(end[i]), int(size[i])
         offset = 0
@@ -184,9 +182,8 @@ def _first_fit(order: np.ndarray, start: np.ndarray, end: np.ndarray, size: np.n
                 offset = int(reach[fits[0]]) if fits.size else int(reach[-1])
         offsets[i] = offset
         k = int(np.searchsorted(low[:m], offset, "right"))
-        for column, value in ((low, offset), (high, offset + need), (first, s), (last, e)):
-            column[k + 1:m + 1] = column[k:m]
-            column[k] = value
+        placed[:, k + 1:m + 1] = placed[:, k:m]
+        placed[:, k] = (offset, offset + need, s, e)
     return offsets
 
 
