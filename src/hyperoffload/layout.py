@@ -137,22 +137,24 @@ def _pack_crossing(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> np.n
 
     Greedy by size stacks every smaller block above the larger ones it overlaps, so long-lived small
     blocks (saved activations, accumulating gradients) end up above the envelope of the large ones
-    over their whole lifetime. The packings here instead follow time: three skylines (stacking blocks
-    as they are live together, preferring large area, long lifetime or large size) and a sweep that
-    keeps blocks next to neighbours that outlive them. Which wins depends on the plan, so all are
-    tried; each is a fraction of a second on an 8B training plan."""
+    over their whole lifetime. The packings here instead follow time: skylines (stacking blocks as
+    they are live together, preferring large area or long lifetime; or on top of the few huge blocks
+    placed first) and a sweep that keeps blocks next to neighbours that outlive them. Which wins
+    depends on the plan, so all are tried; each is a fraction of a second on an 8B training plan."""
     lower = _live_peak_arrays(start, end, size)
     longest = np.empty(size.size, np.int64)
     longest[np.lexsort((size, end - start))] = np.arange(size.size)  # by lifetime, then size
-    largest = np.empty(size.size, np.int64)
-    largest[np.lexsort((end - start, size))] = np.arange(size.size)  # by size, then lifetime
-    builders = (lambda: _skyline(start, end, size, size.astype(float) * (end - start)),
+    area = size.astype(float) * (end - start)
+    builders = (lambda: _skyline(start, end, size, area),
                 lambda: _skyline(start, end, size, longest),
-                lambda: _skyline(start, end, size, largest),
+                lambda: _huge_first(start, end, size, area, lower // 20),
                 lambda: _sweep(start, end, size, lower))
     best = None
     for build in builders:
-        offsets = _compact(build(), start, end, size, rounds=1)
+        offsets = build()
+        if offsets is None:
+            continue
+        offsets = _compact(offsets, start, end, size, rounds=1)
         if best is None or _arena(offsets, size) < _arena(best, size):
             best = offsets
         if _arena(best, size) == lower:  # nothing packs tighter than the live peak
@@ -210,20 +212,46 @@ def _compact(offsets: np.ndarray, start: np.ndarray, end: np.ndarray, size: np.n
     return offsets
 
 
-def _skyline(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.ndarray) -> np.ndarray:
+def _huge_first(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.ndarray,
+                huge: int) -> np.ndarray | None:
+    """Offsets with the blocks of at least ``huge`` bytes placed first (greedy by size among
+    themselves) and a skyline of the others on top of them; None without both kinds.
+
+    A skyline places a block only where its whole lifetime is the lowest stretch, which a block of a
+    few GiB in a plateau of live bytes rarely finds: it ends up above everything. Placed first, the
+    huge blocks (the caller's threshold is a twentieth of the live peak: an 8B model's fp32 embedding
+    and its gradient, not its 1 GiB bf16 copies, whose placing first packed worse) shape the floor
+    and the others fill around them."""
+    first = size >= huge
+    if first.all() or not first.any():
+        return None
+    big, rest = np.flatnonzero(first), np.flatnonzero(~first)
+    offsets = np.empty(size.size, np.int64)
+    offsets[big] = _first_fit(np.lexsort((start[big] - end[big], -size[big])), start[big], end[big], size[big])
+    offsets[rest] = _skyline(start[rest], end[rest], size[rest], priority[rest],
+                             under=(start[big], end[big], offsets[big] + size[big]))
+    return offsets
+
+
+def _skyline(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.ndarray,
+             under: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Offsets from a skyline packing over time: repeatedly take the lowest stretch of the skyline (the
     top of the blocks placed so far at each instruction), put on it the unplaced block of highest
     ``priority`` whose lifetime lies within the stretch, or, if none does, raise the stretch to its
     lower neighbour (the bytes in between stay unused).
 
     Blocks are stacked as they are live together rather than by size, which keeps blocks that come and
-    go with the same neighbours (a layer's activations, its gradients) in one column."""
-    times = np.unique(np.concatenate((start, end)))
+    go with the same neighbours (a layer's activations, its gradients) in one column. ``under``: blocks
+    already placed (first and last instruction, end byte) that the skyline starts on."""
+    placed_first, placed_last, placed_top = under if under is not None else (start[:0], end[:0], size[:0])
+    times = np.unique(np.concatenate((start, end, placed_first, placed_last)))
     s = np.searchsorted(times, start)
     e = np.searchsorted(times, end)
     spans = times.size - 1
     never = np.iinfo(np.int64).max
     height = np.zeros(spans + 1, np.int64)
+    for lo, hi, top in zip(np.searchsorted(times, placed_first), np.searchsorted(times, placed_last), placed_top):
+        np.maximum(height[lo:hi], top, out=height[lo:hi])
     height[spans] = never  # a sentinel that ends every stretch
     by_start = np.argsort(s, kind="stable")
     s_sorted = s[by_start]
