@@ -171,3 +171,24 @@ def test_nsa_block_flag_errors_name_the_problem(capsys):
     assert main(["plan", "--workload", "tiny-llama", "--mode", "decode", "--hardware", "h200", "--budget", "80%",
                  "--nsa-block", "32"]) != 0
     assert "has no NSA" in " ".join(capsys.readouterr().err.split())
+
+
+def test_speculative_prefetch_hides_the_fetch(v2_lite_decode):
+    """Prefetching each layer's previous selection a layer ahead leaves only the blocks the guess missed to
+    fetch after selection: in the refined order the step runs at compute, with no block pool at all."""
+    from hyperoffload.policies.reorder import overlap_lane_ops
+    from hyperoffload.variants import remote_kv_variant, speculative_variant
+
+    hw = get_hardware("h200")
+    spec = speculative_variant(v2_lite_decode)
+    order = overlap_lane_ops(spec)
+    figures = simulate(plan_without_offload(spec, order=order), hw).figures
+    assert figures.step_s == pytest.approx(figures.compute_s) and figures.stalls == 0
+    bare = remote_kv_variant(v2_lite_decode, None)
+    without = simulate(plan_without_offload(bare, order=overlap_lane_ops(bare)), hw).figures
+    assert without.stall_copy_s > 0 and figures.h2d_bytes > without.h2d_bytes  # it moves more, but hidden
+    # hyperoffload at the speculative form's peak: within budget and bound, ahead of paged.
+    budget = memory_profile(spec, order).peak_bytes
+    ours = verify(POLICIES["hyperoffload"](v2_lite_decode, hw, budget), hw).figures
+    assert ours.peak_bytes <= budget and ours.step_s <= 1.05 * ours.bound_s
+    assert ours.step_s < simulate(POLICIES["paged"](v2_lite_decode, hw, budget), hw).figures.step_s

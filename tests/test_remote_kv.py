@@ -71,11 +71,14 @@ def tiny():
     return model, prompt, greedy_generate(model, prompt, 65)  # the prefill's token + 64 decode steps
 
 
-@pytest.mark.parametrize("pool_blocks", [None, 4, 6])
+@pytest.mark.parametrize("pool_blocks", [None, 4, 6, "speculative"])
 def test_remote_kv_decode_gives_exactly_the_on_device_tokens(tiny, pool_blocks):
     model, prompt, on_device = tiny
     cfg = TINY.config
-    cache = new_remote_cache(model, 2, 165, pool_blocks=pool_blocks)
+    speculative = pool_blocks == "speculative"
+    if speculative:
+        pool_blocks = None
+    cache = new_remote_cache(model, 2, 165, pool_blocks=pool_blocks, speculative=speculative)
     remote = greedy_generate(model, prompt, 65, cache=cache)
     assert torch.equal(remote.tokens, on_device.tokens)
     assert torch.equal(remote.logits, on_device.logits)  # the same values read in the same order
@@ -85,7 +88,10 @@ def test_remote_kv_decode_gives_exactly_the_on_device_tokens(tiny, pool_blocks):
     block_bytes = cfg.nsa_sel_block * cfg.kv_dim * 4
     assert stats.selected_blocks == 64 * 2 * cfg.layers * cfg.nsa_top_n
     assert stats.written_bytes == 2 * 164 * cfg.layers * cfg.kv_dim * 4  # every token once, every layer
-    if pool_blocks is None:
+    if speculative:  # the whole previous selection, then what it missed
+        assert stats.selected_blocks < stats.fetched_blocks < 2 * stats.selected_blocks
+        assert stats.fetched_bytes == stats.fetched_blocks * block_bytes
+    elif pool_blocks is None:
         assert stats.fetched_bytes == stats.selected_blocks * block_bytes
         assert stats.pool_hit_rate == 0
     else:
@@ -97,6 +103,7 @@ def test_remote_kv_decode_gives_exactly_the_on_device_tokens(tiny, pool_blocks):
     assert layer.compressed.shape == (2, (176 - 8) // 4 + 1, cfg.kv_dim)
     # The pool, and its block table: a block id and a last-read counter per slot (int64).
     pool_bytes = 0 if pool_blocks is None else 2 * pool_blocks * (block_bytes + 2 * 8)
+    pool_bytes += 2 * cfg.nsa_top_n * 8 if speculative else 0  # the previous selection's block ids
     assert cache.device_bytes() == cfg.layers * (2 * (43 + 16) * cfg.kv_dim * 4 + pool_bytes)
     assert 0 < stats.free_reselection_rate < stats.reselection_rate < 1
 

@@ -4,24 +4,26 @@ A lowered plan (``hyperoffload.lower``) is an ordinary ``torch.fx`` graph in whi
 is spelled as calls of these four operators, so the graph can be printed, traced and run like any
 other. They mirror the cache operators MindSpore inserts for HyperOffload:
 
-====================================  ==========================  ==================================
-operator                              MindSpore                   plan instruction (``plan.Kind``)
-====================================  ==========================  ==================================
-``hyperoffload::offload(x)``          ``UpdateToRemote``          ``OFFLOAD``: device -> remote copy
-``hyperoffload::prefetch(remote)``    ``UpdateToDevice``          ``PREFETCH``: remote -> device copy
-``hyperoffload::wait(x)``             stream/event sync           ``WAIT``: a transfer has finished
-``hyperoffload::release(x)``          ``Free``                    ``RELEASE``: drop the device copy
-``hyperoffload::prefetch_blocks``     indexed ``UpdateToDevice``  none: chosen at run time (NSA)
-``hyperoffload::fetch_blocks_pooled`` the same, via a block pool  none: chosen at run time (NSA)
-``hyperoffload::store_rows``          ``UpdateToRemote`` of rows  none: a step's new KV rows
-====================================  ==========================  ==================================
+======================================  ==========================  ===================================
+operator                                MindSpore                   plan instruction (``plan.Kind``)
+======================================  ==========================  ===================================
+``hyperoffload::offload(x)``            ``UpdateToRemote``          ``OFFLOAD``: device -> remote copy
+``hyperoffload::prefetch(remote)``      ``UpdateToDevice``          ``PREFETCH``: remote -> device copy
+``hyperoffload::wait(x)``               stream/event sync           ``WAIT``: a transfer has finished
+``hyperoffload::release(x)``            ``Free``                    ``RELEASE``: drop the device copy
+``hyperoffload::prefetch_blocks``       indexed ``UpdateToDevice``  none: chosen at run time (NSA)
+``hyperoffload::fetch_blocks_pooled``   the same, via a block pool  none: chosen at run time (NSA)
+``hyperoffload::fetch_missing_blocks``  the same, after a guess     none: chosen at run time (NSA)
+``hyperoffload::store_rows``            ``UpdateToRemote`` of rows  none: a step's new KV rows
+======================================  ==========================  ===================================
 
 ``prefetch_blocks(remote, block_ids, block_size)`` is the indexed prefetch of a remote KV cache
 (``workloads.deepseek_remote``): it copies only the cache blocks whose indices a decode step
 computes at run time (NSA's ``nsa_select``), so no plan instruction names it; the step itself calls it.
 ``fetch_blocks_pooled`` does the same through a device block pool with a block table, so blocks still
-resident are not moved again, and ``store_rows`` writes a step's new rows to the remote cache. The
-capture marks these three as *lane ops* (``LANE_OPS``, ``ir.Op.lane``): data movement that is part of
+resident are not moved again; ``fetch_missing_blocks`` completes a speculative prefetch of the previous
+step's selection with the blocks it missed; and ``store_rows`` writes a step's new rows to the remote cache. The
+capture marks these four as *lane ops* (``LANE_OPS``, ``ir.Op.lane``): data movement that is part of
 the step itself, which the simulator runs on a copy lane.
 
 The first four are the smallest set that lets a plan say everything it needs: a copy in each direction, a
@@ -252,9 +254,52 @@ def _fetch_blocks_pooled_fake(remote, pool, slots, block_ids, positions, block_s
     return pool.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
 
 
+@torch.library.custom_op(f"{NAMESPACE}::fetch_missing_blocks", mutates_args=("spec_ids",), device_types="cpu")
+def fetch_missing_blocks(remote: torch.Tensor, spec_blocks: torch.Tensor, spec_ids: torch.Tensor,
+                         block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The blocks ``block_ids`` (batch, n) of ``remote`` (batch, slots, dim), given a speculative prefetch.
+
+    ``spec_blocks`` (batch, m, block_size, dim) are the blocks ``spec_ids`` (batch, m) fetched before the
+    step's selection was known (``prefetch_blocks`` of the previous step's selection). A selected block
+    found there is taken from it; the others are copied from ``remote``. The row at ``positions`` (one
+    element: the step's own token, written to ``remote`` after the speculative prefetch read its block) is
+    refreshed from ``remote`` where its block came from the speculation. ``spec_ids`` becomes
+    ``block_ids``: the speculation of the next step. Returns (batch, n, block_size, dim), a new tensor.
+    """
+    blocks = _check_blocks(remote, block_ids, block_size)
+    _check_blocks(remote, spec_ids, block_size)
+    if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= blocks):
+        raise IndexError(f"fetch_missing_blocks: block ids must be in 0 ... {blocks - 1}")
+    if spec_ids.shape != block_ids.shape:
+        raise ValueError(f"fetch_missing_blocks: spec_ids {tuple(spec_ids.shape)} and block_ids "
+                         f"{tuple(block_ids.shape)} must have one shape: each step speculates on the last selection")
+    position = int(positions[0])
+    own, row = divmod(position, block_size)
+    out = remote.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
+    for b, (ids, spec) in enumerate(zip(block_ids.tolist(), spec_ids.tolist())):
+        where = {blk: k for k, blk in enumerate(spec)}
+        missing = [j for j, blk in enumerate(ids) if blk not in where]
+        for j, blk in enumerate(ids):
+            if blk in where:
+                out[b, j] = spec_blocks[b, where[blk]]
+                if blk == own:
+                    out[b, j, row] = remote[b, position]
+        if missing:
+            out[b, missing] = prefetch_blocks(remote[b], block_ids[b, missing], block_size)
+    spec_ids.copy_(block_ids)
+    return out
+
+
+@fetch_missing_blocks.register_fake
+def _fetch_missing_blocks_fake(remote, spec_blocks, spec_ids, block_ids, positions, block_size):
+    _check_blocks(remote, block_ids, block_size)
+    return remote.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
+
+
 LANE_OPS = {
     "hyperoffload.prefetch_blocks.default": "h2d",
     "hyperoffload.fetch_blocks_pooled.default": "h2d",
+    "hyperoffload.fetch_missing_blocks.default": "h2d",
     "hyperoffload.store_rows.default": "d2h",
 }
 """Operators that move data between remote memory and the device inside a step: the capture marks
@@ -264,7 +309,7 @@ them as lane ops (``Op.lane``) and the simulator runs them on that copy lane."""
 for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.prefetch.default,
             torch.ops.hyperoffload.wait.default, torch.ops.hyperoffload.release.default,
             torch.ops.hyperoffload.prefetch_blocks.default, torch.ops.hyperoffload.store_rows.default,
-            torch.ops.hyperoffload.fetch_blocks_pooled.default):
+            torch.ops.hyperoffload.fetch_blocks_pooled.default, torch.ops.hyperoffload.fetch_missing_blocks.default):
     # Transfers and frees are the point of the schedule even when nothing reads their result.
     torch.fx.node.has_side_effect(_op)
 del _op
@@ -276,7 +321,8 @@ RELEASE = torch.ops.hyperoffload.release.default
 PREFETCH_BLOCKS = torch.ops.hyperoffload.prefetch_blocks.default
 STORE_ROWS = torch.ops.hyperoffload.store_rows.default
 FETCH_BLOCKS_POOLED = torch.ops.hyperoffload.fetch_blocks_pooled.default
+FETCH_MISSING_BLOCKS = torch.ops.hyperoffload.fetch_missing_blocks.default
 
-__all__ = ["FETCH_BLOCKS_POOLED", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE",
+__all__ = ["FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE",
            "STORE_ROWS", "WAIT", "fetch_blocks_pooled", "offload", "prefetch", "prefetch_blocks", "release",
-           "store_rows", "wait"]
+           "store_rows", "wait", "fetch_missing_blocks"]

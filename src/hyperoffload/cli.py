@@ -373,6 +373,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     if kv.get("kv") == "remote":
         pool = "no block pool" if kv["pool_blocks"] is None else f"a block pool of {kv['pool_blocks']} blocks per " \
             f"sequence and layer"
+        if kv["speculative"]:
+            pool = "no block pool: each layer prefetches its previous selection before it selects"
         out.print(f"KV cache: in remote memory, {pool}; a step fetches {kv['fetch_share']:.1%} of its selected blocks "
                   f"(stated reselection {kv['reselection']}); step_s / dependency_bound_s = "
                   f"{figures.step_s / figures.dependency_bound_s:.3f}", highlight=False)
@@ -588,7 +590,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
                   else "DIFFERS from the unplanned step")
     if form is not captured:
         kv = result["max_abs_diff_vs_device_kv"]
-        pool = "no pool" if result["pool_blocks"] is None else f"a pool of {result['pool_blocks']} blocks"
+        pool = "speculative prefetch" if result["speculative"] else "no pool" if result["pool_blocks"] is None \
+            else f"a pool of {result['pool_blocks']} blocks"
         table.add_row("max_abs_diff_vs_device_kv", f"{kv:g}",
                       f"KV cache in remote memory ({pool}): outputs "
                       + ("bit-identical to the on-device cache's" if kv == 0.0 else "DIFFER from the on-device cache's"))

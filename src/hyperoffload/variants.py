@@ -17,14 +17,14 @@ from weakref import WeakKeyDictionary
 from hyperoffload.analysis import memory_profile
 from hyperoffload.ir import Program
 
-RemoteCapture = Callable[[int | None], Any]
-"""pool_blocks -> a ``capture.Captured`` of the step with its KV cache remote."""
+RemoteCapture = Callable[[int | None, bool], Any]
+"""(pool_blocks, speculative) -> a ``capture.Captured`` of the step with its KV cache remote."""
 _REMOTE: WeakKeyDictionary[Program, tuple[RemoteCapture, dict]] = WeakKeyDictionary()
 
 
 def register_remote_kv(program: Program, capture: RemoteCapture) -> None:
-    """Say how to capture ``program``'s step with its KV cache remote: ``capture(pool_blocks)`` (None: no pool)
-    returns a ``Captured``."""
+    """Say how to capture ``program``'s step with its KV cache remote: ``capture(pool_blocks, speculative)``
+    (pool_blocks None: no pool) returns a ``Captured``."""
     _REMOTE[program] = (capture, {})
 
 
@@ -38,12 +38,19 @@ def remote_kv_variant(program: Program, pool_blocks: int | None) -> Program:
     return remote_kv_captured(program, pool_blocks).program
 
 
-def remote_kv_captured(program: Program, pool_blocks: int | None):
+def remote_kv_captured(program: Program, pool_blocks: int | None, speculative: bool = False):
     """Like ``remote_kv_variant``, the whole ``Captured`` (its example inputs run the variant's graph)."""
     capture, made = _REMOTE[program]
-    if pool_blocks not in made:
-        made[pool_blocks] = capture(pool_blocks)
-    return made[pool_blocks]
+    key = (pool_blocks, speculative)
+    if key not in made:
+        made[key] = capture(pool_blocks, speculative)
+    return made[key]
+
+
+def speculative_variant(program: Program) -> Program:
+    """``program``'s step with its KV cache remote and no pool: each layer prefetches the blocks it selected
+    at the previous step before its own selection is known, then fetches what that missed."""
+    return remote_kv_captured(program, None, speculative=True).program
 
 
 def find_captured(variant: Program):
@@ -85,8 +92,8 @@ def kv_placement(program: Program) -> dict:
     (``fetch_share``) and the stated ``reselection`` statistic. Empty for a step without a KV cache."""
     meta = program.meta
     if meta.get("kv") == "remote":
-        return {"kv": "remote", "pool_blocks": meta.get("pool_blocks"), "fetch_share": meta.get("pool_fetch_fraction"),
-                "reselection": meta.get("reselection")}
+        return {"kv": "remote", "pool_blocks": meta.get("pool_blocks"), "speculative": meta.get("speculative", False),
+                "fetch_share": meta.get("pool_fetch_fraction"), "reselection": meta.get("reselection")}
     from hyperoffload.ir import ValueKind
 
     if any(program.values[v].kind is ValueKind.KV_CACHE for v in program.inputs):

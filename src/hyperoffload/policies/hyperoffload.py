@@ -39,7 +39,7 @@ from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops
 from hyperoffload.policies.spans import Span, Uses, idle_spans, positions_arrays, storage_uses
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.units import format_bytes
-from hyperoffload.variants import has_remote_kv, largest_pool_variant, remote_kv_variant
+from hyperoffload.variants import has_remote_kv, largest_pool_variant, remote_kv_variant, speculative_variant
 
 POLICY = "hyperoffload"
 
@@ -162,9 +162,9 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
     with ``config.static_layout`` its arena (``plan.layout``), which then is all the memory it reserves.
 
     A decode step with a remote-KV form (``variants``) is also planned in that form, with the largest
-    block pool that fits the budget, or, if none fits, both without a pool and with the smallest pool
-    (planned to move other state out to make room for it); the faster plan wins, the smaller peak on a
-    tie. Such a plan's program is the remote-KV form."""
+    block pool that fits the budget, or, if none fits, without a pool, with the smallest pool (planned to
+    move other state out to make room for it) and with speculative prefetch of each layer's previous
+    selection; the faster plan wins, the smaller peak on a tie. Such a plan's program is the remote-KV form."""
     if not has_remote_kv(program):
         return _plan_program(program, hardware, budget_bytes, config)
     tried: list[tuple[float, int, Plan]] = []
@@ -172,8 +172,10 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
     remote = largest_pool_variant(program, budget_bytes) or remote_kv_variant(program, None)
     forms = [program, remote]
     if remote.meta.get("pool_blocks") is None:
-        # No pool fits the step as captured; one may once the planner moves other state (weights) out.
-        forms.append(remote_kv_variant(program, program.meta["nsa_top_n"]))
+        # No pool fits the step as captured; one may once the planner moves other state (weights) out. Or
+        # guess instead: prefetch each layer's previous selection a layer ahead, for a pool's hits in
+        # transient memory, at the price of moving those blocks every step.
+        forms += [remote_kv_variant(program, program.meta["nsa_top_n"]), speculative_variant(program)]
     for form in forms:
         try:
             plan = _plan_program(form, hardware, budget_bytes, config)

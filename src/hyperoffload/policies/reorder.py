@@ -77,9 +77,11 @@ def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
     """``order`` (default: captured) with the step's lane ops given compute to hide behind.
 
     A lane op (``Op.lane``: an indexed fetch of KV blocks, a write to a remote cache) runs as soon as
-    the ops it depends on have run, and an op that reads what a remote -> device lane op produced is
-    put after every ready op up to ``lookahead`` positions further in ``order`` that does not (NSA's
-    window branch and gates run while the selected blocks arrive). Otherwise ops keep their order;
+    the ops it depends on have run, but no more than ``lookahead`` positions earlier than ``order`` has
+    it (a speculative prefetch, which depends on nothing in the step, would otherwise hold every layer's
+    blocks from the start), and an op that reads what a remote -> device lane op produced is put after
+    every ready op up to ``lookahead`` positions further in ``order`` that does not (NSA's window branch
+    and gates run while the selected blocks arrive). Otherwise ops keep their order;
     ``Program.dependencies()`` keeps the result valid. Equal to ``order`` for a step without lane ops.
     """
     order = tuple(range(len(program.ops))) if order is None else tuple(order)
@@ -97,29 +99,43 @@ def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
     for op_id, d in enumerate(deps):
         for before in d:
             dependents[before].append(op_id)
+    # A lane's copies run in issue order, so a copy needed later must not be issued ahead of one needed
+    # sooner: each lane issues its ops in the order of their deadlines (first reader's position).
+    deadline = {i: min((position[d] for d in dependents[i]), default=len(order)) for i, op in enumerate(ops) if op.lane}
+    unissued: dict[str, list[tuple[int, int]]] = {}
+    for i in deadline:
+        unissued.setdefault(ops[i].lane, []).append((deadline[i], i))
+    for queue in unissued.values():
+        heapq.heapify(queue)
+    issued = [False] * len(ops)
+
+    def most_urgent(i: int) -> bool:
+        queue = unissued[ops[i].lane]
+        while queue and issued[queue[0][1]]:
+            heapq.heappop(queue)
+        return queue[0][1] == i
+
     ready = [(position[i], i) for i in range(len(ops)) if waiting[i] == 0]
     heapq.heapify(ready)
     result: list[int] = []
     while ready:
         frontier = ready[0][0]
-        held: list[tuple[int, int]] = []
-        chosen = None
+        near: list[tuple[int, int]] = []
         while ready and ready[0][0] < frontier + lookahead:
-            item = heapq.heappop(ready)
-            if ops[item[1]].lane is not None or not deferred[item[1]]:
-                chosen = item
-                break
-            held.append(item)
-        if chosen is None:  # only ops waiting for a fetch are near: run the earliest of them
-            chosen = held.pop(0)
-        for item in held:
-            heapq.heappush(ready, item)
-        # A lane op, once ready, is issued before anything else.
+            near.append(heapq.heappop(ready))
+        # Within reach: the ready lane op its lane needs soonest (a copy issued early hides best), then the
+        # earliest op that does not wait for a fetch, then the earliest op.
+        chosen = next((item for item in near if ops[item[1]].lane is not None and most_urgent(item[1])), None) \
+            or next((item for item in near if not deferred[item[1]]), None) or near[0]
+        issued[chosen[1]] = True
+        for item in near:
+            if item is not chosen:
+                heapq.heappush(ready, item)
         result.append(chosen[1])
         for after in dependents[chosen[1]]:
             waiting[after] -= 1
             if waiting[after] == 0:
-                heapq.heappush(ready, (-1 if ops[after].lane else position[after], after))
+                heapq.heappush(ready, (position[after], after))
     assert len(result) == len(ops), "an op never became ready"
     return tuple(result)
 

@@ -19,7 +19,7 @@ MODES = ("train", "prefill", "decode")
 def capture_workload(workload: Workload, mode: str, *, batch: int | None = None, seq: int | None = None,
                      context: int | None = None, fake: bool = True, master_weights: bool = False,
                      seed: int = 0, remote_kv: bool = False, pool_blocks: int | None = None,
-                     reselection: float | None = None) -> Captured:
+                     reselection: float | None = None, speculative: bool = False) -> Captured:
     """Capture ``mode`` ("train", "prefill" or "decode") of ``workload``.
 
     ``fake=True`` builds the model and batch as fake tensors (no memory: any size can be
@@ -29,8 +29,9 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
 
     ``remote_kv=True`` (decode of a DeepSeek-style workload) captures the step with its latent KV
     cache in remote memory (``deepseek_remote.capture_remote_decode_step``), with a device block pool
-    of ``pool_blocks`` blocks per sequence and layer (None: no pool) and the stated ``reselection``
-    statistic (default ``deepseek_remote.DEFAULT_RESELECTION``).
+    of ``pool_blocks`` blocks per sequence and layer (None: no pool), or with ``speculative`` prefetch of
+    the previous step's selection instead of a pool, and the stated ``reselection`` statistic (default
+    ``deepseek_remote.DEFAULT_RESELECTION``).
     """
     if mode not in MODES:
         raise CaptureError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -63,16 +64,16 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
             raise CaptureError(f"a remote KV cache needs a DeepSeek-style workload (MLA + NSA); {workload.name} "
                                f"is not one")
         return capture_remote_decode_step(
-            model, tokens, context, pool_blocks=pool_blocks, name=workload.name, meta=meta,
+            model, tokens, context, pool_blocks=pool_blocks, name=workload.name, meta=meta, speculative=speculative,
             reselection=DEFAULT_RESELECTION if reselection is None else reselection)
     if not isinstance(workload.config, DeepSeekConfig):
         return capture_decode_step(model, tokens, context, name=workload.name, meta=meta)
     captured = capture_decode_step(model, tokens, context, name=workload.name,
                                    meta={**meta, **pool_facts(workload.config, batch, context, workload.dtype.itemsize)})
 
-    def remote(pool: int | None):
+    def remote(pool: int | None, speculative: bool = False):
         return capture_workload(workload, "decode", batch=batch, context=context, fake=fake, seed=seed,
-                                remote_kv=True, pool_blocks=pool, reselection=reselection)
+                                remote_kv=True, pool_blocks=pool, reselection=reselection, speculative=speculative)
 
     register_remote_kv(captured.program, remote)
     return captured

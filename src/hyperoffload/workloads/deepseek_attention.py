@@ -165,6 +165,7 @@ class MLAttention(nn.Module):
             # The latent cache is in remote memory: a decode step reads the window and compressed keys
             # kept on the device and fetches the selected blocks (deepseek_remote).
             keys, compressed = cache.remote, cache.compressed
+            spec = cache.speculate() if seq == 1 else None  # before the write: it depends on nothing in this layer
             cache.write(latent, positions)
             if seq == 1:
                 window_keys = cache.window_keys(positions)
@@ -187,7 +188,8 @@ class MLAttention(nn.Module):
                               cfg.nsa_local_blocks)
         if seq == 1 and remote:
             chosen = selected[:, 0]
-            o_sel, o_win = self._attend_gathered(query, cache.fetch(chosen, positions), chosen, window_keys, positions)
+            o_sel, o_win = self._attend_gathered(query, cache.fetch(chosen, positions, spec), chosen, window_keys,
+                                                 positions)
         elif seq == 1 and not self.dense_branches:
             o_sel, o_win = self._gathered_branches(query, keys, selected, positions)
         else:

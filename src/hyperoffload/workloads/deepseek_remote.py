@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperoffload.cache_ops import fetch_blocks_pooled, prefetch_blocks, store_rows
+from hyperoffload.cache_ops import fetch_blocks_pooled, fetch_missing_blocks, prefetch_blocks, store_rows
 
 
 @dataclass(slots=True)
@@ -97,36 +97,55 @@ class RemoteLayerCache:
 
     def __init__(self, cfg, remote: torch.Tensor, compressed: torch.Tensor, window: torch.Tensor,
                  pool: torch.Tensor | None, slots: torch.Tensor | None, stats: RemoteKVStats | None,
-                 first_layer: bool) -> None:
+                 first_layer: bool, spec_ids: torch.Tensor | None = None) -> None:
         self.cfg = cfg
         self.remote, self.compressed, self.window = remote, compressed, window
         # The pool and its block table: per slot, the block held (-1: free) and when it was last read.
         self.pool, self.slots = pool, slots
+        # Speculation: the previous step's selection (batch, nsa_top_n), prefetched before this step's is known.
+        self.spec_ids = spec_ids
         self.stats = stats
         self.first_layer = first_layer  # counts each decode step once
         self.previous: list[set[int]] | None = None
 
     @classmethod
     def new(cls, cfg, remote: torch.Tensor, device_like: torch.Tensor, compressed_blocks: int,
-            pool_blocks: int | None, stats: RemoteKVStats | None, first_layer: bool) -> RemoteLayerCache:
+            pool_blocks: int | None, stats: RemoteKVStats | None, first_layer: bool,
+            speculative: bool = False) -> RemoteLayerCache:
         batch, _, dim = remote.shape
-        pool = slots = None
+        pool = slots = spec_ids = None
+        if speculative:  # block 0 until a first selection: any valid guess will do
+            spec_ids = torch.zeros((batch, cfg.nsa_top_n), dtype=torch.int64, device=device_like.device)
         if pool_blocks is not None:
             pool = device_like.new_zeros((batch, pool_blocks, cfg.nsa_sel_block, dim))
             slots = torch.zeros((batch, pool_blocks, 2), dtype=torch.int64, device=device_like.device)
             slots[..., 0] = -1
         return cls(cfg, remote, device_like.new_zeros((batch, compressed_blocks, dim)),
-                   device_like.new_zeros((batch, cfg.nsa_window, dim)), pool, slots, stats, first_layer)
+                   device_like.new_zeros((batch, cfg.nsa_window, dim)), pool, slots, stats, first_layer, spec_ids)
 
     def tensors(self) -> list[torch.Tensor]:
         """The layer's tensors, remote cache first: what a traced step takes as inputs."""
-        return [self.remote, self.compressed, self.window] + ([] if self.pool is None else [self.pool, self.slots])
+        extra = [self.pool, self.slots] if self.pool is not None else [self.spec_ids] if self.spec_ids is not None else []
+        return [self.remote, self.compressed, self.window, *extra]
+
+    def part_names(self) -> list[str]:
+        """Names of ``tensors()``, in order."""
+        extra = ["pool", "block_table"] if self.pool is not None else ["spec_ids"] if self.spec_ids is not None else []
+        return ["remote", "compressed", "window", *extra]
 
     def with_tensors(self, tensors, stats: RemoteKVStats | None) -> RemoteLayerCache:
         """The same layer over other tensors (in ``tensors()`` order)."""
-        remote, compressed, window, *pool = tensors
-        return RemoteLayerCache(self.cfg, remote, compressed, window, *(pool or (None, None)), stats,
-                                self.first_layer)
+        remote, compressed, window, *extra = tensors
+        pool, slots = extra if self.pool is not None else (None, None)
+        spec_ids = extra[0] if self.spec_ids is not None else None
+        return RemoteLayerCache(self.cfg, remote, compressed, window, pool, slots, stats, self.first_layer, spec_ids)
+
+    def speculate(self) -> torch.Tensor | None:
+        """With speculation, the previous step's selected blocks, prefetched before this step's selection is
+        known (call it before ``write``: the prefetch has no other input, so it can run a layer ahead)."""
+        if self.spec_ids is None:
+            return None
+        return prefetch_blocks(self.remote, self.spec_ids, self.cfg.nsa_sel_block)
 
     def device_bytes(self) -> int:
         """Bytes this layer keeps on the device: compressed keys, window and block pool with its table."""
@@ -152,12 +171,15 @@ class RemoteLayerCache:
         recent = positions - window + 1 + torch.arange(window, device=positions.device)
         return self.window.index_select(1, recent.clamp(min=0) % window)
 
-    def fetch(self, chosen: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def fetch(self, chosen: torch.Tensor, positions: torch.Tensor, spec: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks ``chosen`` (batch, n) as (batch, n, nsa_sel_block, dim) on the device, fetched
-        from remote memory with ``prefetch_blocks``, or through the pool with ``fetch_blocks_pooled``."""
+        from remote memory with ``prefetch_blocks``, through the pool with ``fetch_blocks_pooled``, or
+        with speculation as the speculative blocks ``spec`` completed by ``fetch_missing_blocks``."""
         block = self.cfg.nsa_sel_block
         if self.stats is not None:
             self._count(chosen, positions)
+        if self.spec_ids is not None:
+            return fetch_missing_blocks(self.remote, spec, self.spec_ids, chosen, positions, block)
         if self.pool is None:
             return prefetch_blocks(self.remote, chosen, block)
         return fetch_blocks_pooled(self.remote, self.pool, self.slots, chosen, positions, block)
@@ -171,7 +193,10 @@ class RemoteLayerCache:
             stats.tokens_decoded += batch
         stats.selected_blocks += batch * n
         self._count_reselection(chosen, int(positions[0]))
-        if self.pool is None:
+        if self.spec_ids is not None:  # the speculation, and then what it missed
+            fetched = batch * n + sum(len(set(ids) - set(spec))
+                                      for ids, spec in zip(chosen.tolist(), self.spec_ids.tolist()))
+        elif self.pool is None:
             fetched = batch * n
         else:
             fetched = sum(len(set(ids) - set(held)) for ids, held in zip(chosen.tolist(), self.slots[..., 0].tolist()))
@@ -216,13 +241,15 @@ class RemoteKVCache:
 
 
 def new_remote_cache(model, batch: int, context: int, pool_blocks: int | None = None,
-                     dtype: torch.dtype | None = None) -> RemoteKVCache:
+                     dtype: torch.dtype | None = None, speculative: bool = False) -> RemoteKVCache:
     """A zeroed remote KV cache for ``context`` tokens of ``model`` (a ``DeepSeek``).
 
     The latent cache is allocated on the CPU (remote memory); compressed keys, windows and the
     pool on the weights' device. ``pool_blocks``: blocks per sequence per layer in the device
     block pool, at least ``nsa_top_n`` (every block a step reads is resident while it reads it);
-    None for no pool (every selected block fetched every step).
+    None for no pool (every selected block fetched every step). ``speculative`` (no pool): each layer
+    prefetches the blocks it selected at the previous step before its selection is known, then fetches
+    only the selected blocks that guess missed (``fetch_missing_blocks``).
     """
     from hyperoffload.workloads.deepseek_attention import cache_shapes  # that module imports this one
 
@@ -232,6 +259,9 @@ def new_remote_cache(model, batch: int, context: int, pool_blocks: int | None = 
     if cfg.nsa_window < cfg.nsa_cmp_block:
         raise ValueError(f"a remote KV cache needs nsa_window ({cfg.nsa_window}) >= nsa_cmp_block "
                          f"({cfg.nsa_cmp_block}): a decode step reads the completing compression block from the window")
+    if speculative and pool_blocks is not None:
+        raise ValueError("speculative prefetch replaces the block pool: pass pool_blocks=None with speculative=True "
+                         "(a pool already keeps the previous step's selection resident)")
     if pool_blocks is not None and pool_blocks < cfg.nsa_top_n:
         raise ValueError(f"pool_blocks ({pool_blocks}) must be at least nsa_top_n ({cfg.nsa_top_n}): every block a "
                          f"step selects is resident while it is read; pass None for no pool")
@@ -242,7 +272,8 @@ def new_remote_cache(model, batch: int, context: int, pool_blocks: int | None = 
     stats = RemoteKVStats()
     # new_zeros of the weights: fake when the model is (a fake capture allocates nothing).
     layers = [RemoteLayerCache.new(cfg, weight.new_zeros((batch, slots, cfg.kv_dim), dtype=dtype, device="cpu"), device_like,
-                                   compressed_blocks, pool_blocks, stats, first_layer=i == 0)
+                                   compressed_blocks, pool_blocks, stats, first_layer=i == 0,
+                                   speculative=speculative)
               for i in range(cfg.layers)]
     return RemoteKVCache(layers, stats)
 
@@ -279,7 +310,7 @@ def expected_fetch_fraction(pool_blocks: int | None, top_n: int, valid_blocks: i
 
 def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, pool_blocks: int | None = None,
                                reselection: float = DEFAULT_RESELECTION, name: str | None = None,
-                               meta: dict | None = None):
+                               meta: dict | None = None, speculative: bool = False):
     """Capture one decode step of ``model`` (a ``DeepSeek``) with its latent KV cache in remote memory.
 
     Like ``capture_decode_step`` (``tokens`` (batch, 1) at position ``context``), but the cache is
@@ -287,7 +318,8 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
     remote step input (``Value.remote``), written by ``store_rows`` and read by ``prefetch_blocks`` or,
     with a pool, ``fetch_blocks_pooled``, which the Program holds as lane ops; compressed keys, window,
     pool and block table are device inputs. A pooled fetch is charged ``expected_fetch_fraction`` of its
-    blocks (``reselection`` is the stated statistic; ``meta`` records both).
+    blocks (``reselection`` is the stated statistic; ``meta`` records both). ``speculative``: no pool; each
+    layer prefetches the previous step's selection and then fetches the share ``1 - reselection`` it missed.
     """
     from torch.func import functional_call
 
@@ -296,9 +328,10 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
 
     cfg = model.cfg
     batch = tokens.shape[0]
-    cache = new_remote_cache(model, batch, context + 1, pool_blocks=pool_blocks)
+    cache = new_remote_cache(model, batch, context + 1, pool_blocks=pool_blocks, speculative=speculative)
     valid_blocks = context // cfg.nsa_sel_block + 1
-    fraction = expected_fetch_fraction(pool_blocks, cfg.nsa_top_n, valid_blocks, reselection)
+    fraction = 1 - reselection if speculative else \
+        expected_fetch_fraction(pool_blocks, cfg.nsa_top_n, valid_blocks, reselection)
     params = list(model.named_parameters())
     buffers = list(model.named_buffers())
     names = [n for n, _ in params] + [n for n, _ in buffers]
@@ -316,7 +349,7 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
         with torch.no_grad():
             return functional_call(model, state, (tokens_t,), {"cache": cache_t, "start": start_t})
 
-    part_names = ["remote", "compressed", "window", "pool", "block_table"][:per_layer]
+    part_names = cache.layers[0].part_names()
     flat = [p.detach() for _, p in params] + [b for _, b in buffers] + cache_flat + [tokens, start]
     kinds = [ValueKind.PARAMETER] * len(names) + [ValueKind.KV_CACHE] * len(cache_flat) + [ValueKind.INPUT] * 2
     input_names = [*names, *(f"kv_cache.{i}.{part}" for i in range(len(cache.layers)) for part in part_names),
@@ -325,7 +358,7 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
     return trace_step(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
                       remote_inputs=remote,
                       meta={"mode": "decode", "context": context, "kv": "remote", "pool_blocks": pool_blocks,
-                            "reselection": reselection, "pool_fetch_fraction": fraction,
+                            "speculative": speculative, "reselection": reselection, "pool_fetch_fraction": fraction,
                             **pool_facts(cfg, batch, context, cache.layers[0].remote.element_size()),
                             **(meta or {})})
 
