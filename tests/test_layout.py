@@ -114,6 +114,11 @@ def test_packing_random_blocks_never_overlaps_live_blocks(drawn):
                         live_peak_bytes=live_peak(start, end, size)))
 
 
+def test_a_block_that_never_lives_is_refused():
+    with pytest.raises(ValueError, match="start < end"):
+        pack_blocks(np.array([0, 3]), np.array([2, 3]), np.array([256, 256]))
+
+
 def test_a_layout_with_two_live_storages_on_the_same_bytes_is_caught():
     plan = plan_without_offload(chain())
     layout = assign_offsets(plan)

@@ -117,9 +117,12 @@ def assign_offsets(plan: Plan) -> Layout:
 def pack_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> np.ndarray:
     """Offsets (bytes) for blocks of ``size`` bytes live over instructions [``start``, ``end``) such that
     no two blocks live at once share a byte, with the arena (the highest block end) as small as the
-    packings tried here get it; never larger than greedy by size's."""
+    packings tried here get it; never larger than greedy by size's. Every block must live a while
+    (``start < end``)."""
     if size.size == 0:
         return np.zeros(0, np.int64)
+    if (end <= start).any():
+        raise ValueError("every block must live over at least one instruction (start < end)")
     # Blocks live over the whole step sit below the others at no cost: the others' live peak plus theirs
     # is the step's, so whatever the packing loses, it loses on the others.
     whole = (start <= start.min()) & (end >= end.max())
