@@ -10,15 +10,16 @@ each may sit at a different offset.
 instruction never share a byte, in an arena as close to the plan's live-byte peak (the least any
 packing needs) as it finds. It tries several packings and keeps the smallest: TFLite's "greedy by
 size" (largest residency first, each at the lowest offset that fits among the already placed
-residencies it overlaps in time), two skylines that stack residencies in time, and a sweep in
-time order that puts each residency next to a neighbour that outlives it, from the floor or from
-the ceiling. Each is then compacted: turned upside down and let fall, which never raises a
-residency. Training plans hold families of equal-sized residencies whose lifetimes nest (saved
-activations) or cross (gradients that accumulate while activations are freed); greedy by size
-stacks the smaller long-lived ones above the envelope of the larger, which the time-ordered
-packings avoid. With every address known before the step runs, no allocation can fail, wait for a
-cache flush, or fragment the device: the arena is the only reservation, and ``check_layout``
-proves the packing by replaying the plan's allocations against it.
+residencies it overlaps in time), skylines that stack residencies in time (one of them on the few
+huge residencies placed first), and a sweep in time order that puts each residency next to a
+neighbour that outlives it, from the floor or from the ceiling. Each is then compacted: turned
+upside down and let fall, which never raises a residency. Training plans hold families of
+equal-sized residencies whose lifetimes nest (saved activations) or cross (gradients that
+accumulate while activations are freed); greedy by size stacks the smaller long-lived ones above
+the envelope of the larger, which the time-ordered packings avoid. With every address known before
+the step runs, no allocation can fail, wait for a cache flush, or fragment the device: the arena is
+the only reservation, and ``check_layout`` proves the packing by replaying the plan's allocations
+against it.
 """
 
 from __future__ import annotations
@@ -308,7 +309,9 @@ def _sweep(start: np.ndarray, end: np.ndarray, size: np.ndarray, ceiling: int) -
         if fit.size == 0:
             offset = int(below[-1])
         else:
-            neighbour = np.concatenate((np.concatenate(([never], ends[:m]))[fit], np.concatenate((ends[:m], [never]))[fit]))
+            below_ends = np.concatenate(([never], ends[:m]))[fit]  # bottom-aligned: the block under the gap
+            above_ends = np.concatenate((ends[:m], [never]))[fit]  # top-aligned: the block over it
+            neighbour = np.concatenate((below_ends, above_ends))
             # Outliving the neighbour leaves a hole when it goes: worse than any neighbour that lasts.
             cost = np.where(neighbour >= e, neighbour - e, never // 2 + (e - neighbour))
             k = int(np.lexsort((np.concatenate((gap[fit], gap[fit])), cost))[0])
