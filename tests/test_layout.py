@@ -83,7 +83,7 @@ def test_equal_sized_chain_packs_at_the_live_peak_where_greedy_by_size_did_not()
 
 @st.composite
 def blocks(draw):
-    """Random blocks: (start, end, bytes), some live over the whole step, many of a few equal sizes."""
+    """Random blocks: (start, end, bytes), any of which may live over the whole step, many of a few equal sizes."""
     n = draw(st.integers(1, 40))
     horizon = draw(st.integers(2, 60))
     sizes = st.sampled_from([1, 256, 512, 768, 4096]) | st.integers(1, 10_000)
