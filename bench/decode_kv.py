@@ -8,13 +8,17 @@ peak, the simulated step time, ``step / bound`` (``bound_s``: compute, or the by
 must move at link speed, whichever is larger) and ``step / dep`` (``dependency_bound_s``: no order of
 the program's ops is faster, since a block fetch starts only after selection and attention only after
 the fetch), bytes fetched per decoded token, and the block pool. Then the step time of ``hyperoffload``
-and ``paged`` against the NSA selection block (32 ... 256 tokens) at one budget.
+and ``paged`` against the NSA selection block (32 ... 256 tokens) at one budget; and each policy's plan of
+``tiny-deepseek`` decode run for real on the CPU with the emulated link (wall time, simulated time,
+measured peak, bytes in per token; ``diff`` is against the same form of the step unplanned, and a
+remote-KV form's outputs equal the on-device cache's: ``tests/test_lane_runtime.py``).
 
 How many of a step's selected blocks the pool already holds is a stated statistic
 (``deepseek_remote.DEFAULT_RESELECTION``, measured on tiny-deepseek; ``--reselection`` to change it).
 
     .venv/bin/python bench/decode_kv.py                  # everything (a few minutes)
     .venv/bin/python bench/decode_kv.py --only budgets --hardware h200
+    .venv/bin/python bench/decode_kv.py --only run       # tiny-deepseek for real on the emulated link
 """
 
 from __future__ import annotations
@@ -83,9 +87,48 @@ def blocks(hardware_names, reselection: float, share: float) -> None:
                       f"{f.step_s / f.dependency_bound_s:6.3f} | {f.compute_s * 1e3:.2f} ms")
 
 
+def real_runs(link: str, share: float) -> None:
+    """Each decode policy's plan of tiny-deepseek decode run for real on the CPU with the emulated link."""
+    import os
+
+    import torch
+
+    from hyperoffload.cli import cpu_cache_path
+    from hyperoffload.runtime import EmulatedLink
+    from hyperoffload.runtime.measure import (RunConfig, executor_dispatch_s, executor_issue_s, for_executor,
+                                              measure_run)
+    from hyperoffload.units import parse_bandwidth
+    from hyperoffload.variants import find_captured
+
+    threads = max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    base = get_hardware("cpu-emulated", cpu_cache=cpu_cache_path().with_name(f"cpu-calibration-{threads}-threads.json"))
+    rate = parse_bandwidth(link)
+    captured = capture_workload(get_workload("tiny-deepseek"), "decode", batch=2, context=3000, fake=False)
+    program = captured.program
+    bare = base.replace(h2d_bw=rate, d2h_bw=rate, h2d_latency_s=50e-6, d2h_latency_s=50e-6)
+    hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s())
+    peak = memory_profile(program).peak_bytes
+    budget = int(peak * share)
+    print(f"\ntiny-deepseek decode (float32, batch 2, context 3000) for real on the CPU, emulated link {link} each way, "
+          f"budget {share:.0%} = {format_bytes(budget)} of {format_bytes(peak)}; load {os.getloadavg()[0]:.1f}")
+    print("policy       | form            | wall_s    | sim_step_s | sim_error | measured peak | in / token | diff")
+    for policy in POLICIES:
+        r = run_policy(program, hardware, budget, policy, peak)
+        form = find_captured(r.plan.program) or captured
+        with EmulatedLink.for_hardware(hardware) as emulated:
+            f = measure_run(r.plan, form.inputs, emulated, hardware, RunConfig(steps=7, warmup=2))
+        meta = r.plan.program.meta
+        kind = "device KV" if meta.get("kv") != "remote" else "speculative" if meta.get("speculative") else \
+            f"pool {meta['pool_blocks']}" if meta.get("pool_blocks") else "remote, no pool"
+        print(f"{policy:12} | {kind:15} | {f.wall_s * 1e3:6.2f} ms | {f.sim_step_s * 1e3:7.2f} ms | {f.sim_error:9.3f} | "
+              f"{format_bytes(f.measured_peak_bytes):>13} | {format_bytes(f.h2d_bytes // 2):>10} | {f.max_abs_diff:g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=("budgets", "blocks"))
+    parser.add_argument("--only", choices=("budgets", "blocks", "run"))
+    parser.add_argument("--link", default="500MB/s", help="emulated link speed of the real runs")
     parser.add_argument("--hardware", help="comma-separated profiles (default: h200,gh200,ascend-910c)")
     parser.add_argument("--reselection", type=float, default=DEFAULT_RESELECTION)
     parser.add_argument("--share", type=float, default=0.74, help="budget share for the block sweep")
@@ -95,6 +138,8 @@ def main() -> None:
         budgets(names, args.reselection)
     if args.only in (None, "blocks"):
         blocks(names, args.reselection, args.share)
+    if args.only in (None, "run"):
+        real_runs(args.link, 0.4)
 
 
 if __name__ == "__main__":
