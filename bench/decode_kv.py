@@ -112,7 +112,7 @@ def real_runs(link: str, share: float) -> None:
     budget = int(peak * share)
     print(f"\ntiny-deepseek decode (float32, batch 2, context 3000) for real on the CPU, emulated link {link} each way, "
           f"budget {share:.0%} = {format_bytes(budget)} of {format_bytes(peak)}; load {os.getloadavg()[0]:.1f}")
-    print("policy       | form            | wall_s    | sim_step_s | sim_error | measured peak | in / token | diff")
+    print("policy       | form            | wall_s    | sim_step_s | sim_error | measured peak | meets | in / token | diff")
     for policy in POLICIES:
         r = run_policy(program, hardware, budget, policy, peak)
         form = find_captured(r.plan.program) or captured
@@ -122,13 +122,15 @@ def real_runs(link: str, share: float) -> None:
         kind = "device KV" if meta.get("kv") != "remote" else "speculative" if meta.get("speculative") else \
             f"pool {meta['pool_blocks']}" if meta.get("pool_blocks") else "remote, no pool"
         print(f"{policy:12} | {kind:15} | {f.wall_s * 1e3:6.2f} ms | {f.sim_step_s * 1e3:7.2f} ms | {f.sim_error:9.3f} | "
-              f"{format_bytes(f.measured_peak_bytes):>13} | {format_bytes(f.h2d_bytes // 2):>10} | {f.max_abs_diff:g}")
+              f"{format_bytes(f.measured_peak_bytes):>13} | {'yes' if f.measured_peak_bytes <= budget else 'no':5} | "
+              f"{format_bytes(f.h2d_bytes // 2):>10} | {f.max_abs_diff:g}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=("budgets", "blocks", "run"))
     parser.add_argument("--link", default="500MB/s", help="emulated link speed of the real runs")
+    parser.add_argument("--run-share", type=float, default=0.6, help="budget share of the real runs")
     parser.add_argument("--hardware", help="comma-separated profiles (default: h200,gh200,ascend-910c)")
     parser.add_argument("--reselection", type=float, default=DEFAULT_RESELECTION)
     parser.add_argument("--share", type=float, default=0.74, help="budget share for the block sweep")
@@ -139,7 +141,7 @@ def main() -> None:
     if args.only in (None, "blocks"):
         blocks(names, args.reselection, args.share)
     if args.only in (None, "run"):
-        real_runs(args.link, 0.4)
+        real_runs(args.link, args.run_share)
 
 
 if __name__ == "__main__":
