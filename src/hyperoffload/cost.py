@@ -5,11 +5,23 @@ its bytes over HBM bandwidth, each scaled by the profile's efficiency, plus the 
 overhead. Ops that only make aliases (views) launch nothing and cost nothing. Per-op rules in
 a registry override the default. A transfer takes a fixed latency plus bytes over the link
 bandwidth; the simulator slows the data phase while both directions copy at once.
+
+**Measured op costs.** A roofline describes an aten kernel; an operator implemented in Python (a
+custom op running many aten calls and loops) costs far more than its FLOPs and bytes say. A profile
+made by ``with_measured_op_costs`` charges such targets what they were measured to take on that
+machine (``hyperoffload.runtime.measure.for_executor`` measures them on the CPU). ``Hardware`` is an
+immutable record with no field for them, so the costs are kept here, keyed by the new profile's name,
+and every ``op_time``/``lane_op_time`` on that profile (or a ``replace`` of it) sees them; no other
+profile does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Op, Program
@@ -46,21 +58,72 @@ def roofline_time(op: Op, program: Program, hardware: Hardware) -> float:
     return max(compute, memory) + hardware.launch_s
 
 
+# Profile name -> (name of the profile it was made from, target -> measured seconds per call).
+_MEASURED: dict[str, tuple[str, Mapping[str, float]]] = {}
+# Each profile made by ``with_measured_op_costs`` gets a name of its own, so that two measurements (two
+# machines, two runs) never share costs through a common name.
+_SERIAL = itertools.count(1)
+
+
+def with_measured_op_costs(hardware: Hardware, costs: Mapping[str, float]) -> Hardware:
+    """``hardware`` under a new name on which each op whose target (``"hyperoffload.nsa_select.default"``)
+    is in ``costs`` is charged its measured seconds per call:
+
+    * an op on the compute stream takes exactly ``costs[target]`` seconds (``op_time``), in place of its rule
+      or roofline: the measurement includes whatever launch overhead the caller means to charge;
+    * a lane op takes ``max(latency + bytes / bandwidth, costs[target])`` on its lane (``lane_op_time``):
+      the measurement is its kernel's time on the thread that runs it, and a lane cannot finish the op
+      before either the link has moved its bytes or the kernel has run (the emulated link's rule). The
+      event simulation (``simulate._simulate``) still times a lane op as a copy of its ``transfer_bytes``;
+      ``lane_op_time`` is what ``simulate.dependency_bound`` charges.
+
+    Other targets cost what they cost on ``hardware``. Costs already attached to ``hardware`` are kept unless
+    ``costs`` measures the same target again. With no ``costs``, ``hardware`` itself is returned."""
+    if not costs:
+        return hardware
+    for target, seconds in costs.items():
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"measured cost of {target} must be finite seconds >= 0, got {seconds!r}")
+    base, earlier = _MEASURED.get(hardware.name, (hardware.name, {}))
+    name = f"{base}+measured-ops-{next(_SERIAL)}"
+    _MEASURED[name] = (base, MappingProxyType({**earlier, **{t: float(c) for t, c in costs.items()}}))
+    sources = dict(hardware.sources)
+    sources["measured_op_costs"] = (f"{len(_MEASURED[name][1])} op target(s) charged their measured time on this "
+                                    f"machine: {', '.join(sorted(_MEASURED[name][1]))}")
+    return dataclasses.replace(hardware, name=name, sources=MappingProxyType(sources))
+
+
+def measured_op_costs(hardware: Hardware) -> Mapping[str, float]:
+    """Seconds per call that ``hardware`` charges by measurement, keyed by op target (empty for a profile not
+    made by ``with_measured_op_costs``)."""
+    return _MEASURED.get(hardware.name, ("", MappingProxyType({})))[1]
+
+
 def op_time(op: Op, program: Program, hardware: Hardware) -> float:
-    """Seconds ``op`` takes on the compute stream of ``hardware``, by its registered rule or the
-    roofline; 0 for a lane op, which runs on a copy lane instead (``lane_op_time``)."""
+    """Seconds ``op`` takes on the compute stream of ``hardware``: its measured time if the profile carries one
+    for its target (``with_measured_op_costs``), else by its registered rule or the roofline; 0 for a lane op,
+    which runs on a copy lane instead (``lane_op_time``)."""
     if op.lane is not None:
         return 0.0
+    measured = _MEASURED.get(hardware.name)
+    if measured is not None and op.target in measured[1]:
+        return measured[1][op.target]
     return _RULES.get(op.target, roofline_time)(op, program, hardware)
 
 
 def lane_op_time(op: Op, hardware: Hardware) -> float:
-    """Seconds a lane op occupies its copy lane when it has the link to itself: latency + bytes / bandwidth."""
+    """Seconds a lane op occupies its copy lane when it has the link to itself: latency + bytes / bandwidth,
+    or its measured kernel time if the profile carries a longer one (``with_measured_op_costs``)."""
     if op.lane == "h2d":
-        return transfer_time(op.transfer_bytes, hardware.h2d_bw, hardware.h2d_latency_s)
-    if op.lane == "d2h":
-        return transfer_time(op.transfer_bytes, hardware.d2h_bw, hardware.d2h_latency_s)
-    raise ValueError(f"op {op.name} is not a lane op")
+        link = transfer_time(op.transfer_bytes, hardware.h2d_bw, hardware.h2d_latency_s)
+    elif op.lane == "d2h":
+        link = transfer_time(op.transfer_bytes, hardware.d2h_bw, hardware.d2h_latency_s)
+    else:
+        raise ValueError(f"op {op.name} is not a lane op")
+    measured = _MEASURED.get(hardware.name)
+    if measured is not None and op.target in measured[1]:
+        return max(link, measured[1][op.target])
+    return link
 
 
 def op_times(program: Program, hardware: Hardware) -> tuple[float, ...]:

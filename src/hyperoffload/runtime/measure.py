@@ -28,6 +28,11 @@ model charges, so the simulated compute stream pays one dispatch per op the exec
 ``executor_issue_s`` likewise measures what each cache instruction costs the executor's one thread on the
 emulated link (issuing the copy, the copy threads' hand-offs, the bookkeeping), which ``for_executor`` sets
 as the profile's ``issue_s``.
+
+**Custom operators.** An operator implemented in Python (``hyperoffload::nsa_select``, the cache lane ops of
+``hyperoffload.cache_ops``) runs many aten calls and loops; the roofline charges it one kernel. ``for_executor``
+measures each such op on the step's own inputs (``custom_op_costs``) and has the profile charge it that
+(``hyperoffload.cost.with_measured_op_costs``); aten ops keep their roofline.
 """
 
 from __future__ import annotations
@@ -36,13 +41,16 @@ import dataclasses
 import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 
+from hyperoffload.cost import with_measured_op_costs
 from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.runtime.async_executor import AsyncExecutor
 from hyperoffload.runtime.plan_executor import PlanRun, Transfers, run_plan
@@ -190,10 +198,72 @@ def executor_issue_s(values: int = 100, repeats: int = 9) -> float:
     return max(0.0, best["trips"] - best["plain"]) / issued if issued else 0.0
 
 
-def for_executor(hardware: Hardware, program, dispatch_s: float, issue_s: float | None = None) -> Hardware:
-    """``hardware`` with ``launch_s`` set so that the cost model charges ``dispatch_s`` for every op of
+def custom_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: int = 5) -> dict[str, float]:
+    """Seconds per call of each op target of ``program`` outside the ``aten`` namespace, measured by running the
+    program's graph unplanned on clones of ``inputs`` (real tensors; ``inputs`` are never changed): one warm-up
+    run, then the median over ``repeats`` runs of the target's time per call. An op on the compute stream is
+    timed by the wall clock around its call, as the compute thread waits for it; a lane op by the calling
+    thread's CPU time, as ``hyperoffload.runtime.emulated_link`` times a lane kernel on its copy thread. The
+    executor's own dispatch (looking up arguments, recording results) is not included. Empty if the program
+    has no such op or no graph, or ``inputs`` are fake tensors."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    watched = {op.name: op for op in program.ops if not op.target.startswith("aten.")}
+    if not watched or program.graph is None or any(is_fake(t) for t in inputs):
+        return {}
+    calls: dict[str, int] = defaultdict(int)
+    for op in watched.values():
+        calls[op.target] += 1
+
+    class Timed(torch.fx.Interpreter):
+        def run_node(self, node: torch.fx.Node):
+            op = watched.get(node.name)
+            if op is None:
+                return super().run_node(node)
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            clock = time.thread_time if op.lane else time.perf_counter
+            start = clock()
+            result = self.call_function(node.target, args, kwargs)
+            spent[op.target] += clock() - start
+            return result
+
+    runs: list[dict[str, float]] = []
+    for k in range(repeats + 1):  # the first run warms up (allocator, first-call paths)
+        spent: dict[str, float] = defaultdict(float)
+        with torch.no_grad():  # as the executor runs ops
+            Timed(program.graph).run(*[t.clone() for t in inputs])
+        if k:
+            runs.append(spent)
+    return {target: statistics.median(run[target] for run in runs) / n for target, n in calls.items()}
+
+
+def _measurable_forms(program: Program,
+                      inputs: Sequence[torch.Tensor] | None) -> Iterator[tuple[Program, Sequence[torch.Tensor]]]:
+    """The forms of ``program``'s step whose custom ops ``for_executor`` measures, each with inputs that run it:
+    the step itself when ``inputs`` are given, and for a decode step with a remote-KV form
+    (``hyperoffload.variants``) that form without a pool, with speculative prefetch and with the smallest pool,
+    between them every cache lane op the policies may plan (captured on first use and kept for the policies)."""
+    if inputs is not None:
+        yield program, inputs
+    from hyperoffload.variants import has_remote_kv, remote_kv_captured
+
+    if has_remote_kv(program):
+        for pool, speculative in ((None, False), (None, True), (program.meta["nsa_top_n"], False)):
+            form = remote_kv_captured(program, pool, speculative)
+            yield form.program, form.inputs
+
+
+def for_executor(hardware: Hardware, program: Program, dispatch_s: float, issue_s: float | None = None,
+                 inputs: Sequence[torch.Tensor] | None = None) -> Hardware:
+    """``hardware`` with ``launch_s`` set so that the cost model charges ``dispatch_s`` (seconds) for every op of
     ``program`` (views included) while charging launch overhead only on ops that are not views, and, if
-    given, ``issue_s`` per cache instruction (``executor_issue_s``)."""
+    given, ``issue_s`` (seconds) per cache instruction (``executor_issue_s``).
+
+    Ops outside the ``aten`` namespace are charged what they were measured to take on this machine
+    (``custom_op_costs``): a compute op its time per call plus ``launch_s``, a lane op the longer of its link
+    time and its kernel's time (``hyperoffload.cost.with_measured_op_costs``). They are measured on the step's
+    ``inputs`` if given (the ``Captured.inputs`` of ``program``) and on the inputs of its remote-KV forms if it
+    has any; a custom op found in neither keeps the roofline."""
     launched = sum(not op.is_view for op in program.ops)
     if not launched:
         return hardware
@@ -206,7 +276,16 @@ def for_executor(hardware: Hardware, program, dispatch_s: float, issue_s: float 
     if issue_s is not None:
         sources["issue_s"] = (f"plan executor's cost per cache instruction on the emulated link "
                               f"({issue_s * 1e6:.1f} us, measured on a chain of tiny ops sent out and back)")
-    return dataclasses.replace(profile, sources=MappingProxyType(sources))
+    profile = dataclasses.replace(profile, sources=MappingProxyType(sources))
+    lanes: dict[str, bool] = {}
+    costs: dict[str, float] = {}
+    for form, form_inputs in _measurable_forms(program, inputs):
+        lanes.update((op.target, op.lane is not None) for op in form.ops)
+        for target, seconds in custom_op_costs(form, form_inputs).items():
+            costs.setdefault(target, seconds)  # the step's own form first, then its remote-KV forms
+    # The executor dispatches a custom compute op like any other (``launch_s``); a lane op's kernel runs on its
+    # lane, where the executor's dispatch is not.
+    return with_measured_op_costs(profile, {t: c if lanes[t] else c + launch_s for t, c in costs.items()})
 
 
 def max_abs_diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
@@ -313,5 +392,5 @@ def _rounds(executor: AsyncExecutor, unplanned: Plan, plan: Plan, states: dict, 
         report(phase, k + 1, total)
 
 
-__all__ = ["RunConfig", "RunFigures", "executor_dispatch_s", "executor_issue_s", "for_executor", "max_abs_diff",
-           "measure_run"]
+__all__ = ["RunConfig", "RunFigures", "custom_op_costs", "executor_dispatch_s", "executor_issue_s", "for_executor",
+           "max_abs_diff", "measure_run"]

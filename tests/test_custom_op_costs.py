@@ -1,0 +1,137 @@
+"""Measured costs of custom operators: ``cost.with_measured_op_costs`` charges the targets it names what they were
+measured to take, on that profile only, and ``runtime.measure.for_executor`` measures the step's ops outside
+the ``aten`` namespace (``custom_op_costs``) and charges them so, leaving aten ops' costs as they were."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from programs import op, program, simple_hardware, value
+from torch import nn
+
+from hyperoffload.capture import capture_prefill_step
+from hyperoffload.cost import lane_op_time, measured_op_costs, op_time, op_times, with_measured_op_costs
+from hyperoffload.ir import Op, Phase, ValueKind
+from hyperoffload.plans import plan_without_offload
+from hyperoffload.runtime.measure import custom_op_costs, for_executor
+from hyperoffload.simulate import simulate
+
+GB = 10**9
+
+
+@torch.library.custom_op("hyperoffload_test::loop_scale", mutates_args=())
+def loop_scale(x: torch.Tensor, rounds: int) -> torch.Tensor:
+    """Many small aten calls from a Python loop: what a roofline of its FLOPs and bytes underestimates."""
+    out = x.clone()
+    for _ in range(rounds):
+        out = out * 1.0001 + 0.0
+    return out
+
+
+@loop_scale.register_fake
+def _(x: torch.Tensor, rounds: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class WithCustomOp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x) * 2.0
+        return torch.ops.hyperoffload_test.loop_scale(y, 20) + x
+
+
+CUSTOM = "hyperoffload_test.loop_scale.default"
+
+
+def custom_step():
+    return capture_prefill_step(WithCustomOp(), (torch.ones(8),), name="custom")
+
+
+def two_op_step():
+    """op0 (1 GFLOP, "test.op"), then op1 ("test.custom", 1 GFLOP) reading its output."""
+    values = [value(0, 64, ValueKind.INPUT), value(1, 64), value(2, 64)]
+    custom = dataclasses.replace(op(1, [1], [2], flops=GB), target="test.custom")
+    return program(values, [op(0, [0], [1], flops=GB), custom], [0], [2])
+
+
+def test_a_measured_cost_replaces_the_roofline_of_its_target_only():
+    prog = two_op_step()
+    hw = simple_hardware()
+    measured = with_measured_op_costs(hw, {"test.custom": 0.25})
+    assert measured.name != hw.name
+    assert op_time(prog.ops[1], prog, measured) == 0.25
+    assert op_time(prog.ops[0], prog, measured) == op_time(prog.ops[0], prog, hw) == pytest.approx(1.0)
+    assert measured_op_costs(measured) == {"test.custom": 0.25}
+    assert simulate(plan_without_offload(prog), measured).figures.step_s == pytest.approx(1.25)
+
+
+def test_a_profile_without_measured_costs_is_unchanged():
+    prog = two_op_step()
+    hw = simple_hardware()
+    assert with_measured_op_costs(hw, {}) is hw
+    assert measured_op_costs(hw) == {}
+    assert op_times(prog, hw) == (pytest.approx(1.0), pytest.approx(1.0))
+
+
+def test_measured_costs_do_not_leak_between_profiles():
+    prog = two_op_step()
+    hw = simple_hardware()
+    first = with_measured_op_costs(hw, {"test.custom": 0.25})
+    second = with_measured_op_costs(hw, {"test.custom": 0.5})
+    assert first.name != second.name
+    assert op_time(prog.ops[1], prog, first) == 0.25 and op_time(prog.ops[1], prog, second) == 0.5
+    # The profile measured from is untouched, and so is one of another name that shares the figures.
+    assert op_time(prog.ops[1], prog, hw) == pytest.approx(1.0)
+    other = dataclasses.replace(first, name="other")
+    assert op_time(prog.ops[1], prog, other) == pytest.approx(1.0)
+    # A profile derived from a measured one (``replace`` keeps the name) keeps its costs; measuring it again
+    # adds to them, on a profile of its own.
+    assert op_time(prog.ops[1], prog, first.replace(launch_s=0.0)) == 0.25
+    again = with_measured_op_costs(first, {"test.op": 2.0})
+    assert measured_op_costs(again) == {"test.custom": 0.25, "test.op": 2.0}
+    assert measured_op_costs(first) == {"test.custom": 0.25}
+
+
+def test_measured_costs_must_be_seconds():
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="test.custom"):
+            with_measured_op_costs(simple_hardware(), {"test.custom": bad})
+
+
+def test_a_lane_op_takes_the_longer_of_its_link_time_and_its_measured_kernel_time():
+    lane = Op(id=0, name="lane0", target="test.lane", inputs=(0,), outputs=(1,), phase=Phase.FORWARD, lane="h2d",
+              transfer_bytes=GB)
+    hw = simple_hardware(bw=GB, latency=0.5)
+    assert lane_op_time(lane, hw) == pytest.approx(1.5)
+    assert lane_op_time(lane, with_measured_op_costs(hw, {"test.lane": 0.25})) == pytest.approx(1.5)
+    assert lane_op_time(lane, with_measured_op_costs(hw, {"test.lane": 4.0})) == pytest.approx(4.0)
+
+
+def test_custom_op_costs_measures_the_ops_outside_aten_on_real_inputs():
+    captured = custom_step()
+    inputs = [t.clone() for t in captured.inputs]
+    costs = custom_op_costs(captured.program, captured.inputs, repeats=2)
+    assert set(costs) == {CUSTOM} and costs[CUSTOM] > 0
+    assert all(torch.equal(a, b) for a, b in zip(captured.inputs, inputs))  # the inputs are never changed
+    fake = capture_prefill_step(WithCustomOp(), (torch.ones(8),), name="custom")
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake_inputs = [mode.from_tensor(t) for t in fake.inputs]
+    assert custom_op_costs(fake.program, fake_inputs) == {}
+
+
+def test_for_executor_charges_custom_ops_their_measured_time_and_aten_ops_as_before():
+    captured = custom_step()
+    prog = captured.program
+    hw = simple_hardware()
+    before = for_executor(hw, prog, dispatch_s=1e-5, issue_s=2e-5)
+    after = for_executor(hw, prog, dispatch_s=1e-5, issue_s=2e-5, inputs=captured.inputs)
+    assert measured_op_costs(before) == {}
+    assert set(measured_op_costs(after)) == {CUSTOM}
+    assert (after.launch_s, after.issue_s) == (before.launch_s, before.issue_s)
+    for o in prog.ops:
+        if o.target == CUSTOM:
+            # Its measured time plus the executor's dispatch, which it pays like any op.
+            assert op_time(o, prog, after) == measured_op_costs(after)[CUSTOM] > after.launch_s
+        else:
+            assert op_time(o, prog, after) == op_time(o, prog, before)
