@@ -192,3 +192,21 @@ def test_speculative_prefetch_hides_the_fetch(v2_lite_decode):
     ours = verify(POLICIES["hyperoffload"](v2_lite_decode, hw, budget), hw).figures
     assert ours.peak_bytes <= budget and ours.step_s <= 1.05 * ours.bound_s
     assert ours.step_s < simulate(POLICIES["paged"](v2_lite_decode, hw, budget), hw).figures.step_s
+
+
+def test_dependency_bound_sums_the_compute_between_chained_fetches():
+    """op0 -> fetch (2 s) -> {op3, op4} -> fetch (2 s) -> op7, and op1 and op6 independent of both
+    fetches (every op 1 s). op3 and op4 are parallel branches, so the longest single path is 7 s; on one
+    compute stream both run between the fetches: 1 + 2 + 2 + 2 + 1 = 8 s, and op1 and op6 hide in the
+    fetches."""
+    remote = dataclasses.replace(value(0, 4 * GB, ValueKind.KV_CACHE), alloc_bytes=0, remote=True)
+    values = [remote, value(1, 64, ValueKind.PARAMETER), *(value(i, 64) for i in range(2, 10))]
+    ops = [op(0, [1], [2], flops=GB), op(1, [1], [3], flops=GB), lane(2, [0, 2], [4], "h2d", 2 * GB),
+           op(3, [4], [5], flops=GB), op(4, [4], [6], flops=GB),  # two branches between the fetches
+           lane(5, [0, 5, 6], [7], "h2d", 2 * GB), op(6, [1], [8], flops=GB), op(7, [7], [9], flops=GB)]
+    prog = program(values, ops, [0, 1], [3, 8, 9])
+    hw = simple_hardware(bw=GB)
+    from hyperoffload.analysis.dependency_bound import dependency_bound
+    assert dependency_bound(prog, hw) == pytest.approx(8.0)
+    best = simulate(plan_without_offload(prog, order=overlap_lane_ops(prog)), hw).figures
+    assert best.step_s == pytest.approx(8.0) and best.compute_s == pytest.approx(6.0)

@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hyperoffload.analysis import memory_profile
-from hyperoffload.cost import lane_op_time, op_times
+from hyperoffload.analysis.dependency_bound import dependency_bound
+from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan
 
@@ -87,10 +88,10 @@ class Figures:
     least excess * min(1 / duplex_share, 2) / bandwidth (both lanes at the shared rate, or one after the
     other, whichever is faster). None without a budget."""
     dependency_bound_s: float | None = None
-    """The step time no order of the program's ops can beat, whatever the memory: the larger of
-    ``compute_s`` and the longest chain of dependent ops, a lane op counting its transfer time (a decode
-    step's block fetch can start only once selection has run, and attention only once it has landed).
-    Equal to ``compute_s`` for a step without lane ops."""
+    """The step time no order of the program's ops can beat, whatever the memory
+    (``analysis.dependency_bound``): a decode step's block fetch starts only once selection has run, and
+    what depends on it only once it has landed, on one compute stream. Equal to ``compute_s`` for a step
+    without lane ops."""
     steady_state: bool = False
     """True when the plan keeps state in remote memory between steps and ``step_s`` is the period of
     consecutive steps (two were simulated)."""
@@ -118,19 +119,6 @@ class _Copy:
 
     def __init__(self, instr: int, start: float, latency_end: float, remaining: float) -> None:
         self.instr, self.start, self.latency_end, self.remaining = instr, start, latency_end, remaining
-
-
-def dependency_bound(program, hardware: Hardware) -> float:
-    """Seconds: ``Figures.dependency_bound_s`` of ``program`` on ``hardware``."""
-    compute = op_times(program, hardware)
-    if not any(op.lane for op in program.ops):
-        return float(sum(compute))
-    deps = program.dependencies()
-    finish = [0.0] * len(program.ops)
-    for op in program.ops:  # ids are a topological order: the captured order is valid
-        own = lane_op_time(op, hardware) if op.lane else compute[op.id]
-        finish[op.id] = max((finish[d] for d in deps[op.id]), default=0.0) + own
-    return max(float(sum(compute)), max(finish, default=0.0))
 
 
 def lane_traffic(program) -> tuple[int, int]:

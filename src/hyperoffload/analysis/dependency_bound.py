@@ -1,0 +1,73 @@
+"""A lower bound on the step time of any order of a step's ops, from its lane ops' dependencies.
+
+A lane op (``Op.lane``: a decode step's block fetch, a write to a remote cache) runs on a copy lane,
+and the compute stream runs one op at a time. Take lane ops ``F1, ..., Fk`` each of which depends,
+directly or not, on the one before. Every op ``F1`` depends on must finish before ``F1`` starts; every op
+that depends on ``Fi`` and that ``Fi+1`` depends on must run after ``Fi`` ends and before ``Fi+1`` starts;
+every op that depends on ``Fk`` runs after it ends. Those sets of ops are disjoint and each runs on the
+one compute stream, so no order of the ops, and no plan, can step faster than
+
+    compute(ancestors of F1) + t(F1) + compute(between F1 and F2) + t(F2) + ... + t(Fk) + compute(descendants of Fk)
+
+where ``t`` is a lane op's transfer time alone on its lane. The bound is the largest such sum over chains
+of lane ops (a longest path over the lane ops, weighted by the compute between them), and at least the
+step's compute. What it leaves out is exactly what can overlap a transfer: the ops independent of it.
+"""
+
+from __future__ import annotations
+
+from weakref import WeakKeyDictionary
+
+import numpy as np
+
+from hyperoffload.cost import lane_op_time, op_times
+from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
+
+_REACH: WeakKeyDictionary[Program, tuple[list[int], np.ndarray, np.ndarray]] = WeakKeyDictionary()
+
+
+def _reach(program: Program) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The lane op ids, and for each its ancestors and descendants among all ops (boolean rows)."""
+    cached = _REACH.get(program)
+    if cached is not None:
+        return cached
+    deps = program.dependencies()
+    n = len(program.ops)
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for op_id, d in enumerate(deps):
+        for before in d:
+            dependents[before].append(op_id)
+    lanes = [op.id for op in program.ops if op.lane is not None]
+    ancestors = np.zeros((len(lanes), n), dtype=bool)
+    descendants = np.zeros((len(lanes), n), dtype=bool)
+    for row, lane in enumerate(lanes):
+        for edges, seen in ((deps, ancestors[row]), (dependents, descendants[row])):
+            stack = list(edges[lane])
+            while stack:
+                op_id = stack.pop()
+                if not seen[op_id]:
+                    seen[op_id] = True
+                    stack.extend(edges[op_id])
+    _REACH[program] = cached = (lanes, ancestors, descendants)
+    return cached
+
+
+def dependency_bound(program: Program, hardware: Hardware) -> float:
+    """Seconds no order of ``program``'s ops can beat on ``hardware`` (module docstring); the step's compute
+    time for a step without lane ops."""
+    compute = np.asarray(op_times(program, hardware), dtype=np.float64)
+    total = float(compute.sum())
+    if not any(op.lane for op in program.ops):
+        return total
+    lanes, ancestors, descendants = _reach(program)
+    transfer = [lane_op_time(program.ops[i], hardware) for i in lanes]
+    best = np.empty(len(lanes))  # longest chain ending with lane op k, from the step's start to its end
+    for k in range(len(lanes)):  # lane ops in id order: a chain's earlier ops have smaller ids
+        start = float(compute[ancestors[k]].sum())
+        for j in range(k):
+            if descendants[j, lanes[k]]:
+                start = max(start, best[j] + float(compute[descendants[j] & ancestors[k]].sum()))
+        best[k] = start + transfer[k]
+    ends = [best[k] + float(compute[descendants[k]].sum()) for k in range(len(lanes))]
+    return max(total, *ends)
