@@ -74,8 +74,8 @@ def with_measured_op_costs(hardware: Hardware, costs: Mapping[str, float]) -> Ha
     * a lane op takes ``max(latency + bytes / bandwidth, costs[target])`` on its lane (``lane_op_time``):
       the measurement is its kernel's time on the thread that runs it, and a lane cannot finish the op
       before either the link has moved its bytes or the kernel has run (the emulated link's rule). The
-      event simulation (``simulate._simulate``) still times a lane op as a copy of its ``transfer_bytes``;
-      ``lane_op_time`` is what ``simulate.dependency_bound`` charges.
+      event simulation (``simulate.simulate``) still times a lane op as a copy of its ``transfer_bytes``;
+      ``lane_op_time`` is what the dependency bound (``Figures.dependency_bound_s``) charges.
 
     Other targets cost what they cost on ``hardware``. Costs already attached to ``hardware`` are kept unless
     ``costs`` measures the same target again. With no ``costs``, ``hardware`` itself is returned."""
