@@ -107,7 +107,7 @@ def real_runs(link: str, share: float) -> None:
     captured = capture_workload(get_workload("tiny-deepseek"), "decode", batch=2, context=3000, fake=False)
     program = captured.program
     bare = base.replace(h2d_bw=rate, d2h_bw=rate, h2d_latency_s=50e-6, d2h_latency_s=50e-6)
-    hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s())
+    hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s(), inputs=captured.inputs)
     peak = memory_profile(program).peak_bytes
     budget = int(peak * share)
     print(f"\ntiny-deepseek decode (float32, batch 2, context 3000) for real on the CPU, emulated link {link} each way, "

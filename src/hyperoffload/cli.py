@@ -529,7 +529,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     program = captured.program
     with err.status("Measuring the executor's dispatch cost per op and per cache instruction..."):
         bare = hardware
-        hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s())
+        hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s(), inputs=captured.inputs)
     budget = parse_budget(args.budget, program, hardware)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} with {args.policy}..."):
         plan = policy(program, hardware, budget)

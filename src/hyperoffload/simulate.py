@@ -17,9 +17,9 @@ moved). Rules, in the order a real runtime would follow them:
 * Where the profile charges ``issue_s`` (a runtime whose one thread issues copies and runs ops), an
   op runs that much longer for each cache instruction issued since the op before it.
 * A lane op (``Op.lane``: an indexed prefetch of KV blocks, a write to a remote cache) is a copy
-  on its lane of ``Op.transfer_bytes``: issued, and its outputs allocated, when the compute stream
-  reaches it, it starts once every op it depends on has finished; an op that depends on it waits
-  for it (a copy stall).
+  on its lane of ``Op.transfer_bytes``, no faster than ``cost.lane_op_time``. It is issued, and its
+  outputs allocated, when the compute stream reaches it; it starts once every op it depends on has
+  finished; an op that depends on it waits for it (a copy stall).
 
 The plan is checked first (``check_plan``); an invalid plan raises ``PlanError`` naming the
 instruction and is never simulated. Results are deterministic.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.dependency_bound import dependency_bound
-from hyperoffload.cost import op_times
+from hyperoffload.cost import lane_op_time, op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan
 
@@ -230,7 +230,12 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 compute_stream.append(i)
                 lane_deps[i] = tuple(op_instr[d] for d in deps[ins.target] if program.ops[d].lane is not None)
             else:
-                on_lane[i], copy_bytes[i] = True, op.transfer_bytes
+                # A lane op moves its bytes, or, where the profile measured its kernel as slower than the link
+                # (a Python kernel on an emulated link), takes that long: as many bytes as the lane moves then.
+                lane_bw, lane_latency = ((hardware.h2d_bw, hardware.h2d_latency_s) if op.lane == "h2d"
+                                         else (hardware.d2h_bw, hardware.d2h_latency_s))
+                on_lane[i] = True
+                copy_bytes[i] = max(op.transfer_bytes, (lane_op_time(op, hardware) - lane_latency) * lane_bw)
                 lane_deps[i] = tuple(op_instr[d] for d in deps[ins.target])
                 lane_queue[H2D if op.lane == "h2d" else D2H].append(i)
         elif ins.kind is Kind.WAIT:
