@@ -69,6 +69,42 @@ def test_hoisted_order_is_valid_and_frees_gradients_early():
     assert hoisted_peak < captured_peak
 
 
+def test_state_ops_that_need_no_gradient_run_with_their_update():
+    """AdamW scales its second moment (``exp_avg_sq.mul_(beta2)``) before reading the gradient; run as soon
+    as its inputs are ready, that op would open the step and hold every moment on the device there too.
+    It must run with the rest of its update, right before the op that reads its result."""
+    prog = train_like()
+    values, ops = list(prog.values), list(prog.ops)
+    scalings = {}
+    for o in prog.ops:
+        if o.phase is not Phase.OPTIMIZER:
+            continue
+        state = len(values)
+        values.append(value(state, 4 * PARAM, ValueKind.OPTIMIZER_STATE))
+        scale = len(ops)
+        ops.append(replace(op(scale, [state], [], mutates=[state], flops=10), phase=Phase.OPTIMIZER))
+        ops[o.id] = replace(o, inputs=(*o.inputs, state), mutates=(*o.mutates, state))
+        scalings[scale] = o.id
+    # the scalings come first in the captured optimizer phase, as AdamW's foreach kernels issue them
+    optimizer = [o for o in ops if o.phase is Phase.OPTIMIZER]
+    optimizer.sort(key=lambda o: (o.id not in scalings, o.id))
+    rest = [o for o in ops if o.phase is not Phase.OPTIMIZER]
+    renumber = {o.id: i for i, o in enumerate(rest + optimizer)}
+    ops = [replace(o, id=renumber[o.id]) for o in rest + optimizer]
+    prog = program(values, ops, [*prog.inputs, *range(len(prog.values), len(values))], [])
+    order = hoist_updates(prog)
+    prog.check_order(order)
+    position = {op_id: p for p, op_id in enumerate(order)}
+    for scale, update in scalings.items():
+        assert position[renumber[scale]] == position[renumber[update]] - 1
+    first_backward = min(position[o.id] for o in prog.ops if o.phase is Phase.BACKWARD)
+    assert min(position[renumber[s]] for s in scalings) > first_backward
+    # unanchored, each op runs as early as its inputs allow: the scalings open the step
+    eager = hoist_updates(prog, anchored=False)
+    prog.check_order(eager)
+    assert sorted(eager[:len(scalings)]) == sorted(renumber[s] for s in scalings)
+
+
 def test_steps_without_an_optimizer_keep_their_order():
     prog = train_like(optimizer=False)
     assert hoist_updates(prog) == tuple(range(len(prog.ops)))

@@ -25,10 +25,12 @@ from collections.abc import Sequence
 from hyperoffload.ir import Phase, Program
 
 
-def hoist_updates(program: Program) -> tuple[int, ...]:
+def hoist_updates(program: Program, *, anchored: bool = True) -> tuple[int, ...]:
     """An execution order (op ids) in which each optimizer-phase op runs as soon as the ops it depends
-    on have run; other ops keep the captured order. Equal to the captured order when the step has no
-    optimizer phase."""
+    on have run; other ops keep the captured order. With ``anchored``, an optimizer op that some later op
+    depends on then moves down to just before the first of them, so that each update runs as one piece
+    where its gradient is final (``_sink_early_updates``); without, ops that need no gradient run at the
+    start of the step. Equal to the captured order when the step has no optimizer phase."""
     deps = program.dependencies()
     early = [op.phase is Phase.OPTIMIZER for op in program.ops]
     waiting = [len(d) for d in deps]
@@ -63,7 +65,33 @@ def hoist_updates(program: Program) -> tuple[int, ...]:
         run(op_id)
         drain()
     assert all(done), "an optimizer op never became ready"
-    return tuple(order)
+    return _sink_early_updates(order, early, dependents) if anchored else tuple(order)
+
+
+def _sink_early_updates(order: list[int], early: list[bool], dependents: list[list[int]]) -> tuple[int, ...]:
+    """``order`` with each movable op that other ops depend on moved to just before the first of them.
+
+    Run as soon as its inputs are ready, an optimizer op that needs no gradient (AdamW's
+    ``exp_avg_sq.mul_(beta2)``, the bias corrections) would run at the very start of the step, and the
+    state it touches would then be needed on the device there as well as at its update: every second
+    moment would have to cross the link twice per step. Sunk to its first dependent, it runs with the
+    rest of its update, which the gradient anchors in the backward pass. Only ops are moved that some
+    op depends on (the op ending each update stays where its gradient put it), and only later, to before
+    a dependent, so the order stays valid."""
+    position = {op_id: p for p, op_id in enumerate(order)}
+    # Sort keys: an op that stays is (position, inf); one moved before dependent d is d's key with
+    # (position, inf) in place of d's last element, so it sorts just before d and, among ops moved before
+    # the same d, in the order they had.
+    stays = float("inf")
+    key: dict[int, tuple[float, ...]] = {}
+    for op_id in reversed(order):
+        after = dependents[op_id]
+        if early[op_id] and after:
+            first = min((key[d] for d in after))
+            key[op_id] = first[:-1] + (position[op_id], stays)
+        else:
+            key[op_id] = (position[op_id], stays)
+    return tuple(sorted(order, key=key.__getitem__))
 
 
 LOOKAHEAD_OPS = 256
