@@ -210,3 +210,17 @@ def test_dependency_bound_sums_the_compute_between_chained_fetches():
     assert dependency_bound(prog, hw) == pytest.approx(8.0)
     best = simulate(plan_without_offload(prog, order=overlap_lane_ops(prog)), hw).figures
     assert best.step_s == pytest.approx(8.0) and best.compute_s == pytest.approx(6.0)
+
+
+def test_plan_json_says_where_the_kv_cache_is(capsys):
+    import json
+
+    args = ["plan", "--workload", "tiny-deepseek", "--mode", "decode", "--batch", "4", "--context", "20000",
+            "--hardware", "h200", "--budget", "40%", "--json"]  # the cache is most of the peak
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv"] == "remote" and out["pool_blocks"] >= 4 and out["feasible"]
+    assert 0 < out["fetch_share"] < 1 and out["reselection"] == 0.75
+    assert out["dependency_bound_s"] <= out["step_s"] * (1 + 1e-9)  # summed in another order
+    assert main([*args[:-1], "--policy", "kv-naive", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv"] == "device"
