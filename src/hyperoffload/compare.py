@@ -21,7 +21,7 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Kind, Plan, check_plan
 from hyperoffload.policies import InfeasibleBudget, get_policy, policies_for
-from hyperoffload.simulate import Timeline
+from hyperoffload.simulate import Timeline, budget_bounds
 from hyperoffload.units import parse_bandwidth
 from hyperoffload.verify import verify
 
@@ -86,7 +86,7 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     feasible = peak <= budget_bytes
     if not feasible and not note:
         note = "does not meet the budget: the peak shown is what it needs"
-    timeline = _with_budget_figures(timeline, program, hardware, budget_bytes, peak_bytes)
+    timeline = _with_budget_figures(timeline, plan, program, hardware, budget_bytes, peak_bytes)
     window = None
     if feasible:
         order = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
@@ -95,18 +95,16 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
                         timeline=timeline, note=note, window_bound_s=window)
 
 
-def _with_budget_figures(timeline: Timeline, program: Program, hardware: Hardware, budget: int,
+def _with_budget_figures(timeline: Timeline, plan: Plan, program: Program, hardware: Hardware, budget: int,
                          peak_bytes: int | None) -> Timeline:
-    """``timeline`` whose figures state the compared budget's excess and bounds (a plan that does not
-    meet the budget was simulated without one, or with the one it could meet)."""
+    """``timeline`` of ``plan`` whose figures state the compared budget's excess (from ``program``'s peak)
+    and bounds (a plan that does not meet the budget was simulated without one, or with the one it could
+    meet)."""
     f = timeline.figures
     if f.budget_bytes == budget:
         return timeline
     peak = memory_profile(program).peak_bytes if peak_bytes is None else peak_bytes
-    excess = max(0, peak - budget)
-    bound = max(f.compute_s, excess / hardware.h2d_bw, excess / hardware.d2h_bw)
-    both_ways = min(1 / hardware.duplex_share, 2.0)
-    duplex = max(f.compute_s, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
+    excess, bound, duplex = budget_bounds(plan.program, hardware, f.compute_s, budget, peak)
     return replace(timeline, figures=replace(f, budget_bytes=budget, excess_bytes=excess, bound_s=bound,
                                              duplex_bound_s=duplex))
 

@@ -159,6 +159,21 @@ class Program:
             cached = _DEPENDENCIES[self] = self._dependencies()
         return cached
 
+    def dependents(self) -> tuple[tuple[int, ...], ...]:
+        """For each op, the ops that depend on it directly (``dependencies()`` inverted), cached likewise."""
+        cached = _DEPENDENTS.get(self)
+        if cached is None:
+            after: list[list[int]] = [[] for _ in self.ops]
+            for op_id, before in enumerate(self.dependencies()):
+                for d in before:
+                    after[d].append(op_id)
+            cached = _DEPENDENTS[self] = tuple(tuple(a) for a in after)
+        return cached
+
+    def has_lane_ops(self) -> bool:
+        """Whether the step moves data itself (``Op.lane``)."""
+        return any(op.lane is not None for op in self.ops)
+
     def _dependencies(self) -> tuple[tuple[int, ...], ...]:
         producer = self.producers()
         deps: list[set[int]] = [set() for _ in self.ops]
@@ -199,6 +214,7 @@ class Program:
 
 
 _DEPENDENCIES: WeakKeyDictionary[Program, tuple[tuple[int, ...], ...]] = WeakKeyDictionary()
+_DEPENDENTS: WeakKeyDictionary[Program, tuple[tuple[int, ...], ...]] = WeakKeyDictionary()
 
 
 def verify_program(program: Program) -> None:

@@ -121,6 +121,20 @@ class _Copy:
         self.instr, self.start, self.latency_end, self.remaining = instr, start, latency_end, remaining
 
 
+def budget_bounds(program, hardware: Hardware, compute_s: float, budget_bytes: int,
+                  peak_bytes: int | None = None) -> tuple[int, float, float]:
+    """``(excess_bytes, bound_s, duplex_bound_s)`` of ``Figures`` for ``program`` at ``budget_bytes``;
+    ``peak_bytes`` is the no-offload peak the excess is measured from (default: ``program``'s own)."""
+    peak = memory_profile(program).peak_bytes if peak_bytes is None else peak_bytes
+    excess = max(0, peak - budget_bytes)
+    # Lane ops' bytes cross whatever the plan does (the step itself moves them): they add to the excess.
+    forced_h2d, forced_d2h = lane_traffic(program)
+    bound = max(compute_s, (excess + forced_h2d) / hardware.h2d_bw, (excess + forced_d2h) / hardware.d2h_bw)
+    both_ways = min(1 / hardware.duplex_share, 2.0)
+    duplex = max(bound, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
+    return excess, bound, duplex
+
+
 def lane_traffic(program) -> tuple[int, int]:
     """Bytes the program's own lane ops move per step: (remote -> device, device -> remote)."""
     h2d = sum(op.transfer_bytes for op in program.ops if op.lane == "h2d")
@@ -215,8 +229,11 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     wait_for = [-1] * n
     on_lane = [False] * n  # copies: prefetches, offloads and lane ops
     copy_bytes = [0] * n
-    op_instr = {ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE}
-    deps = program.dependencies()
+    # Lane ops wait for the ops they depend on, and compute ops for the lane ops they depend on; a step
+    # without lane ops (every training step) needs none of this bookkeeping.
+    has_lanes = program.has_lane_ops()
+    op_instr = {ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE} if has_lanes else {}
+    deps = program.dependencies() if has_lanes else ()
     lane_deps: list[tuple[int, ...]] = [()] * n  # lane op: the ops it waits for; compute op: the lane ops
     for i, ins in enumerate(instrs):
         if ins.kind is Kind.COMPUTE:
@@ -228,7 +245,8 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 last_writer[s] = i
             if op.lane is None:
                 compute_stream.append(i)
-                lane_deps[i] = tuple(op_instr[d] for d in deps[ins.target] if program.ops[d].lane is not None)
+                if has_lanes:
+                    lane_deps[i] = tuple(op_instr[d] for d in deps[ins.target] if program.ops[d].lane is not None)
             else:
                 # A lane op moves its bytes, or, where the profile measured its kernel as slower than the link
                 # (a Python kernel on an emulated link), takes that long: as many bytes as the lane moves then.
@@ -440,12 +458,7 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     lower_bound = max(compute_s, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
     excess = bound = duplex_bound = None
     if budget is not None:
-        excess = max(0, memory_profile(step.program).peak_bytes - budget)
-        # Lane ops' bytes cross whatever the plan does (the step itself moves them): they add to the excess.
-        forced_h2d, forced_d2h = lane_traffic(step.program)
-        bound = max(compute_s, (excess + forced_h2d) / hardware.h2d_bw, (excess + forced_d2h) / hardware.d2h_bw)
-        both_ways = min(1 / hardware.duplex_share, 2.0)
-        duplex_bound = max(bound, excess * both_ways / min(hardware.h2d_bw, hardware.d2h_bw))
+        excess, bound, duplex_bound = budget_bounds(step.program, hardware, compute_s, budget)
     memory.sort(key=lambda e: e[0])
     figures = Figures(
         compute_s=compute_s, step_s=step_s, exposed_s=step_s - compute_s, lower_bound_s=lower_bound,
@@ -454,6 +467,6 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         stall_copy_s=sum(s.end - s.start for s in stalls if s.cause == "copy"),
         stall_memory_s=sum(s.end - s.start for s in stalls if s.cause == "memory"),
         budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound,
-        dependency_bound_s=dependency_bound(step.program, hardware))
+        dependency_bound_s=dependency_bound(step.program, hardware, compute_s))
     return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), figures=figures,
                     plan=plan)

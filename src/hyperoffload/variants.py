@@ -15,7 +15,7 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 from hyperoffload.analysis import memory_profile
-from hyperoffload.ir import Program
+from hyperoffload.ir import Program, ValueKind
 
 RemoteCapture = Callable[[int | None, bool], Any]
 """(pool_blocks, speculative) -> a ``capture.Captured`` of the step with its KV cache remote."""
@@ -94,8 +94,6 @@ def kv_placement(program: Program) -> dict:
     if meta.get("kv") == "remote":
         return {"kv": "remote", "pool_blocks": meta.get("pool_blocks"), "speculative": meta.get("speculative", False),
                 "fetch_share": meta.get("pool_fetch_fraction"), "reselection": meta.get("reselection")}
-    from hyperoffload.ir import ValueKind
-
     if any(program.values[v].kind is ValueKind.KV_CACHE for v in program.inputs):
         return {"kv": "device"}
     return {}

@@ -32,12 +32,8 @@ def _reach(program: Program) -> tuple[list[int], np.ndarray, np.ndarray]:
     cached = _REACH.get(program)
     if cached is not None:
         return cached
-    deps = program.dependencies()
+    deps, dependents = program.dependencies(), program.dependents()
     n = len(program.ops)
-    dependents: list[list[int]] = [[] for _ in range(n)]
-    for op_id, d in enumerate(deps):
-        for before in d:
-            dependents[before].append(op_id)
     lanes = [op.id for op in program.ops if op.lane is not None]
     ancestors = np.zeros((len(lanes), n), dtype=bool)
     descendants = np.zeros((len(lanes), n), dtype=bool)
@@ -53,12 +49,14 @@ def _reach(program: Program) -> tuple[list[int], np.ndarray, np.ndarray]:
     return cached
 
 
-def dependency_bound(program: Program, hardware: Hardware) -> float:
+def dependency_bound(program: Program, hardware: Hardware, compute_s: float | None = None) -> float:
     """Seconds no order of ``program``'s ops can beat on ``hardware`` (module docstring); the step's compute
-    time for a step without lane ops."""
+    time for a step without lane ops (``compute_s`` if the caller has it: nothing else is needed then)."""
+    if compute_s is not None and not program.has_lane_ops():
+        return compute_s
     compute = np.asarray(op_times(program, hardware), dtype=np.float64)
     total = float(compute.sum())
-    if not any(op.lane for op in program.ops):
+    if not program.has_lane_ops():
         return total
     lanes, ancestors, descendants = _reach(program)
     transfer = [lane_op_time(program.ops[i], hardware) for i in lanes]

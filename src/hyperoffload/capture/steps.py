@@ -245,10 +245,13 @@ def capture_prefill_step(model: nn.Module, args: Any, *, kwargs: dict | None = N
 
 
 def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *, name: str | None = None,
-                        meta: dict | None = None) -> Captured:
+                        meta: dict | None = None, cache: Any = None, cache_names: Sequence[str] | None = None,
+                        remote: Sequence[int] = ()) -> Captured:
     """Capture one decode step: ``tokens`` (batch, 1) at position ``context`` of a KV cache that
-    holds ``context`` earlier tokens. The cache (from ``model.new_cache(batch, context + 1)``) is an
-    input of the step and is written in place."""
+    holds ``context`` earlier tokens. The cache (from ``model.new_cache(batch, context + 1)``, or ``cache``,
+    any pytree of tensors the model takes) is an input of the step and is written in place. ``cache_names``
+    name its tensors in flattening order (default: the model's ``cache_names()``, else numbers); ``remote``
+    gives the indices among them that live in remote memory (``Value.remote``)."""
     if not hasattr(model, "new_cache"):
         raise CaptureError(f"{type(model).__name__} does not provide new_cache(batch, context); decode capture "
                            f"needs a model that takes its KV cache as an input (the built-in workloads do)")
@@ -258,7 +261,8 @@ def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *,
     buffers = list(model.named_buffers())
     names = [n for n, _ in params] + [n for n, _ in buffers]
     n_state = len(names)
-    cache = model.new_cache(tokens.shape[0], context + tokens.shape[1])
+    if cache is None:
+        cache = model.new_cache(tokens.shape[0], context + tokens.shape[1])
     cache_flat, cache_spec = tree_flatten(cache)
     start = tokens.new_full((1,), context, dtype=torch.int64)  # fake when tokens are fake
 
@@ -272,7 +276,9 @@ def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *,
     flat = [p.detach() for _, p in params] + [b for _, b in buffers] + cache_flat + [tokens, start]
     kinds = [ValueKind.PARAMETER] * n_state + [ValueKind.KV_CACHE] * len(cache_flat) + [ValueKind.INPUT] * 2
     # A model may name its cache tensors (``cache_names()``, in flattening order); else they are numbered.
-    cache_names = model.cache_names() if hasattr(model, "cache_names") else range(len(cache_flat))
+    if cache_names is None:
+        cache_names = model.cache_names() if hasattr(model, "cache_names") else range(len(cache_flat))
     input_names = [*names, *(f"kv_cache.{n}" for n in cache_names), "tokens", "start"]
     return trace_step(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
-                  meta={"mode": "decode", "context": context, **(meta or {})})
+                      remote_inputs=[n_state + i for i in remote],
+                      meta={"mode": "decode", "context": context, **(meta or {})})

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -162,12 +163,21 @@ def candidate_orders(program: Program) -> list[tuple[int, ...]]:
     The anchored order moves each moment once per step and wins on slow links (PCIe); the eager one
     runs AdamW's gradient-free ``exp_avg_sq.mul_`` at the step's start, so those moments cross twice,
     which a fast link (NVLink-C2C) hides and which then leaves the planner a slightly better schedule."""
-    orders = [overlap_lane_ops(program)]
-    for refined in (hoist_updates(program), hoist_updates(program, anchored=False)):
-        refined = overlap_lane_ops(program, refined)
-        if refined not in orders:
-            orders.append(refined)
-    return orders
+    return list(dict.fromkeys(_orders(program)))
+
+
+def _orders(program: Program) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The captured, anchored refined and eager refined orders of ``candidate_orders`` (equal where they
+    coincide), computed once per program: every search and every smallest-budget question starts here."""
+    cached = _ORDERS.get(program)
+    if cached is None:
+        cached = _ORDERS[program] = (overlap_lane_ops(program),
+                                     overlap_lane_ops(program, hoist_updates(program)),
+                                     overlap_lane_ops(program, hoist_updates(program, anchored=False)))
+    return cached
+
+
+_ORDERS: WeakKeyDictionary[Program, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = WeakKeyDictionary()
 
 
 def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
@@ -241,7 +251,7 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
 def _search(program, hardware, budget_bytes, config, hint: tuple[tuple[int, ...], float] | None = None):
     """The fastest plan found whose live bytes never exceed ``budget_bytes``, and the order and margin
     it was made with. With a ``hint`` from an earlier search, plans only in that order and margin."""
-    first = overlap_lane_ops(program)
+    first, anchored, eager = _orders(program)
     orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [first]
     facts = [_order_facts(program, orders[0], config)]
     if orders[0] == first and (facts[0].live.size == 0 or facts[0].live.max() <= budget_bytes):
@@ -262,13 +272,11 @@ def _search(program, hardware, budget_bytes, config, hint: tuple[tuple[int, ...]
     # Every order gets one quick pass (the first margin, no refinement); the full search runs in the
     # fastest and in any other within ``config.quick_tolerance`` of it, where full passes may rank otherwise.
     # One or two full passes instead of one per order keep planning an 8B step within seconds.
-    eager = overlap_lane_ops(program, hoist_updates(program, anchored=False))
-    anchored = overlap_lane_ops(program, hoist_updates(program))
     quick_config = replace(config, bandwidth_margins=config.bandwidth_margins[:1], refinements=0)
     quick: list[tuple[_Tried, _OrderFacts]] = []
     for f in feasible:
-        if f.order == eager != anchored and not _offload_can_be_free(program, hardware, budget_bytes,
-                                                                     feasible[0].order, times_by_op):
+        if f.order == eager != anchored and not _offload_can_be_free(program, hardware, budget_bytes, first,
+                                                                     times_by_op):
             # The eager order moves the second moments twice per step; only a link that can make offloading
             # free at this budget hides that, and elsewhere its pass would only cost planning time.
             continue

@@ -34,10 +34,7 @@ def hoist_updates(program: Program, *, anchored: bool = True) -> tuple[int, ...]
     deps = program.dependencies()
     early = [op.phase is Phase.OPTIMIZER for op in program.ops]
     waiting = [len(d) for d in deps]
-    dependents: list[list[int]] = [[] for _ in program.ops]
-    for op_id, d in enumerate(deps):
-        for before in d:
-            dependents[before].append(op_id)
+    dependents = program.dependents()
     ready: list[int] = [op_id for op_id, e in enumerate(early) if e and waiting[op_id] == 0]
     heapq.heapify(ready)
     order: list[int] = []
@@ -68,7 +65,7 @@ def hoist_updates(program: Program, *, anchored: bool = True) -> tuple[int, ...]
     return _sink_early_updates(order, early, dependents) if anchored else tuple(order)
 
 
-def _sink_early_updates(order: list[int], early: list[bool], dependents: list[list[int]]) -> tuple[int, ...]:
+def _sink_early_updates(order: list[int], early: list[bool], dependents: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """``order`` with each movable op that other ops depend on moved to just before the first of them.
 
     Run as soon as its inputs are ready, an optimizer op that needs no gradient (AdamW's
@@ -114,7 +111,7 @@ def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
     """
     order = tuple(range(len(program.ops))) if order is None else tuple(order)
     ops = program.ops
-    if not any(op.lane for op in ops):
+    if not program.has_lane_ops():
         return order
     deps = program.dependencies()
     position = {op_id: p for p, op_id in enumerate(order)}
@@ -123,10 +120,7 @@ def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
     fetched_storages = {values[v].storage for v in fetched}
     deferred = [op.lane is None and any(values[v].storage in fetched_storages for v in op.inputs) for op in ops]
     waiting = [len(d) for d in deps]
-    dependents: list[list[int]] = [[] for _ in ops]
-    for op_id, d in enumerate(deps):
-        for before in d:
-            dependents[before].append(op_id)
+    dependents = program.dependents()
     # A lane's copies run in issue order, so a copy needed later must not be issued ahead of one needed
     # sooner: each lane issues its ops in the order of their deadlines (first reader's position).
     deadline = {i: min((position[d] for d in dependents[i]), default=len(order)) for i, op in enumerate(ops) if op.lane}

@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import register_pytree_node
 
 from hyperoffload.cache_ops import fetch_blocks_pooled, fetch_missing_blocks, prefetch_blocks, store_rows
 
@@ -240,6 +241,24 @@ class RemoteKVCache:
         return sum(layer.remote.numel() * layer.remote.element_size() for layer in self.layers)
 
 
+def _flatten(cache: RemoteKVCache):
+    return [t for layer in cache.layers for t in layer.tensors()], cache.layers
+
+
+def _unflatten(tensors, layers: list[RemoteLayerCache]) -> RemoteKVCache:
+    # A rebuilt cache (a traced step's) counts nothing: the counters read tensor values in Python.
+    tensors, rebuilt = list(tensors), []
+    for layer in layers:
+        count = len(layer.tensors())
+        rebuilt.append(layer.with_tensors(tensors[:count], None))
+        del tensors[:count]
+    return RemoteKVCache(rebuilt, None)
+
+
+# A pytree of its tensors, so a decode step taking it traces like one taking an on-device cache.
+register_pytree_node(RemoteKVCache, _flatten, _unflatten)
+
+
 def new_remote_cache(model, batch: int, context: int, pool_blocks: int | None = None,
                      dtype: torch.dtype | None = None, speculative: bool = False) -> RemoteKVCache:
     """A zeroed remote KV cache for ``context`` tokens of ``model`` (a ``DeepSeek``).
@@ -321,10 +340,7 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
     blocks (``reselection`` is the stated statistic; ``meta`` records both). ``speculative``: no pool; each
     layer prefetches the previous step's selection and then fetches the share ``1 - reselection`` it missed.
     """
-    from torch.func import functional_call
-
-    from hyperoffload.capture.steps import trace_step
-    from hyperoffload.ir import ValueKind
+    from hyperoffload.capture.steps import capture_decode_step
 
     cfg = model.cfg
     batch = tokens.shape[0]
@@ -332,35 +348,14 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
     valid_blocks = context // cfg.nsa_sel_block + 1
     fraction = 1 - reselection if speculative else \
         expected_fetch_fraction(pool_blocks, cfg.nsa_top_n, valid_blocks, reselection)
-    params = list(model.named_parameters())
-    buffers = list(model.named_buffers())
-    names = [n for n, _ in params] + [n for n, _ in buffers]
-    layer_tensors = [layer.tensors() for layer in cache.layers]
-    per_layer = len(layer_tensors[0])
-    cache_flat = [t for ts in layer_tensors for t in ts]
-    start = tokens.new_full((1,), context, dtype=torch.int64)
-
-    def step(*flat: torch.Tensor):
-        n_state = len(names)
-        state = dict(zip(names, flat[:n_state]))
-        chunks = [flat[n_state + i * per_layer:n_state + (i + 1) * per_layer] for i in range(len(cache.layers))]
-        cache_t = RemoteKVCache([layer.with_tensors(c, None) for layer, c in zip(cache.layers, chunks)], None)
-        tokens_t, start_t = flat[n_state + len(cache_flat):]
-        with torch.no_grad():
-            return functional_call(model, state, (tokens_t,), {"cache": cache_t, "start": start_t})
-
-    part_names = cache.layers[0].part_names()
-    flat = [p.detach() for _, p in params] + [b for _, b in buffers] + cache_flat + [tokens, start]
-    kinds = [ValueKind.PARAMETER] * len(names) + [ValueKind.KV_CACHE] * len(cache_flat) + [ValueKind.INPUT] * 2
-    input_names = [*names, *(f"kv_cache.{i}.{part}" for i in range(len(cache.layers)) for part in part_names),
-                   "tokens", "start"]
-    remote = [len(names) + i * per_layer for i in range(len(cache.layers))]
-    return trace_step(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
-                      remote_inputs=remote,
-                      meta={"mode": "decode", "context": context, "kv": "remote", "pool_blocks": pool_blocks,
-                            "speculative": speculative, "reselection": reselection, "pool_fetch_fraction": fraction,
-                            **pool_facts(cfg, batch, context, cache.layers[0].remote.element_size()),
-                            **(meta or {})})
+    parts = cache.layers[0].part_names()
+    return capture_decode_step(
+        model, tokens, context, name=name, cache=cache,
+        cache_names=[f"{i}.{part}" for i in range(len(cache.layers)) for part in parts],
+        remote=[i * len(parts) for i in range(len(cache.layers))],  # each layer's tensors start with its remote one
+        meta={"kv": "remote", "pool_blocks": pool_blocks, "speculative": speculative, "reselection": reselection,
+              "pool_fetch_fraction": fraction, **pool_facts(cfg, batch, context, cache.layers[0].remote.element_size()),
+              **(meta or {})})
 
 
 def pool_facts(cfg, batch: int, context: int, element_size: int) -> dict:
