@@ -11,10 +11,16 @@ Where CUDA exists, for ``tiny-llama`` and a small LLaMA (8 layers, hidden 1024),
 * runs planned steps on donated state (inputs that start in remote memory in pinned host memory, the rest
   on the GPU) and measures ``wall_s`` (mean step period after warm-up, one synchronize at the end) and
   ``torch.cuda.max_memory_allocated`` over those steps, next to the executor's own measured peak, the
-  budget, and the simulator's ``step_s`` and ``peak_bytes`` on the profile.
+  budget, and the simulator's ``step_s`` and ``peak_bytes`` on the profile;
+* runs the step from one static arena (``arena=True``): planned at the same budget with a static layout,
+  once in place with the CUDA runtime, and reports the arena's bytes (against the layout's), the executor's
+  measured peak, ``max_abs_diff`` against the unplanned step and the slot waits (reuses of a slot an offload
+  was still reading, waited for on the compute stream). This path had not yet been run on a GPU when it was
+  written; a failure there is reported as FAILED with its error, after the other figures.
 
-Exit status 1 if a planned step differs from the unplanned one by more than the noise floor (or by
-anything, where the unplanned step is reproducible) or the executor's measured peak passes the budget.
+Exit status 1 if a planned step (from the arena too) differs from the unplanned one by more than the noise
+floor (or by anything, where the unplanned step is reproducible), the executor's measured peak passes the
+budget, the arena is not the layout's size, or the arena run fails.
 Without CUDA it says so and exits 0. Usage: ``.venv/bin/python bench/gpu_check.py [--steps N] [--json]``
 (``make gpu-check``).
 """
@@ -29,8 +35,10 @@ import time
 import torch
 
 import hyperoffload
+from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import plan_without_offload
+from hyperoffload.policies import PlannerConfig, plan_hyperoffload
 from hyperoffload.runtime import AsyncExecutor
 from hyperoffload.runtime.measure import max_abs_diff
 from hyperoffload.simulate import simulate
@@ -75,6 +83,9 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int) ->
         diff = max_abs_diff([t.cpu() for t in (*run.outputs, *inputs)], want)
         del run, inputs
 
+        arena = arena_check(executor, program, captured.inputs, hardware, budget, want, noise)
+        del want
+
         # Timed steps on donated state; nothing else of ours stays on the GPU meanwhile.
         state = place_inputs(plan, captured.inputs)
         del captured
@@ -102,8 +113,30 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int) ->
             "max_memory_allocated": allocated, "pinned_remote_bytes": pinned,
             "wall_s": wall, "sim_step_s": sim.step_s, "sim_compute_s": sim.compute_s,
             "sim_error": abs(sim.step_s - wall) / wall, "max_abs_diff": diff, "unplanned_noise": noise,
-            "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes,
-            "ok": diff <= noise and peak <= plan.budget_bytes}
+            "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes, "arena": arena,
+            "ok": diff <= noise and peak <= plan.budget_bytes and arena["ok"]}
+
+
+def arena_check(executor, program, inputs, hardware, budget: str, want, noise: float) -> dict:
+    """One step in place from one static arena on the GPU: planned at ``budget`` with a static layout, run with
+    ``executor``'s CUDA backend, compared with ``want`` (the unplanned step's outputs and inputs after it, on the
+    CPU). A failure of the run is returned as the figures' ``error``, so the other checks still report."""
+    from hyperoffload.runtime.cuda_streams import place_inputs
+
+    budget_bytes = parse_budget(budget, program, hardware)
+    plan = plan_hyperoffload(program, hardware, budget_bytes, config=PlannerConfig(static_layout=True))
+    layout_bytes = plan.layout.arena_bytes
+    try:
+        placed = place_inputs(plan, inputs)
+        run = executor.run(plan, placed, arena=True)
+        diff = max_abs_diff([t.cpu() for t in (*run.outputs, *placed)], want)
+    except Exception as error:  # noqa: BLE001 - reported with the figures; the exit status says it failed
+        return {"layout_arena_bytes": layout_bytes, "budget_bytes": budget_bytes, "error": f"{type(error).__name__}: "
+                f"{error}", "ok": False}
+    return {"layout_arena_bytes": layout_bytes, "arena_bytes": run.arena_bytes, "budget_bytes": budget_bytes,
+            "measured_peak_bytes": run.peak_bytes, "slot_waits": run.slot_waits, "max_abs_diff": diff,
+            "h2d_bytes": run.h2d_bytes, "d2h_bytes": run.d2h_bytes,
+            "ok": diff <= noise and run.arena_bytes == layout_bytes and run.peak_bytes <= budget_bytes}
 
 
 def main(argv=None) -> int:
@@ -134,8 +167,15 @@ def main(argv=None) -> int:
         print(f"  memory: executor peak {r['measured_peak_bytes']:,} B, max_memory_allocated "
               f"{r['max_memory_allocated']:,} B ({r['max_memory_allocated'] / r['budget_bytes']:.3f} x budget), "
               f"simulated peak {r['sim_peak_bytes']:,} B; pinned remote buffers {r['pinned_remote_bytes']:,} B")
-        print(f"  exactness: max_abs_diff {r['max_abs_diff']:g} (unplanned vs unplanned: {r['unplanned_noise']:g})"
-              f"  -> {'ok' if r['ok'] else 'FAILED'}")
+        print(f"  exactness: max_abs_diff {r['max_abs_diff']:g} (unplanned vs unplanned: {r['unplanned_noise']:g})")
+        a = r["arena"]
+        if "error" in a:
+            print(f"  arena: FAILED ({a['error']}); layout arena {a['layout_arena_bytes']:,} B")
+        else:
+            print(f"  arena: {a['arena_bytes']:,} B (layout {a['layout_arena_bytes']:,} B, budget "
+                  f"{a['budget_bytes']:,} B), executor peak {a['measured_peak_bytes']:,} B, slot waits "
+                  f"{a['slot_waits']}, max_abs_diff {a['max_abs_diff']:g}")
+        print(f"  -> {'ok' if r['ok'] else 'FAILED'}")
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -9,6 +9,7 @@ import itertools
 import json
 
 import pytest
+import torch
 from test_plan_executor import assert_identical
 
 from hyperoffload.budgets import parse_budget
@@ -82,6 +83,131 @@ class DeferredOffloads:
 
     def abort(self, handles) -> None:
         pass
+
+
+class StreamOrdered(DeferredOffloads):
+    """Copies ordered as a GPU stream backend orders them, with what the host has seen kept apart: ``wait`` (later
+    compute waits for the copy, an event wait of the compute stream on CUDA) and ``synchronize`` (the host blocks)
+    are told apart, and a copy counts as done (``is_done``) only once the host has synchronized with it, as on a
+    GPU that lags the host. Compute is the caller's thread here, so ``wait`` moves an offload's bytes at once; a
+    prefetch moves its bytes at once, after the offload it depends on. The test sets ``step_over`` when the last
+    instruction has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offloaded: list[DeferredOffloads.Handle] = []
+        self.stream_waited: set[int] = set()  # ids of the handles later compute waited for
+        self.host_seen: set[int] = set()  # ids of the handles the host synchronized with
+        self.host_blocks_mid_step = 0
+        self.step_over = False
+
+    def offload(self, label, src, dst):
+        handle = super().offload(label, src, dst)
+        self.offloaded.append(handle)
+        return handle
+
+    def prefetch(self, label, src, dst, after):
+        if after is not None:
+            after.complete()
+        handle = self.Handle(src, dst)
+        handle.complete()
+        return handle
+
+    def wait(self, handle) -> None:
+        self.stream_waited.add(id(handle))
+        handle.complete()
+
+    def synchronize(self, handle) -> None:
+        self.host_blocks_mid_step += not self.step_over
+        handle.complete()
+        self.host_seen.add(id(handle))
+
+    def is_done(self, handle) -> bool:
+        return id(handle) in self.host_seen
+
+
+def _run_stream_ordered(captured, plan, *, arena):
+    transfers = StreamOrdered()
+    last = len(plan.instructions) - 1
+
+    def note(i: int) -> None:
+        transfers.step_over = i == last
+
+    inputs = [t.clone() for t in captured.inputs]
+    with AsyncExecutor(transfers) as executor:
+        run = executor.run(plan, inputs, arena=arena, on_instruction=note)
+    return transfers, run, inputs
+
+
+def test_a_reused_slot_waits_on_the_compute_stream_not_on_the_host(captured, reference, planned):
+    """Reusing a slot still read by an offload makes later compute wait for it (``Transfers.wait``: an event wait
+    on CUDA), never blocks the host mid-step, and gives the same bytes. Without a budget, so that no allocation
+    waits for memory on the host (``_make_room``, a separate rule)."""
+    unbounded = dataclasses.replace(planned, budget_bytes=None)
+    transfers, run, inputs = _run_stream_ordered(captured, unbounded, arena=True)
+    assert run.slot_waits > 0
+    assert transfers.host_blocks_mid_step == 0
+    assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
+
+
+def test_every_offload_has_finished_on_the_host_when_the_step_returns(captured, reference, planned):
+    """Offloads that later compute only waited for on its stream (here: their slots reused) are still completed on
+    the host before the step returns: their remote buffers are host memory that results may be read from."""
+    unbounded = dataclasses.replace(planned, budget_bytes=None)
+    transfers, run, inputs = _run_stream_ordered(captured, unbounded, arena=True)
+    assert any(id(h) in transfers.stream_waited for h in transfers.offloaded)  # the case arises in this plan
+    assert all(id(h) in transfers.host_seen for h in transfers.offloaded)
+    assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
+
+
+class ArenaFrom(SyncTransfers):
+    """Synchronous copies, with the arena allocated by the backend (``arena_storage``) on ``device``."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.arenas: list[int] = []
+
+    def arena_storage(self, nbytes, like):
+        self.arenas.append(nbytes)
+        return torch.UntypedStorage(nbytes, device=self.device)
+
+
+def test_the_arena_is_allocated_by_the_backend_on_the_inputs_device(captured, reference, planned):
+    transfers = ArenaFrom("cpu")
+    inputs = [t.clone() for t in captured.inputs]
+    run = AsyncExecutor(transfers).run(planned, inputs, arena=True)
+    assert transfers.arenas == [planned.layout.arena_bytes] == [run.arena_bytes]
+    assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
+
+    elsewhere = ArenaFrom("meta")
+    originals = [t.clone() for t in inputs]
+    with pytest.raises(ValueError, match="meta.*inputs are on cpu"):
+        AsyncExecutor(elsewhere).run(planned, inputs, arena=True)
+    assert_identical(inputs, originals)  # refused before anything ran
+
+
+def test_slots_are_views_of_the_arena_bytes_with_each_tensors_own_layout():
+    """What the executor builds a slot and a value in it from, on the arena's device: a byte range of the arena as
+    a storage of its own, and a view with the value's dtype, size, stride and offset, writing the arena's bytes."""
+    from hyperoffload.runtime.plan_executor import _ViewMeta
+
+    arena = torch.UntypedStorage(1024)
+    arena_bytes = torch.empty(0, dtype=torch.uint8).set_(arena)
+    arena_bytes.zero_()
+    slot = arena[256:256 + 96]
+    assert (slot.device, slot.nbytes(), slot.data_ptr()) == (arena.device, 96, arena.data_ptr() + 256)
+    value = torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, 1:5].t()  # a strided view with an offset
+    meta = _ViewMeta.of(value)
+    slot.copy_(value.untyped_storage())
+    view = meta.view_into(slot)
+    assert (view.dtype, view.shape, view.stride(), view.storage_offset(), view.device) == (
+        value.dtype, value.shape, value.stride(), value.storage_offset(), arena.device)
+    assert torch.equal(view, value)
+    view.mul_(2)  # in place, into the arena: only the viewed elements change
+    expected = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    expected[:, 1:5] *= 2
+    assert torch.equal(arena_bytes[256:352].view(torch.float32), expected.flatten())
+    assert not arena_bytes[:256].any() and not arena_bytes[352:].any()
 
 
 def test_synchronous_arena_run_is_bit_identical_and_sized_by_the_layout(captured, reference, planned):

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 import hyperoffload
+from hyperoffload.budgets import parse_budget
+from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import plan_without_offload
+from hyperoffload.policies import PlannerConfig, plan_hyperoffload
 from hyperoffload.runtime import AsyncExecutor, run_async
 from hyperoffload.runtime.measure import max_abs_diff
 from hyperoffload.workloads import capture_workload, get_workload
@@ -72,3 +75,52 @@ def test_donated_steps_overlap_on_cuda_and_end_where_the_unplanned_steps_end(on_
         pinned = executor.transfers.pinned_bytes
         executor.step(plan, state)
         assert executor.transfers.pinned_bytes == pinned, "pinned remote buffers are allocated once and reused"
+
+
+@pytest.fixture(scope="module")
+def arena_plan(on_gpu):
+    """tiny-llama's training step planned at half the peak on h100-sxm with a static layout, whose arena fits the
+    budget (slot offsets are multiples of 256 bytes, so kernels see the alignment the allocator would give)."""
+    captured = on_gpu[0]
+    hardware = get_hardware("h100-sxm")
+    budget = parse_budget("50%", captured.program, hardware)
+    plan = plan_hyperoffload(captured.program, hardware, budget, config=PlannerConfig(static_layout=True))
+    assert plan.layout is not None and plan.layout.arena_bytes <= budget
+    return plan
+
+
+@needs_cuda
+def test_planned_step_runs_from_its_arena_on_cuda_bit_identically(on_gpu, arena_plan):
+    """From one arena on the GPU with the CUDA backend: the same loss and updated state as the unplanned step, the
+    arena the layout's size, and no two live storages on the same bytes (the executor raises ArenaOverlap)."""
+    from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
+
+    captured, _, want = on_gpu
+    inputs = place_inputs(arena_plan, captured.inputs)
+    with AsyncExecutor(CudaStreams()) as executor:
+        run = executor.run(arena_plan, inputs, arena=True)
+    assert run.arena_bytes == arena_plan.layout.arena_bytes
+    assert 0 < run.peak_bytes <= run.arena_bytes <= arena_plan.budget_bytes
+    assert run.h2d_bytes > 0 and run.d2h_bytes > 0
+    assert max_abs_diff([t.cpu() for t in (*run.outputs, *inputs)], want) == 0.0
+
+
+@needs_cuda
+def test_donated_steps_from_the_arena_on_cuda_end_where_the_unplanned_steps_end(on_gpu, arena_plan):
+    """Step after step from the arena with the last offloads carried into the next step, whose arena is a new
+    block while those copies may still read the old one."""
+    from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
+
+    captured = on_gpu[0]
+    ref_state = [t.clone() for t in captured.inputs]
+    unplanned = plan_without_offload(captured.program)
+    with AsyncExecutor(CudaStreams()) as executor:
+        for _ in range(3):
+            executor.run(unplanned, ref_state)
+        state = place_inputs(arena_plan, captured.inputs)
+        for _ in range(3):
+            run = executor.step(arena_plan, state, arena=True)
+            assert run.arena_bytes == arena_plan.layout.arena_bytes
+            state = list(run.state)
+        executor.synchronize()
+        assert max_abs_diff([t.cpu() for t in state], [t.cpu() for t in ref_state]) == 0.0

@@ -27,7 +27,7 @@ step.
 from __future__ import annotations
 
 from collections.abc import Callable, MutableSequence, Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -123,7 +123,7 @@ class AsyncExecutor:
         for handle in carried.values():
             try:
                 self.transfers.synchronize(handle)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - secondary to the error being raised
                 pass
 
     def close(self) -> None:
@@ -134,7 +134,7 @@ class AsyncExecutor:
             if self._owned and hasattr(self.transfers, "close"):
                 self.transfers.close()
 
-    def __enter__(self) -> AsyncExecutor:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -148,7 +148,9 @@ def run_async(plan: Plan, inputs: Sequence[torch.Tensor], *, link: Transfers | H
     A lowered plan is run through its ``Plan``: ``lower_plan(plan)`` and this function execute the same
     instructions. Raises ``PlanError`` before anything runs if the plan is invalid, ``TransferError`` if a
     copy fails, ``BudgetExceeded`` if the measured device bytes pass the budget. ``arena``: run from one
-    arena (``True``: ``plan.layout`` or ``assign_offsets(plan)``; or a ``Layout``), as ``run_plan``.
+    arena (``True``: ``plan.layout`` or ``assign_offsets(plan)``; or a ``Layout``), as ``run_plan``, on the
+    link's device: CPU for an emulated link, the GPU for ``"cuda"`` (that path is written but not yet run on a
+    GPU; see ``plan_executor``).
     """
     with AsyncExecutor(link) as executor:
         return executor.run(plan, inputs, on_instruction=on_instruction, arena=arena)

@@ -10,14 +10,23 @@ semantics" note on streams and ``record_stream``):
   everything issued so far on the compute stream, which includes the op that last wrote the
   storage. A prefetch is issued on the H2D stream after it waits for the compute stream too (its
   new device block may have just been freed by an op still queued there: the caching allocator
-  reuses a block for the *same* stream at once) and for the event of the offload that filled its
-  source, if that is still in flight. A ``WAIT`` makes the compute stream wait for the copy's event
+  reuses a block for the *same* stream at once; from an arena, its slot's previous occupant may
+  still be read by queued ops) and for the event of the offload that filled its source, if that is
+  still in flight. A ``WAIT`` makes the compute stream wait for the copy's event
   (``Stream.wait_event``); the host does not block.
 * **No block reused under a copy.** The device storage a copy reads or writes is marked with
   ``record_stream(side stream)``: when the interpreter lets go of it (a release right after an
   offload), the caching allocator does not hand the block out again until the copy has finished.
   The byte count still holds it until the copy's event has completed, and an allocation that would
   not fit under the budget waits for that event on the host (``Event.synchronize``).
+* **Running from an arena** (``arena=True``; see ``plan_executor``). The arena is one block of the
+  caching allocator (``arena_storage``); slots are storages sliced from it, which the allocator does not
+  track, so ``record_stream`` on a slot does nothing and the arena itself is marked as used by both side
+  streams instead: when it is freed with a copy of a slot still queued (an offload carried into the next
+  step), its block is not reused before that copy has finished. Copies into slots after ops run on the
+  compute stream; before a slot is reused the executor calls ``wait`` on the offload still reading it (an
+  event wait of the compute stream), and the prefetch rule above orders a prefetch into the slot after
+  it. Written from these rules; not yet run on a GPU.
 * **Pinned remote memory, allocated once.** Remote buffers are page-locked host buffers (so copies
   are truly asynchronous DMA), one per storage id and size, allocated on first use and reused by
   later offloads of that storage, in this step and the next. Reuse is safe because a storage's next
@@ -52,7 +61,7 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 class CudaTransfer:
     """One copy on a side stream: its completion event and the buffers it must keep alive until then."""
 
-    __slots__ = ("label", "direction", "nbytes", "event", "_buffers")
+    __slots__ = ("_buffers", "direction", "event", "label", "nbytes")
 
     def __init__(self, label: str, direction: str, nbytes: int, event: torch.cuda.Event,
                  buffers: tuple[torch.UntypedStorage, ...]) -> None:
@@ -86,6 +95,16 @@ class CudaStreams:
     def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         # Allocated while the compute stream is current, so the block belongs to the compute stream's pool.
         return torch.UntypedStorage(nbytes, device=self.device)
+
+    def arena_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        """The step's arena (``nbytes`` bytes) on this device, safe to free with copies of its slots queued."""
+        arena = self.device_storage(nbytes, like)
+        # Slots are sliced storages, outside the allocator's bookkeeping (their record_stream is a no-op): mark
+        # the block itself, so that freeing it waits for whatever the side streams have queued by then.
+        whole = _bytes(arena)
+        whole.record_stream(self.h2d)
+        whole.record_stream(self.d2h)
+        return arena
 
     def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         buffer = self._pinned.get((key, nbytes))

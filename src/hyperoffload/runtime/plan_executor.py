@@ -50,16 +50,29 @@ on the device are copied into their slots first (in place, the caller's tensors 
 state back); a prefetch copies from remote memory straight into its slot; each op's outputs that own a
 storage are copied into their slot right after the op, and every value aliasing such a storage is
 rebound as a view of the slot with its own size, stride and offset, so in-place ops write into the
-arena. On CPU that costs each such output one extra copy and a transient allocation outside the arena:
-ops allocate their outputs through PyTorch (a CUDA runtime would route them into the arena with a
-pluggable allocator / ``MemPool`` or ``out=`` variants; running from an arena on CUDA is refused). A
-slot is reused only once the offload reading its previous occupant has finished (the executor waits for
-it; ops run on the caller's thread, so those reading it have finished). At every allocation the
-executor checks, from the slot tensors' addresses, that the live storages' byte ranges are inside the
-arena and pairwise disjoint, and raises ``ArenaOverlap`` naming both storages and the instruction
+arena. That costs each such output one extra copy and a transient allocation outside the arena: ops
+allocate their outputs through PyTorch (routing them into the arena directly would take a pluggable
+allocator / ``MemPool`` or ``out=`` variants). A slot is reused only once the offload reading its previous
+occupant has finished: before the slot is written again, later compute is made to wait for that offload
+(``Transfers.wait``), and a prefetch into the slot starts only after the compute issued before it (the
+backend's ``prefetch`` contract), so the ops reading the previous occupant have finished too. At every
+allocation the executor checks, from the slot tensors' addresses, that the live storages' byte ranges are
+inside the arena and pairwise disjoint, and raises ``ArenaOverlap`` naming both storages and the instruction
 otherwise. Outputs that do not alias an input are returned as copies, so the arena is freed when the
 step returns (with ``donate=True`` the state lives in the arena until the next step copies it into its
 own).
+
+The arena is the same code on every device: the buffer is allocated where the backend puts device storages
+(``Transfers.arena_storage``, else ``Transfers.device_storage``) and must be on the device of the step's
+device-tier inputs; slots are byte ranges of it (``UntypedStorage`` slices, which share its memory) and
+values are views of them with their own dtype, size, stride and offset. On CPU the waits above block the
+caller's thread (ops run on it). On CUDA (``cuda_streams.CudaStreams``) every copy into a slot (``_fill``)
+runs on the compute stream after the op that produced it; a reused slot's wait is an event wait of the
+compute stream, so the host does not block; a prefetch's side stream waits for the compute stream first; and
+the arena is marked as used by both side streams, so a copy of a slot still queued when the arena is freed
+(a carried offload) keeps its block from being reused. This CUDA path is written and reasoned from CUDA's
+stream rules but has not yet been run on a GPU (``tests/test_cuda_runtime.py`` and ``make gpu-check`` run
+it where there is one).
 
 Inputs that start the step in remote memory (``plan.initial_remote``) are their own remote copy:
 prefetches read the caller's storage, and an offload of such a storage writes back into it.
@@ -138,7 +151,7 @@ class PlanRun:
     """Bytes of the arena the step ran from (the buffer it allocated); 0 when not run from an arena."""
     slot_waits: int = 0
     """Allocations into the arena that first waited for the offload still reading their slot's previous
-    occupant."""
+    occupant (on CUDA the compute stream waited, not the host)."""
 
 
 class Transfers(Protocol):
@@ -154,10 +167,17 @@ class Transfers(Protocol):
         """Start copying device ``src`` into remote ``dst`` once the work issued so far has written ``src``."""
 
     def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage, after: Any | None) -> Any:
-        """Start copying remote ``src`` into device ``dst``, after the transfer ``after`` (which fills ``src``)."""
+        """Start copying remote ``src`` into device ``dst``, after the transfer ``after`` (which fills ``src``) and
+        after the compute issued so far (and what it was made to ``wait`` for): ``dst`` may be an arena slot whose
+        previous occupant that compute still reads."""
 
     def wait(self, handle: Any) -> None:
         """Make later compute wait for the transfer; raise ``TransferError`` if it failed."""
+
+    def arena_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        """Optional: the step's arena, a device storage of ``nbytes`` allocated where ``like``'s tier lives, that
+        may be freed while copies into or out of byte ranges of it are still queued (without it, the executor
+        takes ``device_storage``, enough where copies are done with a buffer once their handle says so)."""
 
     def is_done(self, handle: Any) -> bool:
         """Whether the transfer has finished (without blocking)."""
@@ -413,7 +433,8 @@ def run_plan(plan: Plan, inputs: Sequence[torch.Tensor], *, arena: bool | Layout
     Raises ``PlanError`` (from ``check_plan``) if the plan is invalid, before anything runs. Inputs
     are used as given and updated in place, as in ``run_reference``: pass clones to keep the originals.
     ``arena``: run from one arena (``True``: ``plan.layout`` or ``assign_offsets(plan)``; or a ``Layout``
-    of this plan); see the module docstring.
+    of this plan), allocated on the device of the inputs the step starts with on the device tier; see the
+    module docstring.
     """
     return execute_plan(plan, inputs, SyncTransfers(), arena=arena)
 
@@ -600,13 +621,15 @@ class _Step:
                 f"{budget}: plan with PlannerConfig(static_layout=True) (plan/run --static-layout), which re-plans "
                 f"until the arena fits, or run without the arena")
         resident = [t for v, t in self.caller.items() if self.storage_of[v] not in self.plan.initial_remote]
-        device = resident[0].device if resident else torch.device("cpu")
-        if device.type != "cpu":
-            raise ValueError(f"running from an arena is implemented for a CPU device tier only, not {device}: ops "
-                             f"allocate their outputs through PyTorch and are copied into the arena after they "
-                             f"run, which on an accelerator needs stream ordering this executor does not do; run "
-                             f"without arena=True")
-        self.arena = torch.UntypedStorage(layout.arena_bytes, device=device)
+        # The backend decides where device storages live (as for a prefetch without an arena); ``like`` tells
+        # backends that follow their inputs (``SyncTransfers``) which device that is.
+        like = (resident or list(self.caller.values()) or [torch.empty(0)])[0].untyped_storage()
+        allocate = getattr(self.transfers, "arena_storage", None) or self.transfers.device_storage
+        self.arena = allocate(layout.arena_bytes, like)
+        if resident and self.arena.device != resident[0].device:
+            raise ValueError(f"the arena of plan {self.program.name} was allocated on {self.arena.device} by "
+                             f"{type(self.transfers).__name__}, but the step's device-tier inputs are on "
+                             f"{resident[0].device}; place the inputs on the backend's device")
         self.arena_base = self.arena.data_ptr()
         self.ranges = _ArenaRanges()
 
@@ -637,7 +660,13 @@ class _Step:
         return slot
 
     def _free_slot(self, lo: int, hi: int) -> None:
-        """Wait for offloads still reading bytes of ``[lo, hi)`` for a storage the step has let go of."""
+        """Order every later write of ``[lo, hi)`` after the offloads still reading those bytes for a storage the
+        step has let go of.
+
+        ``Transfers.wait`` is enough: the slot is then written by compute, which it orders, or by a prefetch,
+        which starts after the compute issued before it. On CUDA that is an event wait of the compute stream
+        rather than a host block; on CPU backends the caller's thread is the compute, so it blocks. ``_finish``
+        still completes these offloads on the host before the step returns."""
         self._poll()
         reading = [f for f in self.holding
                    if f.held and f.device.data_ptr() - self.arena_base < hi
@@ -646,7 +675,7 @@ class _Step:
             return
         start = time.perf_counter()
         for flight in reading:
-            self.transfers.synchronize(flight.handle)
+            self.transfers.wait(flight.handle)
             self._finished(flight)
         self.holding = [f for f in self.holding if f.held]
         self.slot_waits += 1
@@ -983,9 +1012,16 @@ class _Step:
             self._landed(flight)
         carried = {id(h) for h in self.carried.values()}
         for flight in self.started:  # superseded transfers too (an offload whose prefetch was waited)
-            if flight.held and id(flight.handle) not in carried:
+            if id(flight.handle) in carried:
+                continue
+            if flight.held:
                 self._block(flight.handle)
                 self._finished(flight)
+            elif flight.kind is Kind.OFFLOAD and not self.transfers.is_done(flight.handle):
+                # Waited for only by later compute (a WAIT, or its slot reused; on CUDA an event wait of the
+                # compute stream): its remote buffer is host memory, which the results below and the caller may
+                # read on the host. A prefetch needs no such wait: only compute reads what it wrote.
+                self._block(flight.handle)
         self.in_flight.clear()
         self.started = []  # the step is over: what is carried belongs to the next step
 
