@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.ir import ValueKind
-from hyperoffload.layout import (ALIGNMENT, Layout, LayoutError, Residency, _first_fit, arena_stalls, assign_offsets,
-                                 check_layout, pack_blocks, prefetch_into_arena, residencies)
+from hyperoffload.layout import (ALIGNMENT, Layout, LayoutError, Residency, _first_fit, arena_stalls, arena_use,
+                                 assign_offsets, check_layout, pack_blocks, prefetch_into_arena, residencies)
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, PlannerConfig, plan_hyperoffload
 from hyperoffload.verify import VerificationError, verify
@@ -240,3 +240,13 @@ def test_every_slot_is_aligned():
     plan = plan_hyperoffload(prog, simple_hardware(bw=1e8), int(memory_profile(prog).peak_bytes * 0.6), LAYOUT)
     assert plan.layout.offsets and all(offset % ALIGNMENT == 0 for offset in plan.layout.offsets)
     assert plan.layout.arena_bytes % ALIGNMENT == 0
+
+
+def test_arena_use_gives_the_top_byte_and_the_live_bytes_at_each_instruction():
+    # A lives over instructions 0-1 at the bottom, B over 1-3 above it, C over 2-3 back at the bottom:
+    # at instruction 2 only 300 bytes are live but B still sits at 256, so the top is 512.
+    found = (Residency(0, 0, 2, 256), Residency(1, 1, 4, 256), Residency(2, 2, 4, 44))
+    layout = Layout(residencies=found, offsets=(0, 256, 0), arena_bytes=512, live_peak_bytes=512)
+    top, live = arena_use(layout, np.array([0, 1, 2, 3]))
+    assert top.tolist() == [256, 512, 512, 512]
+    assert live.tolist() == [256, 512, 300, 300]

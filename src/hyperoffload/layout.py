@@ -403,6 +403,22 @@ def prefetch_into_arena(plan: Plan, layout: Layout) -> tuple[Plan, Layout]:
     return replace(moved, layout=moved_layout), moved_layout
 
 
+def arena_use(layout: Layout, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """While each instruction index of ``at`` (sorted) runs: the highest arena byte in use and the live
+    bytes (both bytes; 0 where nothing is live). Where the first exceeds the second, the layout, not
+    the live bytes, sets the memory the plan needs at that point."""
+    at = np.asarray(at, dtype=np.int64)
+    top = np.zeros(at.size, np.int64)
+    live = np.zeros(at.size + 1, np.int64)
+    for r, offset in zip(layout.residencies, layout.offsets):
+        lo, hi = np.searchsorted(at, (r.start, r.end), side="left")
+        if hi > lo:
+            np.maximum(top[lo:hi], offset + r.nbytes, out=top[lo:hi])
+            live[lo] += r.nbytes
+            live[hi] -= r.nbytes
+    return top, np.cumsum(live)[:-1]
+
+
 class LayoutError(AssertionError):
     """A layout places two residencies that are live at once on the same bytes, or outside its arena."""
 
@@ -444,5 +460,5 @@ def check_layout(layout: Layout) -> None:
                           f"{layout.arena_bytes}-byte arena")
 
 
-__all__ = ["ALIGNMENT", "Layout", "LayoutError", "Residency", "arena_stalls", "assign_offsets", "check_layout",
+__all__ = ["ALIGNMENT", "Layout", "LayoutError", "Residency", "arena_stalls", "arena_use", "assign_offsets", "check_layout",
            "pack_blocks", "prefetch_into_arena", "residencies"]

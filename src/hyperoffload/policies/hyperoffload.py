@@ -36,7 +36,7 @@ from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.layout import assign_offsets, prefetch_into_arena
+from hyperoffload.layout import arena_use, assign_offsets, prefetch_into_arena
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies.lanes import Lane
 from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops
@@ -131,10 +131,9 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
     return _minimum(program, _order_facts(program, order, config))
 
 
-def _minimum(program: Program, facts: _OrderFacts) -> tuple[int, str]:
+def _unavoidable(facts: _OrderFacts) -> np.ndarray:
+    """Bytes each position of ``facts.order`` holds on the device whatever this planner offloads."""
     live = facts.live
-    if live.size == 0:
-        return 0, "the step has no ops"
     removable = np.zeros(live.size + 1, dtype=np.int64)
     for span in facts.spans:
         removable[span.first + 1] += span.nbytes
@@ -142,7 +141,13 @@ def _minimum(program: Program, facts: _OrderFacts) -> tuple[int, str]:
         if span.cyclic:  # the span wraps: it also covers the step from its start up to the first use
             removable[0] += span.nbytes
             removable[live.size] -= span.nbytes
-    unavoidable = live - np.cumsum(removable)[:-1]
+    return live - np.cumsum(removable)[:-1]
+
+
+def _minimum(program: Program, facts: _OrderFacts) -> tuple[int, str]:
+    if facts.live.size == 0:
+        return 0, "the step has no ops"
+    unavoidable = _unavoidable(facts)
     p = int(unavoidable.argmax())
     op = program.ops[facts.order[p]]
     values = program.values
@@ -217,7 +222,8 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
     plan, hint = _search(program, hardware, budget_bytes, config)
     if not config.static_layout:
         return plan
-    target = budget_bytes
+    first = _orders(program)[0]
+    target: np.ndarray | None = None  # live bytes each position of the hint's order may hold
     for attempt in range(config.layout_attempts + 1):
         layout = assign_offsets(plan)
         if layout.arena_bytes <= budget_bytes:
@@ -230,9 +236,20 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
             return plan
         if attempt == config.layout_attempts:
             break
-        # Fragmentation: the packing needs more than the live bytes. Plan for fewer live bytes, by what
-        # the arena is over, and pack again.
-        target -= layout.arena_bytes - budget_bytes
+        # Fragmentation: where the packing rises above the budget, plan for fewer live bytes, by what it is
+        # over there, and pack again. Only those positions: lowering the whole step's budget by the worst
+        # overshoot moved more than the layout needs and cost step time everywhere.
+        hint = hint or (first, None)  # the unplanned step fit; its order, every margin
+        at = [i for i, ins in enumerate(plan.instructions) if ins.kind is Kind.COMPUTE]
+        top, live = arena_use(layout, np.asarray(at))
+        over = np.maximum(top - budget_bytes, 0)
+        lowered = np.minimum(np.full(len(at), budget_bytes) if target is None else target,
+                             np.where(over > 0, live - over, budget_bytes))
+        # No lower than the planner can go at each position; if that leaves nothing lower, packing again is moot.
+        lowered = np.maximum(lowered, _unavoidable(_order_facts(program, hint[0], config)))
+        if (lowered >= (budget_bytes if target is None else target)).all():
+            break
+        target = lowered
         try:
             plan, hint = _search(program, hardware, target, config, hint)
         except InfeasibleBudget as error:
@@ -244,30 +261,35 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
                 f"{format_bytes(error.min_budget_bytes + layout.overhead_bytes)}, or plan without a static "
                 f"layout", error.min_budget_bytes + layout.overhead_bytes) from None
     raise InfeasibleBudget(f"no static layout within {format_bytes(budget_bytes)} found after "
-                           f"{config.layout_attempts} re-plans (the last needs {format_bytes(layout.arena_bytes)}); "
+                           f"{attempt} re-plans (the last needs {format_bytes(layout.arena_bytes)}); "
                            f"give a larger budget, or plan without a static layout", layout.arena_bytes)
 
 
-def _search(program, hardware, budget_bytes, config, hint: tuple[tuple[int, ...], float] | None = None):
+def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tuple[tuple[int, ...], float | None] | None = None):
     """The fastest plan found whose live bytes never exceed ``budget_bytes``, and the order and margin
-    it was made with. With a ``hint`` from an earlier search, plans only in that order and margin."""
+    it was made with. With a ``hint`` from an earlier search, plans only in that order, and in that margin
+    unless it is None. ``budget_bytes`` may be an array: the bytes each position of the hint's order may hold."""
     first, anchored, eager = _orders(program)
     orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [first]
+    budget = np.asarray(budget_bytes, dtype=np.int64)
     facts = [_order_facts(program, orders[0], config)]
-    if orders[0] == first and (facts[0].live.size == 0 or facts[0].live.max() <= budget_bytes):
+    if orders[0] == first and (facts[0].live.size == 0 or (facts[0].live <= budget).all()):
         base = plan_without_offload(program, order=first)
-        return Plan(program=program, instructions=base.instructions, policy=POLICY, budget_bytes=budget_bytes), None
+        return Plan(program=program, instructions=base.instructions, policy=POLICY,
+                    budget_bytes=int(budget.max(initial=0))), None
     facts += [_order_facts(program, order, config) for order in orders[1:]]
     smallest = [_minimum(program, f) for f in facts]
-    feasible = [f for f, (least, _) in zip(facts, smallest) if budget_bytes >= least]
+    feasible = [f for f, (least, _) in zip(facts, smallest)
+                if (budget >= least if budget.ndim == 0 else budget >= _unavoidable(f)).all()]
     if not feasible:
         least, why = min(smallest, key=lambda r: r[0])
-        raise InfeasibleBudget(f"a budget of {format_bytes(budget_bytes)} is below the smallest this planner can "
-                               f"meet, {format_bytes(least)} ({least} bytes): {why}", least)
+        raise InfeasibleBudget(f"a budget of {format_bytes(int(budget.min()))} is below the smallest this planner "
+                               f"can meet, {format_bytes(least)} ({least} bytes): {why}", least)
     times_by_op = np.asarray(op_times(program, hardware), dtype=np.float64)
     if hint:
-        best = _plan_in_order(program, hardware, budget_bytes, feasible[0], times_by_op,
-                              replace(config, bandwidth_margins=(hint[1],)))
+        margins = config.bandwidth_margins if hint[1] is None else (hint[1],)
+        best = _plan_in_order(program, hardware, budget, feasible[0], times_by_op,
+                              replace(config, bandwidth_margins=margins))
         return best.plan, (tuple(feasible[0].order), best.margin)
     # Every order gets one quick pass (the first margin, no refinement); the full search runs in the
     # fastest and in any other within ``config.quick_tolerance`` of it, where full passes may rank otherwise.
@@ -275,18 +297,17 @@ def _search(program, hardware, budget_bytes, config, hint: tuple[tuple[int, ...]
     quick_config = replace(config, bandwidth_margins=config.bandwidth_margins[:1], refinements=0)
     quick: list[tuple[_Tried, _OrderFacts]] = []
     for f in feasible:
-        if f.order == eager != anchored and not _offload_can_be_free(program, hardware, budget_bytes, first,
+        if f.order == eager != anchored and not _offload_can_be_free(program, hardware, int(budget.min()), first,
                                                                      times_by_op):
             # The eager order moves the second moments twice per step; only a link that can make offloading
             # free at this budget hides that, and elsewhere its pass would only cost planning time.
             continue
-        quick.append((_plan_in_order(program, hardware, budget_bytes, f, times_by_op, quick_config), f))
+        quick.append((_plan_in_order(program, hardware, budget, f, times_by_op, quick_config), f))
     fastest = min(tried.step_s for tried, _ in quick)
-    full = [(_plan_in_order(program, hardware, budget_bytes, f, times_by_op, config, seed=tried), f)
+    full = [(_plan_in_order(program, hardware, budget, f, times_by_op, config, seed=tried), f)
             for tried, f in quick if tried.step_s <= fastest * (1 + config.quick_tolerance)]
     best, facts = min(full, key=lambda t: t[0].step_s)
     return best.plan, (tuple(facts.order), best.margin)
-
 
 
 def _offload_can_be_free(program, hardware, budget_bytes, order, times_by_op: np.ndarray) -> bool:
@@ -503,7 +524,7 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
             excess[lo:hi] -= size[i]
     if config.early_prefetch:
         _prefetch_early(choices, spans, excess, size, n)
-    return _emit(program, spans, choices, budget, order)
+    return _emit(program, spans, choices, int(np.max(budget)), order)
 
 
 def _prefetch_early(choices: dict[int, _Choice], spans: list[Span], excess: np.ndarray, size, n: int) -> None:
