@@ -11,6 +11,11 @@ row plans HyperOffload with ``--static-layout``, whose arena stays within the bu
     .venv/bin/python bench/fragmentation.py                   # llama3-8b training and decode (a few minutes)
     .venv/bin/python bench/fragmentation.py --plot fragmentation.png
     .venv/bin/python bench/fragmentation.py --greedy-by-size  # arenas packed greedy by size alone
+    .venv/bin/python bench/fragmentation.py --cost            # what the static layout costs, 90% ... 10%
+
+``--cost`` plans llama3-8b training at budgets from 90% to 10% of the no-offload peak twice, with the
+live bytes and with the static arena within the budget, and prints both simulated step times, the
+arena against the budget, and the planning times.
 """
 
 from __future__ import annotations
@@ -59,6 +64,30 @@ def rows_for(workload: str, mode: str, sizes: dict, share: float, hardware, cons
         rows.append({"policy": name, "live": check_plan(plan).peak_bytes, "budget": budget, **figures,
                      "seconds": time.perf_counter() - start, "layout_seconds": packing})
     return rows
+
+
+def layout_cost(hardware, console: Console) -> None:
+    """Step time and planning time with the live bytes and with the static arena within each budget."""
+    from hyperoffload.simulate import simulate
+
+    program = capture_workload(get_workload("llama3-8b"), "train").program
+    peak = memory_profile(program).peak_bytes
+    out = Table(title=f"llama3-8b train on {hardware.name}: what keeping the arena within the budget costs",
+                title_justify="left")
+    for column in ("budget", "step_s (live bytes)", "step_s (arena)", "cost", "arena / budget", "plan_s (live bytes)",
+                   "plan_s (arena)"):
+        out.add_column(column, justify="right")
+    for share in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1):
+        budget = int(peak * share)
+        cells = []
+        for config in (PlannerConfig(), PlannerConfig(static_layout=True)):
+            start = time.perf_counter()
+            plan = plan_hyperoffload(program, hardware, budget, config)
+            cells.append((simulate(plan, hardware).figures.step_s, time.perf_counter() - start, plan.layout))
+        (free, free_s, _), (packed, packed_s, layout) = cells
+        out.add_row(f"{share:.0%}", f"{free:.3f}", f"{packed:.3f}", f"{packed / free - 1:+.1%}",
+                    f"{layout.arena_bytes / budget:.3f}", f"{free_s:.1f}", f"{packed_s:.1f}")
+    console.print(out)
 
 
 def table(rows: list[dict], title: str) -> Table:
@@ -113,6 +142,8 @@ def main() -> None:
     parser.add_argument("--greedy-by-size", action="store_true",
                         help="pack every arena greedy by size alone (largest first, lowest gap), as the layout "
                              "did before it tried other packings: the baseline its overhead is measured against")
+    parser.add_argument("--cost", action="store_true",
+                        help="only the step-time and planning-time cost of the static layout, 90%% ... 10%% of the peak")
     args = parser.parse_args()
     if args.greedy_by_size:
         # Swapped in the module, so that the planner's static layout packs the same way as the other rows.
@@ -120,6 +151,9 @@ def main() -> None:
                                                                                       start, end, size)
     console = Console(width=160)
     hardware = get_hardware(args.hardware)
+    if args.cost:
+        layout_cost(hardware, console)
+        return
     results = []
     for workload, mode, sizes, share in SCENARIOS:
         rows = rows_for(workload, mode, sizes, share, hardware, console)

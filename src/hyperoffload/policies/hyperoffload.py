@@ -64,10 +64,11 @@ class PlannerConfig:
     refinements: int = 2
     """Re-plans against the op times the best plan so far was simulated at (kept only if faster)."""
     static_layout: bool = False
-    """Give the plan a static arena layout (``hyperoffload.layout``) and re-plan for fewer live bytes until
-    the arena, not only the live bytes, fits the budget: the budget then bounds reserved memory. Off by
-    default: the packing loses 5-6% to fragmentation on llama3-8b training plans, and making room for
-    that costs about 3% of step time and triples planning time."""
+    """Give the plan a static arena layout (``hyperoffload.layout``) and re-plan for fewer live bytes where
+    the arena rises above the budget until it fits: the budget then bounds reserved memory. Off by default:
+    the packing loses 3-8% to fragmentation on llama3-8b training plans, and making room for that costs
+    0-12% of step time (1% at half the peak on h100-sxm) and doubles planning time
+    (``bench/fragmentation.py --cost``)."""
     layout_attempts: int = 4
     """Re-plans allowed to make room for the layout's fragmentation before giving up."""
     reorder: bool = True
