@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from weakref import WeakKeyDictionary
 
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Op, Program
@@ -127,8 +128,19 @@ def lane_op_time(op: Op, hardware: Hardware) -> float:
 
 
 def op_times(program: Program, hardware: Hardware) -> tuple[float, ...]:
-    """Seconds of every op of ``program``, indexed by op id."""
-    return tuple(op_time(op, program, hardware) for op in program.ops)
+    """Seconds of every op of ``program``, indexed by op id; computed once per program and profile object
+    (a planner simulates many plans of one program on one profile)."""
+    cached = _TIMES.get(program)
+    if cached is not None and cached[0] is hardware:
+        return cached[1]
+    times = tuple(op_time(op, program, hardware) for op in program.ops)
+    _TIMES[program] = (hardware, times)
+    return times
+
+
+# Program -> (the profile object its op times were computed on, the times). Keyed by the profile's
+# identity, not its name: ``Hardware.replace`` keeps the name and may change what ops cost.
+_TIMES: WeakKeyDictionary[Program, tuple[Hardware, tuple[float, ...]]] = WeakKeyDictionary()
 
 
 def transfer_time(nbytes: int, bandwidth: float, latency_s: float) -> float:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from hyperoffload.ir import Program
 
@@ -126,12 +127,12 @@ def check_plan(plan: Plan) -> PlanCheck:
     # knowing whether a released value is needed again.
     uses: dict[int, list[int]] = {}
     compute_uses: dict[int, list[int]] = {}
+    touched, read, written = _op_storages(program)
     for i, ins in enumerate(instrs):
         if ins.kind is Kind.COMPUTE:
             if not 0 <= ins.target < len(program.ops):
                 raise PlanError(i, f"compute of op id {ins.target}, which the program does not have")
-            op = program.ops[ins.target]
-            for s in {storage_of[v] for v in (*op.inputs, *op.outputs)}:
+            for s in touched[ins.target]:
                 uses.setdefault(s, []).append(i)
                 compute_uses.setdefault(s, []).append(i)
         else:
@@ -175,7 +176,7 @@ def check_plan(plan: Plan) -> PlanCheck:
             missing = [program.ops[d].name for d in deps[s] if not computed[d]]
             if missing:
                 raise PlanError(i, f"{ins.describe(program)} runs before {missing[0]}, which it depends on")
-            for r in sorted({storage_of[v] for v in op.inputs}):
+            for r in read[s]:
                 if not ready.get(r, False):
                     if r in released_at and not on_device.get(r):
                         why = f"released by #{released_at[r]}; prefetch it and wait before this op"
@@ -184,7 +185,7 @@ def check_plan(plan: Plan) -> PlanCheck:
                     else:
                         why = "never brought to the device"
                     raise PlanError(i, f"{ins.describe(program)} reads {name(r)}, which is not on the device ({why})")
-            for w in {storage_of[v] for v in op.mutates}:
+            for w in written[s]:
                 if w in pending and pending[w][0] is Kind.OFFLOAD:
                     raise PlanError(i, f"{ins.describe(program)} overwrites {name(w)} while its offload "
                                        f"#{pending[w][1]} may still be reading it; wait for the offload first")
@@ -243,7 +244,7 @@ def check_plan(plan: Plan) -> PlanCheck:
                                f"of {plan.budget_bytes}")
         live.append(allocated)
         # Automatic frees: storages the caller does not hold, after their last device use.
-        for t in _touched(ins, program):
+        for t in touched[s] if ins.kind is Kind.COMPUTE else (s,) if ins.kind is Kind.OFFLOAD else ():
             if t not in held and last_use.get(t) == i and on_device.get(t, False):
                 on_device[t] = ready[t] = False
                 allocated -= values[t].alloc_bytes
@@ -260,8 +261,18 @@ def check_plan(plan: Plan) -> PlanCheck:
                      initial_bytes=initial)
 
 
-def _touched(ins: Instr, program: Program) -> set[int]:
-    if ins.kind is Kind.COMPUTE:
-        op = program.ops[ins.target]
-        return {program.values[v].storage for v in (*op.inputs, *op.outputs)}
-    return {ins.target} if ins.kind is Kind.OFFLOAD else set()
+def _op_storages(program: Program) -> tuple[tuple[frozenset[int], ...], tuple[tuple[int, ...], ...],
+                                            tuple[frozenset[int], ...]]:
+    """Per op id, the storages it touches (reads or writes), those it reads (sorted) and those it mutates;
+    computed once per program (every plan of it is checked against the same ops)."""
+    cached = _OP_STORAGES.get(program)
+    if cached is None:
+        storage_of = [v.storage for v in program.values]
+        cached = _OP_STORAGES[program] = (
+            tuple(frozenset(storage_of[v] for v in (*op.inputs, *op.outputs)) for op in program.ops),
+            tuple(tuple(sorted({storage_of[v] for v in op.inputs})) for op in program.ops),
+            tuple(frozenset(storage_of[v] for v in op.mutates) for op in program.ops))
+    return cached
+
+
+_OP_STORAGES: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()

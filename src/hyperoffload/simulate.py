@@ -28,11 +28,13 @@ instruction and is never simulated. Results are deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from weakref import WeakKeyDictionary
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.dependency_bound import dependency_bound
 from hyperoffload.cost import lane_op_time, op_times
 from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan
 
 COMPUTE, H2D, D2H = "compute", "h2d", "d2h"
@@ -197,6 +199,23 @@ def _keeps_state_remote(plan: Plan) -> bool:
     return all(on_device[s] == (s not in plan.initial_remote) for s in on_device)
 
 
+def _op_facts(program: Program) -> tuple[tuple[int, ...], tuple[frozenset[int], ...], tuple[frozenset[int], ...]]:
+    """Per op id: the bytes it allocates (storages its outputs own), the storages it reads and those it
+    writes (mutates or creates); once per program, as a planner simulates many plans of one program."""
+    cached = _OP_FACTS.get(program)
+    if cached is None:
+        values = program.values
+        cached = _OP_FACTS[program] = (
+            tuple(sum(values[o].alloc_bytes for o in op.outputs if values[o].owns_storage) for op in program.ops),
+            tuple(frozenset(values[v].storage for v in op.inputs) for op in program.ops),
+            tuple(frozenset({values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage})
+                  for op in program.ops))
+    return cached
+
+
+_OP_FACTS: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()
+
+
 def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> Timeline:
     """Simulate ``plan``; figures that count one step's work (compute, bytes) come from ``per_step``."""
     check = check_plan(plan)
@@ -235,13 +254,14 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     op_instr = {ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE} if has_lanes else {}
     deps = program.dependencies() if has_lanes else ()
     lane_deps: list[tuple[int, ...]] = [()] * n  # lane op: the ops it waits for; compute op: the lane ops
+    op_alloc, op_reads, op_writes = _op_facts(program)
     for i, ins in enumerate(instrs):
         if ins.kind is Kind.COMPUTE:
             op = program.ops[ins.target]
-            alloc[i] = sum(values[o].alloc_bytes for o in op.outputs if values[o].owns_storage)
-            for s in {values[v].storage for v in op.inputs}:
+            alloc[i] = op_alloc[ins.target]
+            for s in op_reads[ins.target]:
                 readers_since[s] = i
-            for s in {values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage}:
+            for s in op_writes[ins.target]:
                 last_writer[s] = i
             if op.lane is None:
                 compute_stream.append(i)

@@ -536,8 +536,9 @@ def _prefetch_early(choices: dict[int, _Choice], spans: list[Span], excess: np.n
         choice = choices[i]
         lowest = max(floor, choice.release + 1 if choice.prefetch >= choice.release else choice.resumes + 1)
         p = choice.prefetch
-        while p - 1 >= lowest and excess[p - 1] + size[i] <= 0:
-            p -= 1
+        if lowest < p:  # the earliest position from which on every position up to p has room for it
+            blocked = np.flatnonzero(excess[lowest:p] + size[i] > 0)
+            p = lowest + int(blocked[-1]) + 1 if blocked.size else lowest
         if p < choice.prefetch:
             excess[p:choice.prefetch] += size[i]
             choices[i] = replace(choice, prefetch=p)
