@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     for text in args.links.split(","):
         bw = parse_bandwidth(text)
         bare = base.replace(h2d_bw=bw, d2h_bw=bw, h2d_latency_s=args.latency, d2h_latency_s=args.latency)
-        hardware = for_executor(bare, program, dispatch, issue)
+        hardware = for_executor(bare, program, dispatch, issue, inputs=captured.inputs)
         budget = parse_budget(args.budget, program, hardware)
         plan = get_policy(args.policy)(program, hardware, budget)
         runs = []

@@ -66,9 +66,21 @@ _MEASURED: dict[str, tuple[str, Mapping[str, float]]] = {}
 _SERIAL = itertools.count(1)
 
 
+def op_signature(op: Op, program: Program) -> str:
+    """The op's target with the shapes and dtypes of its inputs and outputs, as ``with_measured_op_costs`` keys
+    a cost measured for one op shape: ``"aten.mm.default(2x64:float32,64x64:float32)->(2x64:float32)"``. Ops
+    of one signature do the same work (a layer's ops repeat in every layer, and in every form of a step)."""
+    values = program.values
+
+    def shapes(ids) -> str:
+        return ",".join(f"{'x'.join(map(str, values[v].shape))}:{values[v].dtype}" for v in ids)
+
+    return f"{op.target}({shapes(op.inputs)})->({shapes(op.outputs)})"
+
+
 def with_measured_op_costs(hardware: Hardware, costs: Mapping[str, float]) -> Hardware:
-    """``hardware`` under a new name on which each op whose target (``"hyperoffload.nsa_select.default"``)
-    is in ``costs`` is charged its measured seconds per call:
+    """``hardware`` under a new name on which each op whose signature (``op_signature``) or else whose target
+    (``"hyperoffload.nsa_select.default"``) is in ``costs`` is charged its measured seconds per call:
 
     * an op on the compute stream takes exactly ``costs[target]`` seconds (``op_time``), in place of its rule
       or roofline: the measurement includes whatever launch overhead the caller means to charge;
@@ -89,8 +101,12 @@ def with_measured_op_costs(hardware: Hardware, costs: Mapping[str, float]) -> Ha
     name = f"{base}+measured-ops-{next(_SERIAL)}"
     _MEASURED[name] = (base, MappingProxyType({**earlier, **{t: float(c) for t, c in costs.items()}}))
     sources = dict(hardware.sources)
-    sources["measured_op_costs"] = (f"{len(_MEASURED[name][1])} op target(s) charged their measured time on this "
-                                    f"machine: {', '.join(sorted(_MEASURED[name][1]))}")
+    measured = _MEASURED[name][1]
+    targets = sorted(key for key in measured if "(" not in key)
+    shapes = len(measured) - len(targets)
+    sources["measured_op_costs"] = (f"{len(measured)} op target(s) or op signature(s) charged their measured time "
+                                    f"on this machine: {shapes} signatures"
+                                    + (f"; targets {', '.join(targets)}" if targets else ""))
     return dataclasses.replace(hardware, name=name, sources=MappingProxyType(sources))
 
 
@@ -107,8 +123,10 @@ def op_time(op: Op, program: Program, hardware: Hardware) -> float:
     if op.lane is not None:
         return 0.0
     measured = _MEASURED.get(hardware.name)
-    if measured is not None and op.target in measured[1]:
-        return measured[1][op.target]
+    if measured is not None:
+        seconds = measured[1].get(op_signature(op, program), measured[1].get(op.target))
+        if seconds is not None:
+            return seconds
     return _RULES.get(op.target, roofline_time)(op, program, hardware)
 
 
