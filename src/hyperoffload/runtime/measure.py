@@ -245,12 +245,13 @@ def custom_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: i
     return {target: statistics.median(run[target] for run in runs) / n for target, n in calls.items()}
 
 
-def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: int = 7) -> dict[str, float]:
+def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: int = 11) -> dict[str, float]:
     """Seconds per call of each op signature (``cost.op_signature``) of ``program``'s compute ops, measured by
     running the unplanned step through the plan executor (synchronous copies) on clones of ``inputs``: two
     warm-up runs, then per op the median over ``repeats`` runs of the time from the end of the instruction
     before it to the end of its own (its arguments looked up, the call, its results recorded: all the
-    executor's one thread spends on it), then the median over the ops of each signature. The step's first
+    executor's one thread spends on it), scaled so that the ops add up to the median run, then the mean over
+    the ops of each signature. The step's first
     instruction, which also pays for starting the step, and lane ops, which run on copy lanes when planned,
     are left out. Empty if ``inputs`` are fake tensors."""
     from torch._subclasses.fake_tensor import is_fake
@@ -276,7 +277,12 @@ def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats:
                 runs.append([b - a for a, b in zip([start, *stamps], stamps)])
     finally:
         gc.unfreeze()
-    per_op = [statistics.fmean(times) for times in zip(*runs)]
+    # Per op the median over runs (a run that another process interrupted leaves a few ops far slower),
+    # scaled so that the ops add up to the median run: medians of right-skewed times sum to less than that.
+    per_op = [statistics.median(times) for times in zip(*runs)]
+    typical = statistics.median(sum(run[1:]) for run in runs)
+    scale = typical / sum(per_op[1:]) if sum(per_op[1:]) > 0 else 1.0
+    per_op = [t * scale for t in per_op]
     by_signature: dict[str, list[float]] = defaultdict(list)
     for i, ins in enumerate(plan.instructions[1:], start=1):
         op = program.ops[ins.target]
