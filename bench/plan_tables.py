@@ -7,9 +7,12 @@ own traffic), and step_s / duplex_bound_s, where duplex_bound_s (a simulator fig
 link's both-directions penalty: moving the excess E each way takes at least E * min(1 / duplex_share, 2) / bw,
 and step_s / window_bound_s, the bound no plan in the same op order can beat (``analysis.window_bound``: the
 excess must leave between its last write and the peak and return between the peak and its next use).
+With ``--flow``, also step_s / flow_bound_s (``analysis.flow_bound``: an LP over every storage's idle
+stretches and every over-budget stretch of the order; about 10 s per row on an 8B step, hence the flag).
 
     .venv/bin/python bench/plan_tables.py                          # every scenario (several minutes)
     .venv/bin/python bench/plan_tables.py --scenario llama3-8b:h100-sxm
+    .venv/bin/python bench/plan_tables.py --scenario llama3-8b:h100-sxm --flow     # adds step/flow
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from hyperoffload.analysis import memory_profile, window_bound
+from hyperoffload.analysis import flow_bound, memory_profile, window_bound
 from hyperoffload.budgets import hideable_budget
 from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import Kind
@@ -39,7 +42,7 @@ def _order(plan) -> str:
     return "captured" if ops == sorted(ops) else "refined"
 
 
-def table_for(name: str, console: Console) -> None:
+def table_for(name: str, console: Console, *, flow: bool = False) -> None:
     workload, hardware_name = name.split(":")
     hardware = get_hardware(hardware_name)
     program = capture_workload(get_workload(workload), "train").program
@@ -51,18 +54,19 @@ def table_for(name: str, console: Console) -> None:
     table = Table(title=f"{workload} training (batch 1, seq 4096, bf16 / fp32 AdamW) on {hardware_name}: "
                         f"no-offload peak {peak / 2**30:.1f} GiB", title_justify="left")
     for column in ("budget", "GiB", "step_s", "bound_s", "step/bound", "step/lower", "step/duplex", "step/window",
-                   "slowdown", "moved GiB", "stalls", "order", "plan_s"):
+                   *(("step/flow",) if flow else ()), "slowdown", "moved GiB", "stalls", "order", "plan_s"):
         table.add_column(column, justify="right")
     for label, budget in budgets:
         start = time.perf_counter()
         plan = plan_hyperoffload(program, hardware, budget)
         plan_s = time.perf_counter() - start
         f = verify(plan, hardware).figures
-        window = window_bound(program, hardware, budget, [i.target for i in plan.instructions
-                                                          if i.kind is Kind.COMPUTE]).seconds
+        order = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
+        window = window_bound(program, hardware, budget, order).seconds
+        flows = (f"{f.step_s / flow_bound(program, hardware, budget, order).seconds:.3f}",) if flow else ()
         table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
                       f"{f.step_s / f.bound_s:.3f}", f"{f.step_s / f.lower_bound_s:.3f}",
-                      f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.step_s / window:.3f}", f"{f.slowdown:.3f}",
+                      f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.step_s / window:.3f}", *flows, f"{f.slowdown:.3f}",
                       f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), _order(plan), f"{plan_s:.1f}")
     console.print(table)
 
@@ -70,10 +74,11 @@ def table_for(name: str, console: Console) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="workload:hardware (repeatable)")
+    parser.add_argument("--flow", action="store_true", help="add step_s / flow bound (an LP: slow)")
     args = parser.parse_args()
     console = Console(width=140)
     for name in args.scenario or SCENARIOS:
-        table_for(name, console)
+        table_for(name, console, flow=args.flow)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""The flow bound: an LP lower bound on the step time of every plan in a given op order."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from programs import op, program, random_programs, simple_hardware, value
+
+from hyperoffload.analysis import flow_bound, memory_profile
+from hyperoffload.plans import Kind
+from hyperoffload.policies import POLICIES, InfeasibleBudget
+from hyperoffload.simulate import simulate
+
+
+def compute_order(plan):
+    return [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
+
+
+def _two_peaks():
+    """x (written by op0, 1000 bytes) idles until op4 reads it; op2 and op3 are over the budget by 1000 and
+    900 bytes, and only x can leave."""
+    values = [value(0, 0), value(1, 1000), value(2, 200), value(3, 4000), value(4, 100), value(5, 100)]
+    ops = [op(0, [0], [1], flops=1000),
+           op(1, [0], [2], flops=2000),
+           op(2, [2], [3], flops=3000),  # live: x + 200 + 4000 = 5200 (the peak)
+           op(3, [3], [4], flops=4000),  # live: x + 4000 + 100 = 5100
+           op(4, [1, 4], [5], flops=5000)]
+    return program(values, ops, [0], [5])
+
+
+def test_hand_computed_flows():
+    """One op per bin, so each bin's instant is the start of its op (the bin's first slot is empty, its second
+    holds the op). x must be wholly off when op2 starts: its offload may move data from the slot of its write
+    (op0) until op2 starts, 1 s of link against 3 us of compute (op0, op1). 900 bytes must still be off when
+    op3 starts, so they come back after that and before op4 starts: 0.9 s against op3's 4 us. The other 100
+    bytes may come back from op2's start: 0.1 s against its 3 us. The lanes are independent (duplex 1.0)
+    and the three stretches are disjoint, so the stalls add up to (1 - 3e-6) + (0.1 - 3e-6) + (0.9 - 4e-6):
+    2 s + 5 us in all. (The window bound, which knows the offload starts after op0 ends, says 2 s + 9 us.)"""
+    prog = _two_peaks()
+    hardware = simple_hardware(bw=1000.0)
+    budget = memory_profile(prog).peak_bytes - 1000
+    bound = flow_bound(prog, hardware, budget)
+    assert bound.status == "optimal" and bound.bins == 5
+    assert bound.need_bytes == (0, 0, 1000, 900, 0)
+    compute = 15e-6
+    stall = (1.0 - 3e-6) + (0.1 - 3e-6) + (0.9 - 4e-6)
+    assert bound.compute_s == pytest.approx(compute, rel=1e-12)
+    assert bound.seconds == pytest.approx(compute + stall, rel=1e-7)
+    assert bound.d2h_bytes == pytest.approx(1000.0) and bound.h2d_bytes == pytest.approx(1000.0)
+    plan = POLICIES["hyperoffload"](prog, hardware, budget)
+    assert bound.seconds <= simulate(plan, hardware).figures.step_s
+
+
+def test_duplex_share_charges_overlapping_copies():
+    """With one bin the two copies share one slot-pair: at duplex 0.5 they cannot overlap usefully, so the
+    bound is at least the sum of both copies."""
+    prog = _two_peaks()
+    hardware = simple_hardware(bw=1000.0, duplex=0.5)
+    budget = memory_profile(prog).peak_bytes - 1000
+    one = flow_bound(prog, hardware, budget, bins=1)
+    assert one.seconds >= 1.0  # D2H of x before the instant
+    assert flow_bound(prog, hardware, budget).seconds >= one.seconds * (1 - 1e-9)  # finer bins only tighten
+
+
+def test_budget_at_the_peak_gives_the_compute_time():
+    prog = _two_peaks()
+    hardware = simple_hardware(bw=1000.0)
+    bound = flow_bound(prog, hardware, memory_profile(prog).peak_bytes)
+    assert bound.status == "fits" and bound.seconds == bound.compute_s
+
+
+def test_a_budget_nothing_can_meet_is_infeasible():
+    prog = _two_peaks()
+    bound = flow_bound(prog, simple_hardware(bw=1000.0), 100)
+    assert bound.status == "infeasible" and bound.seconds == float("inf")
+
+
+def _check_policies(prog, hardware, budget, **kwargs):
+    for name, policy in POLICIES.items():
+        try:
+            plan = policy(prog, hardware, budget)
+        except InfeasibleBudget:
+            continue
+        figures = simulate(plan, hardware).figures
+        if figures.peak_bytes > budget:
+            continue  # the policy did not meet the budget: the bound is about plans that do
+        bound = flow_bound(prog, hardware, budget, compute_order(plan), **kwargs)
+        assert bound.seconds >= bound.compute_s
+        assert bound.seconds <= figures.step_s * (1 + 1e-9) + 1e-12, (name, bound, figures.step_s)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_programs(), st.sampled_from([0.9, 0.7, 0.5]), st.sampled_from([1e3, 1e6]),
+       st.sampled_from([1.0, 0.6, 0.4]), st.sampled_from([1, 3, 128]))
+def test_no_plan_of_any_policy_beats_the_bound(prog, share, bandwidth, duplex, bins):
+    hardware = simple_hardware(bw=bandwidth, duplex=duplex)
+    _check_policies(prog, hardware, int(memory_profile(prog).peak_bytes * share), bins=bins)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_programs())
+def test_the_bound_is_the_compute_time_at_the_peak(prog):
+    hardware = simple_hardware(bw=1e3)
+    bound = flow_bound(prog, hardware, memory_profile(prog).peak_bytes)
+    assert bound.seconds == bound.compute_s
+
+
+@pytest.mark.parametrize("share", [0.7, 0.5])
+def test_tiny_llama_plans_stay_above_the_bound(share):
+    from hyperoffload.hardware import get_hardware
+    from hyperoffload.workloads import capture_workload, get_workload
+
+    prog = capture_workload(get_workload("tiny-llama"), "train").program
+    hardware = get_hardware("h100-sxm").replace(h2d_bw=2e9, d2h_bw=2e9)  # a slow link: copies stall
+    _check_policies(prog, hardware, int(memory_profile(prog).peak_bytes * share), bins=32)
