@@ -64,11 +64,12 @@ class PlannerConfig:
     refinements: int = 2
     """Re-plans against the op times the best plan so far was simulated at (kept only if faster)."""
     stretch_to_window_bound: bool = True
-    """Also plan each refined order against its op times stretched to the order's window bound (no plan in that
-    order steps faster, ``analysis.window_bound``), at the first margin: the lane model then books copies into
-    the time the step will take rather than into compute alone. In refined orders, whose moments come back
-    during the backward pass, that start often wins (llama3-8b training on h100-sxm at 70% of the peak: 0.93 s
-    against 1.10 s); in the captured order it rarely does, and is not tried."""
+    """Also plan the anchored refined order against its op times stretched to the order's window bound (no plan
+    in that order steps faster, ``analysis.window_bound``), at the first margin: the lane model then books copies
+    into the time the step will take rather than into compute alone. There, where moments come back during
+    the backward pass, that start often wins (llama3-8b training on h100-sxm at 70% of the peak: 0.93 s
+    against 1.10 s); in the captured order it rarely did, in the eager one never, and they skip it (each
+    start costs a plan and a simulation, about 1.5 s on llama3-8b at small budgets)."""
     static_layout: bool = False
     """Give the plan a static arena layout (``hyperoffload.layout``) and re-plan for fewer live bytes where
     the arena rises above the budget until it fits: the budget then bounds reserved memory. Off by default:
@@ -302,14 +303,17 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     # fastest and in any other within ``config.quick_tolerance`` of it, where full passes may rank otherwise.
     # One or two full passes instead of one per order keep planning an 8B step within seconds.
     quick_config = replace(config, bandwidth_margins=config.bandwidth_margins[:1], refinements=0)
-    quick: list[tuple[tuple[_Tried, tuple[_Tried, ...]], _OrderFacts]] = []
-    for f in feasible:
-        if f.order == eager != anchored and not _offload_can_be_free(program, hardware, int(budget.min()), first,
-                                                                     times_by_op):
-            # The eager order moves the second moments twice per step; only a link that can make offloading
-            # free at this budget hides that, and elsewhere its pass would only cost planning time.
-            continue
-        quick.append((_plan_in_order(program, hardware, budget, f, times_by_op, quick_config), f))
+    # The eager order moves the second moments twice per step; only a link that can make offloading free at
+    # this budget hides that, and elsewhere its pass would only cost planning time.
+    considered = [f for f in feasible if not (tuple(f.order) == eager != anchored and not _offload_can_be_free(
+        program, hardware, int(budget.min()), first, times_by_op))]
+    if len(considered) > 2:
+        # Where the eager order is worth a pass (links fast enough to offload for free), the stretched start
+        # never won; it would cost a pass of its own.
+        quick_config = replace(quick_config, stretch_to_window_bound=False)
+        config = replace(config, stretch_to_window_bound=False)
+    quick: list[tuple[tuple[_Tried, tuple[_Tried, ...]], _OrderFacts]] = [
+        (_plan_in_order(program, hardware, budget, f, times_by_op, quick_config), f) for f in considered]
     fastest = min(best.step_s for (best, _), _ in quick)
     full = [(_plan_in_order(program, hardware, budget, f, times_by_op, config, seeds=tried)[0], f)
             for (best, tried), f in quick if best.step_s <= fastest * (1 + config.quick_tolerance)]
@@ -332,7 +336,8 @@ def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by
     times = times_by_op[order]
     steps = {False: _step_of(times, live)}
     starts = [(margin, False) for margin in config.bandwidth_margins]
-    if config.stretch_to_window_bound and times.size and tuple(order) != _orders(program)[0]:
+    first, anchored, _ = _orders(program)
+    if config.stretch_to_window_bound and times.size and tuple(order) == anchored != first:
         bound = window_bound(program, hardware, int(np.max(budget_bytes)), order).seconds
         if bound > times.sum() * (1 + 1e-9):
             steps[True] = _step_of(times * (bound / times.sum()), live)
