@@ -245,6 +245,7 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     compute_stream: list[int] = []
     lane_queue = {H2D: [], D2H: []}
     pending_transfer: dict[int, int] = {}
+    last_transfer: dict[int, int] = {}  # storage -> its latest offload or prefetch so far
     wait_for = [-1] * n
     on_lane = [False] * n  # copies: prefetches, offloads and lane ops
     copy_bytes = [0] * n
@@ -284,18 +285,21 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
             on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
             last_offload[ins.target] = i
             pending_transfer[ins.target] = i
+            last_transfer[ins.target] = i
             lane_queue[D2H].append(i)
         elif ins.kind is Kind.PREFETCH:
             alloc[i] = values[ins.target].alloc_bytes
             after[i] = last_offload.get(ins.target, -1)
             on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
             pending_transfer[ins.target] = i
+            last_transfer[ins.target] = i
             lane_queue[H2D].append(i)
         else:  # RELEASE
-            needs = [readers_since.get(ins.target, -1)]
-            if ins.target in pending_transfer:
-                needs.append(pending_transfer[ins.target])
-            release_needs[i] = [x for x in needs if x >= 0]
+            # The bytes come back once the last reader has finished and the storage's last copy has landed,
+            # whether or not a WAIT for that copy came first: a waited offload may still be moving when its
+            # last reader ends, and a prefetched storage is not there to free before its copy lands.
+            needs = [readers_since.get(ins.target, -1), last_transfer.get(ins.target, -1)]
+            release_needs[i] = [x for x in dict.fromkeys(needs) if x >= 0]
     allocating = [i for i in range(n) if alloc[i] > 0]
     blocked_releases: dict[int, list[int]] = {}
     outstanding: dict[int, int] = {}
