@@ -245,15 +245,20 @@ def custom_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: i
     return {target: statistics.median(run[target] for run in runs) / n for target, n in calls.items()}
 
 
+WARM_UP_S = 1.5
+"""Seconds the first ``executor_op_costs`` of a process runs its step before timing it (later ones, two runs)."""
+_warmed = False
+
+
 def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: int = 11) -> dict[str, float]:
     """Seconds per call of each op signature (``cost.op_signature``) of ``program``'s compute ops, measured by
-    running the unplanned step through the plan executor (synchronous copies) on clones of ``inputs``: two
-    warm-up runs, then per op the median over ``repeats`` runs of the time from the end of the instruction
-    before it to the end of its own (its arguments looked up, the call, its results recorded: all the
-    executor's one thread spends on it), scaled so that the ops add up to the median run, then the mean over
-    the ops of each signature. The step's first
-    instruction, which also pays for starting the step, and lane ops, which run on copy lanes when planned,
-    are left out. Empty if ``inputs`` are fake tensors."""
+    running the unplanned step through the plan executor (synchronous copies) on clones of ``inputs``: after
+    warm-up runs (``WARM_UP_S`` the first time in a process), per op the median over ``repeats`` runs of the
+    time from the end of the instruction before it to the end of its own (its arguments looked up, the call,
+    its results recorded: all the executor's one thread spends on it), scaled so that the ops add up to the
+    median run, then the mean over the ops of each signature. The step's first instruction, which also pays
+    for starting the step, and lane ops, which run on copy lanes when planned, are left out. Empty if
+    ``inputs`` are fake tensors."""
     from torch._subclasses.fake_tensor import is_fake
 
     from hyperoffload.cost import op_signature
@@ -268,13 +273,22 @@ def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats:
     gc.collect()
     gc.freeze()  # the cyclic collector would otherwise land on whichever op allocates when it runs
     try:
-        for k in range(repeats + 2):
+        # The first time in a process, warm up for WARM_UP_S as well as two runs: a fresh process runs its first
+        # second or so of small ops up to 1.7x slower (allocator, first-call paths, clock ramp-up), which two
+        # runs of a 12 ms step miss.
+        global _warmed
+        warm_until = time.perf_counter() + (0.0 if _warmed else WARM_UP_S)
+        _warmed = True
+        k = 0
+        while k < 2 or time.perf_counter() < warm_until:
+            execute_plan(prepared, [t.clone() for t in inputs], transfers)
+            k += 1
+        for _ in range(repeats):
             stamps: list[float] = []
             start = time.perf_counter()
             execute_plan(prepared, [t.clone() for t in inputs], transfers,
                          on_instruction=lambda i, stamps=stamps: stamps.append(time.perf_counter()))
-            if k >= 2:
-                runs.append([b - a for a, b in zip([start, *stamps], stamps)])
+            runs.append([b - a for a, b in zip([start, *stamps], stamps)])
     finally:
         gc.unfreeze()
     # Per op the median over runs (a run that another process interrupted leaves a few ops far slower),
