@@ -253,11 +253,11 @@ _warmed = False
 def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: int = 11) -> dict[str, float]:
     """Seconds per call of each op signature (``cost.op_signature``) of ``program``'s compute ops, measured by
     running the unplanned step through the plan executor (synchronous copies) on clones of ``inputs``: after
-    warm-up runs (``WARM_UP_S`` the first time in a process), per op the median over ``repeats`` runs of the
-    time from the end of the instruction before it to the end of its own (its arguments looked up, the call,
-    its results recorded: all the executor's one thread spends on it), scaled so that the ops add up to the
-    median run, then the mean over the ops of each signature. The step's first instruction, which also pays
-    for starting the step, and lane ops, which run on copy lanes when planned, are left out. Empty if
+    warm-up runs (``WARM_UP_S`` the first time in a process), ``repeats`` runs time each op from the end of the
+    instruction before it to the end of its own (its arguments looked up, the call, its results recorded: all
+    the executor's one thread spends on it). Per op the fastest time is kept, scaled so that the ops add up
+    to the fastest run, then the mean over the ops of each signature. The step's first instruction, which also
+    pays for starting the step, and lane ops, which run on copy lanes when planned, are left out. Empty if
     ``inputs`` are fake tensors."""
     from torch._subclasses.fake_tensor import is_fake
 
@@ -291,11 +291,12 @@ def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats:
             runs.append([b - a for a, b in zip([start, *stamps], stamps)])
     finally:
         gc.unfreeze()
-    # Per op the median over runs (a run that another process interrupted leaves a few ops far slower),
-    # scaled so that the ops add up to the median run: medians of right-skewed times sum to less than that.
-    per_op = [statistics.median(times) for times in zip(*runs)]
-    typical = statistics.median(sum(run[1:]) for run in runs)
-    scale = typical / sum(per_op[1:]) if sum(per_op[1:]) > 0 else 1.0
+    # Per op the fastest of the runs (another process on the machine only ever slows an op down), scaled so
+    # that the ops add up to the fastest whole run: the fastest times of each op, taken from different runs,
+    # add up to less than any one run took.
+    per_op = [min(times) for times in zip(*runs)]
+    fastest = min(sum(run[1:]) for run in runs)
+    scale = fastest / sum(per_op[1:]) if sum(per_op[1:]) > 0 else 1.0
     per_op = [t * scale for t in per_op]
     by_signature: dict[str, list[float]] = defaultdict(list)
     for i, ins in enumerate(plan.instructions[1:], start=1):
