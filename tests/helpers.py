@@ -1,4 +1,4 @@
-"""Shared checks for end-to-end capture tests."""
+"""Shared checks for tests: end-to-end capture, and every policy's plans against a lower bound."""
 
 from __future__ import annotations
 
@@ -40,3 +40,28 @@ def random_valid_order(program, seed: int) -> list[int]:
             if waiting[u] == 0:
                 heapq.heappush(ready, (rng.random(), u))
     return order
+
+
+def compute_order(plan) -> list[int]:
+    """The op ids of ``plan``'s compute instructions, in plan order."""
+    from hyperoffload.plans import Kind
+
+    return [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
+
+
+def assert_no_plan_beats(bound_s, prog, hardware, budget: int) -> None:
+    """Every policy's plan of ``prog`` that meets ``budget`` simulates no faster than ``bound_s(order)`` (seconds,
+    a lower bound for plans in that compute order); ``bound_s`` may assert more of its own."""
+    from hyperoffload.policies import POLICIES, InfeasibleBudget
+    from hyperoffload.simulate import simulate
+
+    for name, policy in POLICIES.items():
+        try:
+            plan = policy(prog, hardware, budget)
+        except InfeasibleBudget:
+            continue
+        figures = simulate(plan, hardware).figures
+        if figures.peak_bytes > budget:
+            continue  # the policy did not meet the budget: the bound is about plans that do
+        seconds = bound_s(compute_order(plan))
+        assert seconds <= figures.step_s * (1 + 1e-9) + 1e-12, (name, seconds, figures.step_s)

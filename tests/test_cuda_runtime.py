@@ -57,21 +57,11 @@ def test_planned_step_on_cuda_streams_matches_the_unplanned_step_under_the_budge
 
 @needs_cuda
 def test_donated_steps_overlap_on_cuda_and_end_where_the_unplanned_steps_end(on_gpu):
-    from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
+    from hyperoffload.runtime.cuda_streams import CudaStreams
 
     captured, plan, _ = on_gpu
-    ref_state = [t.clone() for t in captured.inputs]
-    unplanned = plan_without_offload(captured.program)
     with AsyncExecutor(CudaStreams()) as executor:
-        for _ in range(3):
-            executor.run(unplanned, ref_state)
-        state = place_inputs(plan, captured.inputs)
-        for _ in range(3):
-            run = executor.step(plan, state)
-            assert run.peak_bytes <= plan.budget_bytes
-            state = list(run.state)
-        executor.synchronize()
-        assert max_abs_diff([t.cpu() for t in state], [t.cpu() for t in ref_state]) == 0.0
+        state = _three_donated_steps_match_the_unplanned_ones(executor, captured, plan)
         pinned = executor.transfers.pinned_bytes
         executor.step(plan, state)
         assert executor.transfers.pinned_bytes == pinned, "pinned remote buffers are allocated once and reused"
@@ -109,18 +99,28 @@ def test_planned_step_runs_from_its_arena_on_cuda_bit_identically(on_gpu, arena_
 def test_donated_steps_from_the_arena_on_cuda_end_where_the_unplanned_steps_end(on_gpu, arena_plan):
     """Step after step from the arena with the last offloads carried into the next step, whose arena is a new
     block while those copies may still read the old one."""
-    from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
+    from hyperoffload.runtime.cuda_streams import CudaStreams
 
-    captured = on_gpu[0]
+    with AsyncExecutor(CudaStreams()) as executor:
+        _three_donated_steps_match_the_unplanned_ones(executor, on_gpu[0], arena_plan, arena=True)
+
+
+def _three_donated_steps_match_the_unplanned_ones(executor, captured, plan, arena: bool = False) -> list:
+    """Three unplanned steps, then three planned steps on donated state (each within the budget and, from an
+    arena, the layout's arena): the planned state equals the unplanned one exactly. Returns the planned state."""
+    from hyperoffload.runtime.cuda_streams import place_inputs
+
     ref_state = [t.clone() for t in captured.inputs]
     unplanned = plan_without_offload(captured.program)
-    with AsyncExecutor(CudaStreams()) as executor:
-        for _ in range(3):
-            executor.run(unplanned, ref_state)
-        state = place_inputs(arena_plan, captured.inputs)
-        for _ in range(3):
-            run = executor.step(arena_plan, state, arena=True)
-            assert run.arena_bytes == arena_plan.layout.arena_bytes
-            state = list(run.state)
-        executor.synchronize()
-        assert max_abs_diff([t.cpu() for t in state], [t.cpu() for t in ref_state]) == 0.0
+    for _ in range(3):
+        executor.run(unplanned, ref_state)
+    state = place_inputs(plan, captured.inputs)
+    for _ in range(3):
+        run = executor.step(plan, state, arena=arena)
+        assert run.peak_bytes <= plan.budget_bytes
+        if arena:
+            assert run.arena_bytes == plan.layout.arena_bytes
+        state = list(run.state)
+    executor.synchronize()
+    assert max_abs_diff([t.cpu() for t in state], [t.cpu() for t in ref_state]) == 0.0
+    return state

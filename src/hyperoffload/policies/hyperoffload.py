@@ -232,6 +232,7 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
         return plan
     first = _orders(program)[0]
     target: np.ndarray | None = None  # live bytes each position of the hint's order may hold
+    floor: np.ndarray | None = None  # the least the planner can hold there (the hint's order never changes)
     for attempt in range(config.layout_attempts + 1):
         layout = assign_offsets(plan)
         if layout.arena_bytes <= budget_bytes:
@@ -254,7 +255,9 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
         lowered = np.minimum(np.full(len(at), budget_bytes) if target is None else target,
                              np.where(over > 0, live - over, budget_bytes))
         # No lower than the planner can go at each position; if that leaves nothing lower, packing again is moot.
-        lowered = np.maximum(lowered, _unavoidable(_order_facts(program, hint[0], config)))
+        if floor is None:
+            floor = _unavoidable(_order_facts(program, hint[0], config))
+        lowered = np.maximum(lowered, floor)
         if (lowered >= (budget_bytes if target is None else target)).all():
             break
         target = lowered
@@ -336,14 +339,16 @@ def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by
     times = times_by_op[order]
     steps = {False: _step_of(times, live)}
     starts = [(margin, False) for margin in config.bandwidth_margins]
+    tried = list(seeds)
+    done = {(t.margin, t.stretched) for t in seeds}
     first, anchored, _ = _orders(program)
-    if config.stretch_to_window_bound and times.size and tuple(order) == anchored != first:
+    stretched_start = (config.bandwidth_margins[0], True)
+    if (config.stretch_to_window_bound and times.size and tuple(order) == anchored != first
+            and stretched_start not in done):  # a quick pass's seed already made it: no bound to compute again
         bound = window_bound(program, hardware, int(np.max(budget_bytes)), order).seconds
         if bound > times.sum() * (1 + 1e-9):
             steps[True] = _step_of(times * (bound / times.sum()), live)
-            starts.append((config.bandwidth_margins[0], True))
-    tried = list(seeds)
-    done = {(t.margin, t.stretched) for t in seeds}
+            starts.append(stretched_start)
     for margin, stretched in starts:
         if (margin, stretched) in done:
             continue
