@@ -74,7 +74,7 @@ class PlannerConfig:
     """Give the plan a static arena layout (``hyperoffload.layout``) and re-plan for fewer live bytes where
     the arena rises above the budget until it fits: the budget then bounds reserved memory. Off by default:
     the packing loses 3-8% to fragmentation on llama3-8b training plans, and making room for that costs
-    0-12% of step time (1% at half the peak on h100-sxm) and doubles planning time
+    0-14% of step time (2% at half the peak on h100-sxm) and doubles planning time
     (``bench/fragmentation.py --cost``)."""
     layout_attempts: int = 4
     """Re-plans allowed to make room for the layout's fragmentation before giving up."""
