@@ -304,7 +304,7 @@ def test_run_command_reports_the_figures(capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--link", "fast"], "argument --link: invalid parse_bandwidth value: 'fast'"),
+    (["--link", "fast"], "argument --link: cannot read 'fast' as a bandwidth; write it like 25GB/s"),
     (["--policy", "nope"], "unknown policy 'nope'"),
 ])
 def test_run_command_bad_input(capsys, argv, message):

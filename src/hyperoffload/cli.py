@@ -58,6 +58,34 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _units_type(parse):
+    """``parse`` (a ``units`` parser) as an argparse type. argparse shows a ValueError only as "invalid
+    parse_bandwidth value: 'abc'"; an ArgumentTypeError's own text ("write it like 25GB/s") reaches the user."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return convert
+
+
+_bandwidth = _units_type(parse_bandwidth)
+_duration = _units_type(parse_duration)
+_size = _units_type(parse_bytes)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a hint where it is most puzzling: a value that starts with '-' ("--budget -5%") is taken
+    for an option, and argparse says only "expected one argument"."""
+
+    def error(self, message: str):
+        if message.startswith("argument ") and message.endswith("expected one argument"):
+            option = message.removeprefix("argument ").split(":")[0].split("/")[-1]
+            message += f"; to give a value that starts with '-', write {option}=VALUE"
+        super().error(message)
+
+
 def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True, metavar="NAME",
                         help=f"one of: {', '.join(WORKLOADS)}; or hf:PATH for a Hugging Face causal LM built "
@@ -80,11 +108,11 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", required=True, metavar="NAME|FILE.toml",
                         help=f"one of: {', '.join(PRESET_NAMES)}; or a path to your own TOML profile")
-    parser.add_argument("--h2d-bw", type=parse_bandwidth, metavar="RATE", help="override, e.g. 25GB/s")
-    parser.add_argument("--d2h-bw", type=parse_bandwidth, metavar="RATE", help="override, e.g. 12GB/s")
-    parser.add_argument("--copy-latency", type=parse_duration, metavar="TIME",
+    parser.add_argument("--h2d-bw", type=_bandwidth, metavar="RATE", help="override, e.g. 25GB/s")
+    parser.add_argument("--d2h-bw", type=_bandwidth, metavar="RATE", help="override, e.g. 12GB/s")
+    parser.add_argument("--copy-latency", type=_duration, metavar="TIME",
                         help="override both directions' per-copy latency, e.g. 10us")
-    parser.add_argument("--device-memory", type=parse_bytes, metavar="SIZE", help="override, e.g. 64GiB")
+    parser.add_argument("--device-memory", type=_size, metavar="SIZE", help="override, e.g. 64GiB")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,9 +126,24 @@ def cpu_cache_path() -> Path:
     return Path(base) / "hyperoffload" / "cpu-calibration.json"
 
 
+def load_hardware(name: str) -> Hardware:
+    """``get_hardware``, with a profile file that cannot be read (a folder, binary, unreadable) named in one line
+    instead of a bare "[Errno 21] Is a directory" or "'utf-8' codec can't decode byte 0xff"."""
+    try:
+        return get_hardware(name, cpu_cache=cpu_cache_path())
+    except UnicodeDecodeError:
+        raise HardwareError(f"{name} is not a text file; a hardware profile is a TOML file like the presets in "
+                            f"src/hyperoffload/hardware/presets/") from None
+    except OSError as error:
+        if not name.endswith(".toml"):
+            raise  # cpu-emulated's calibration cache, not a profile file: the message names its own file
+        raise HardwareError(f"cannot read the hardware profile {name}: {error.strerror}; give a readable .toml "
+                            f"file") from None
+
+
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
     """The profile named by ``--hardware`` with any command-line overrides applied."""
-    hardware = get_hardware(args.hardware, cpu_cache=cpu_cache_path())
+    hardware = load_hardware(args.hardware)
     overrides = {name: value for name, value in (
         ("h2d_bw", args.h2d_bw), ("d2h_bw", args.d2h_bw), ("h2d_latency_s", args.copy_latency),
         ("d2h_latency_s", args.copy_latency), ("memory_bytes", args.device_memory)) if value is not None}
@@ -138,16 +181,22 @@ def _policy_from_args(args: argparse.Namespace, without_layout: str):
 def _policy_names(args: argparse.Namespace) -> list[str] | None:
     from hyperoffload.policies import get_policy
 
-    if not args.policies:
+    if args.policies is None:
         return None
     names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    # An empty list would otherwise mean "all of them": not what "--policies ," asked for.
+    if not names:
+        raise ValueError(f"--policies {args.policies!r} names no policy; give some, e.g. --policies "
+                         f"hyperoffload,reactive, or drop the flag to compare all of them")
     for name in names:
         get_policy(name)  # an unknown name fails here, listing the valid ones
+        if names.count(name) > 1:
+            raise ValueError(f"--policies names {name!r} more than once; list each policy once")
     return names
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hyperoffload",
         description="Plan, simulate and run offloading of a training or inference step to remote memory.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -199,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_step_arguments(run)
     run.add_argument("--budget", required=True, metavar="SIZE|PCT%|hideable",
                      help="device-memory budget, as for plan")
-    run.add_argument("--link", type=parse_bandwidth, default="2GB/s", metavar="RATE",
+    run.add_argument("--link", type=_bandwidth, default="2GB/s", metavar="RATE",
                      help="emulated link bandwidth each way (default 2GB/s)")
-    run.add_argument("--copy-latency", type=parse_duration, default="50us", metavar="TIME",
+    run.add_argument("--copy-latency", type=_duration, default="50us", metavar="TIME",
                      help="emulated fixed cost per copy (default 50us)")
     run.add_argument("--policy", default="hyperoffload", help="which planner (default: hyperoffload)")
     run.add_argument("--steps", type=_positive, default=5, help="timed steps after warm-up (default 5)")
@@ -220,14 +269,42 @@ def build_parser() -> argparse.ArgumentParser:
 HF_PREFIX = "hf:"
 
 
+def _check_step_flags(args: argparse.Namespace) -> None:
+    """Refuse a step flag that this step would ignore: the capture drops it without a word, and the figures
+    would be those of a step the user did not ask for."""
+    if args.context is not None and args.mode != "decode":
+        raise ValueError(f"--context sets the KV cache of a decode step; a {args.mode} step has none: drop --context "
+                         f"or use --mode decode")
+    if args.seq is not None and args.mode == "decode":
+        raise ValueError("--seq sets train and prefill steps; a decode step feeds one token per sequence: drop --seq "
+                         "(--context sets the tokens already cached)")
+    if args.master_weights and args.mode != "train":
+        raise ValueError(f"--master-weights applies to train steps, not {args.mode}: drop it or use --mode train")
+    if getattr(args, "reselection", None) is not None and not _deepseek_decode(args):
+        raise ValueError("--reselection applies to decode steps of DeepSeek-style workloads (tiny-deepseek, "
+                         "deepseek-v2-lite, deepseek-v3): drop it")
+
+
+def _deepseek_decode(args: argparse.Namespace) -> bool:
+    from hyperoffload.workloads import DeepSeekConfig
+
+    if args.mode != "decode" or args.workload.startswith(HF_PREFIX):
+        return False
+    return isinstance(get_workload(args.workload).config, DeepSeekConfig)
+
+
 def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
     """Capture the step the flags describe: a built-in workload, or a Hugging Face config (``hf:PATH``)."""
     kind = "fake" if fake else "real"
+    _check_step_flags(args)
     if args.workload.startswith(HF_PREFIX):
         from hyperoffload.capture.hf import build_hf_model, capture_hf
 
         if args.context is not None or args.master_weights:
             raise ValueError("--context and --master-weights apply to the built-in workloads only")
+        if getattr(args, "nsa_block", None) is not None:
+            raise ValueError("--nsa-block applies to the built-in DeepSeek-style workloads (NSA), not a Hugging Face "
+                             "model: drop it")
         path = args.workload.removeprefix(HF_PREFIX)
         with console.status(f"Capturing the {args.mode} step of {path} on {kind} tensors..."):
             model = build_hf_model(path, fake=fake)
@@ -430,10 +507,11 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     hardware = hardware_from_args(args)
     names = _policy_names(args)
     values = [v for v in args.values.split(",") if v.strip()]
+    _check_sweep_values(args, values)
     program = _capture(args, err).program
 
     def recapture(value: str):
-        args.nsa_block = _positive(value)
+        args.nsa_block = int(value)  # checked by _check_sweep_values
         return _capture(args, err).program
 
     with err.status(f"Comparing every policy at {len(values)} values of {args.vary}..."):
@@ -451,6 +529,46 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
         return 0
     out.print(sweep_table(points, vary=args.vary, title=title))
     return 0
+
+
+def _check_sweep_values(args: argparse.Namespace, values: list[str]) -> None:
+    """Refuse what a sweep would otherwise trip over late (after the first capture) or quietly ignore."""
+    if args.vary == "budget" and args.budget is not None:
+        # Each value is the budget; a --budget as well would be dropped without a word.
+        raise ValueError(f"--vary budget takes the budgets from --values; drop --budget {args.budget}")
+    if args.vary == "nsa-block" and args.nsa_block is not None:
+        raise ValueError(f"--vary nsa-block takes the block sizes from --values; drop --nsa-block {args.nsa_block}")
+    if args.vary == "nsa-block":
+        for value in values:
+            try:
+                _positive(value)
+            except argparse.ArgumentTypeError as error:
+                raise ValueError(f"--values {value!r}: an NSA block is a positive whole number of tokens ({error}); "
+                                 f"write e.g. --values 16,32,64") from None
+    if args.vary in ("h2d-bw", "d2h-bw"):
+        for value in values:
+            parse_bandwidth(value)  # before the capture, not after it
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse an output file that cannot be written before capturing and planning (minutes for a large step)
+    rather than after, and name the flag: a bare "[Errno 2] No such file or directory" says neither."""
+    for flag in ("trace", "plot", "graph"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            _check_writable(f"--{flag}", Path(path))
+
+
+def _check_writable(flag: str, path: Path) -> None:
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name, e.g. {path / 'out'}")
+    if not folder.exists():
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or write the file elsewhere")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: {folder} is a file, not a folder; write the file elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable; write the file elsewhere")
 
 
 def _write_outputs(args: argparse.Namespace, timeline, *, title: str, limit_bytes: int | None, err: Console,
@@ -482,7 +600,7 @@ def _hardware(args: argparse.Namespace, out: Console, err: Console) -> int:
                       "`hyperoffload hardware cpu-emulated` measures and shows it.")
         return 0
     with err.status("Loading the profile (cpu-emulated calibrates this machine once)..."):
-        hardware = get_hardware(args.name, cpu_cache=cpu_cache_path())
+        hardware = load_hardware(args.name)
     if args.json:
         print(json.dumps(profile_dict(hardware)))
     else:
@@ -629,9 +747,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Console() if sys.stdout.isatty() else Console(width=160)
     err = Console(stderr=True)
     try:
+        _check_output_paths(args)
         return COMMANDS[args.command](args, out, err)
     except (UnknownWorkload, CaptureError, HardwareError, PlanError, InfeasibleBudget, ValueError, OSError) as error:
-        err.print(f"[red]error:[/red] {error}", highlight=False)
+        # soft_wrap: one line, however long, rather than rich's wrapping at 80 columns on a pipe or a log.
+        err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
         return EXIT_USER_ERROR
 
 

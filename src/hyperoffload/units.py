@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -12,13 +13,24 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_bytes(text: str) -> int:
-    """``"40GiB"`` -> 42949672960, ``"60GB"`` -> 60000000000, ``"1024"`` -> 1024 (bytes)."""
+def _size(text: str) -> float | None:
+    """Bytes as a float (``inf`` for "1e400"), or None where ``text`` is not a size."""
     match = _SIZE.match(text)
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
+        return None
+    return float(match.group(1)) * _UNITS[unit]
+
+
+def parse_bytes(text: str) -> int:
+    """``"40GiB"`` -> 42949672960, ``"60GB"`` -> 60000000000, ``"1024"`` -> 1024 (bytes)."""
+    value = _size(text)
+    if value is None:
         raise ValueError(f"cannot read {text!r} as a size; write a number with a unit such as 40GiB, 60GB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    # "1e400" reads as infinity, which int() cannot hold: refuse it here rather than with an OverflowError.
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is too large to be a size; write a number with a unit such as 40GiB or 60GB")
+    return int(value)
 
 
 def format_bytes(n: int | float) -> str:
@@ -51,9 +63,13 @@ def parse_bandwidth(text: str | float | int) -> float:
     if isinstance(text, (int, float)):
         return float(text)
     match = _RATE.match(text)
-    if not match:
+    value = _size(match.group(1)) if match else None
+    # The messages name what was typed ("-5GB/s"), not the size inside it.
+    if value is None:
         raise ValueError(f"cannot read {text!r} as a bandwidth; write it like 25GB/s or 1.5GiB/s")
-    return float(parse_bytes(match.group(1)))
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is too large to be a bandwidth; write it like 25GB/s or 1.5GiB/s")
+    return float(int(value))  # whole bytes per second, as before
 
 
 _FLOP_UNITS = {"flop": 1, "kflop": 1e3, "mflop": 1e6, "gflop": 1e9, "tflop": 1e12, "pflop": 1e15}
@@ -66,7 +82,11 @@ def parse_flops(text: str | float | int) -> float:
     match = re.match(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]+)\s*/\s*s\s*$", text, re.IGNORECASE)
     if not match or match.group(2).lower() not in _FLOP_UNITS:
         raise ValueError(f"cannot read {text!r} as a compute rate; write it like 989TFLOP/s")
-    return float(match.group(1)) * _FLOP_UNITS[match.group(2).lower()]
+    value = float(match.group(1)) * _FLOP_UNITS[match.group(2).lower()]
+    # "1e400TFLOP/s" reads as infinity: every op would silently take no time.
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is too large to be a compute rate; write it like 989TFLOP/s")
+    return value
 
 
 _PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # divide: 10 / 1e6 is exactly 1e-05
@@ -79,7 +99,11 @@ def parse_duration(text: str | float | int) -> float:
     match = re.match(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zµ]+)\s*$", text, re.IGNORECASE)
     if not match or match.group(2).lower() not in _PER_SECOND:
         raise ValueError(f"cannot read {text!r} as a duration; write it like 10us, 2ms or 0.5s")
-    return float(match.group(1)) / _PER_SECOND[match.group(2).lower()]
+    seconds = float(match.group(1)) / _PER_SECOND[match.group(2).lower()]
+    # "1e400s" reads as infinity: a copy or launch that never ends would silently wreck every figure.
+    if not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is too large to be a duration; write it like 10us, 2ms or 0.5s")
+    return seconds
 
 
 def format_seconds(seconds: float) -> str:

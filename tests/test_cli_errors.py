@@ -1,0 +1,190 @@
+"""Bad command-line input: one clear line on stderr naming the problem and the fix, exit status 2, no
+traceback, and nothing silently ignored or accepted."""
+
+import json
+
+import pytest
+
+from hyperoffload import cli
+from hyperoffload.cli import main
+
+TINY = ["--workload", "tiny-llama", "--mode", "train"]
+H100 = ["--hardware", "h100-sxm"]
+
+
+def usage_error(capsys, args) -> str:
+    """Run ``args``, expect argparse's exit status 2, and return stderr's last line (argparse prints the usage
+    above it)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def user_error(capsys, args) -> str:
+    """Run ``args``, expect status 2 from the command, and return its stderr, checked to be one line."""
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def no_capture(monkeypatch):
+    """The checks under test run before the step is captured (minutes for a large one): capturing fails them."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the step was captured before the bad input was refused")
+
+    monkeypatch.setattr(cli, "_capture", refuse)
+
+
+def test_a_long_error_stays_on_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # rich wraps at the terminal's width, 80 on a pipe
+    err = user_error(capsys, ["inspect", "--workload", "llama9", "--mode", "train"])
+    assert len(err) > 80 and "unknown workload 'llama9'" in err
+
+
+def test_a_value_starting_with_a_dash_says_how_to_pass_it(capsys):
+    err = usage_error(capsys, ["plan", *TINY, *H100, "--budget", "-5%"])
+    assert "--budget: expected one argument" in err and "--budget=VALUE" in err
+
+
+@pytest.mark.parametrize("flag, value, hint", [
+    ("--h2d-bw", "fast", "write it like 25GB/s"),
+    ("--copy-latency", "-1us", "write it like 10us"),
+    ("--device-memory", "lots", "such as 40GiB"),
+])
+def test_a_unit_flag_says_how_to_write_it(capsys, flag, value, hint):
+    err = usage_error(capsys, ["simulate", *TINY, *H100, f"{flag}={value}"])
+    assert f"argument {flag}: cannot read {value!r}" in err and hint in err and "parse_" not in err
+
+
+def test_run_link_says_how_to_write_it(capsys):
+    err = usage_error(capsys, ["run", *TINY, "--budget", "50%", "--link", "abc"])
+    assert "cannot read 'abc' as a bandwidth" in err
+
+
+@pytest.mark.parametrize("flag, value", [("--h2d-bw", "1e400GB/s"), ("--copy-latency", "1e400s"),
+                                         ("--device-memory", "1e400GiB")])
+def test_an_infinite_quantity_is_refused(capsys, flag, value):
+    err = usage_error(capsys, ["simulate", *TINY, *H100, flag, value])
+    assert f"{value!r} is too large" in err
+
+
+def test_an_infinite_budget_is_refused(capsys):
+    err = user_error(capsys, ["plan", *TINY, *H100, "--budget", "1e400"])
+    assert "'1e400'" in err and "40GiB" in err
+
+
+def test_a_negative_bandwidth_names_what_was_typed(capsys):
+    err = usage_error(capsys, ["simulate", *TINY, *H100, "--h2d-bw=-5GB/s"])
+    assert "cannot read '-5GB/s' as a bandwidth" in err
+
+
+def profile_with(tmp_path, key: str, value: str):
+    preset = (cli.Path(cli.__file__).parent / "hardware" / "presets" / "h100-sxm.toml").read_text()
+    lines = [f'{key} = "{value}"' if line.startswith(f"{key} =") else line for line in preset.splitlines()]
+    path = tmp_path / "mine.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("key, value", [("memory", "1e400GiB"), ("launch", "1e400s"), ("bfloat16", "1e400TFLOP/s")])
+def test_a_profile_with_an_infinite_quantity_is_refused(capsys, tmp_path, key, value):
+    path = profile_with(tmp_path, key, value)
+    err = user_error(capsys, ["hardware", str(path)])
+    assert str(path) in err and f"{value!r} is too large" in err
+
+
+def test_a_binary_profile_is_named(capsys, tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_bytes(b"\xff\xfe\x00")
+    err = user_error(capsys, ["hardware", str(path)])
+    assert f"{path} is not a text file" in err and "codec" not in err
+
+
+def test_a_folder_given_as_profile_is_named(capsys, tmp_path):
+    path = tmp_path / "mine.toml"
+    path.mkdir()
+    err = user_error(capsys, ["simulate", *TINY, "--hardware", str(path)])
+    assert f"cannot read the hardware profile {path}" in err and "Errno" not in err
+
+
+@pytest.mark.parametrize("command, flag", [("simulate", "--trace"), ("simulate", "--plot"), ("plan", "--graph"),
+                                           ("compare", "--plot"), ("sweep", "--plot")])
+def test_an_output_in_a_missing_folder_is_refused_first(capsys, tmp_path, no_capture, command, flag):
+    target = tmp_path / "missing" / "out.json"
+    extra = {"plan": ["--budget", "50%"], "compare": ["--budget", "50%"],
+             "sweep": ["--vary", "budget", "--values", "50%"]}.get(command, [])
+    err = user_error(capsys, [command, *TINY, *H100, *extra, flag, str(target)])
+    assert f"{flag} {target}: the folder {target.parent} does not exist" in err
+
+
+def test_an_output_under_a_file_or_at_a_folder_is_refused(capsys, tmp_path, no_capture):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    err = user_error(capsys, ["plan", *TINY, *H100, "--budget", "50%", "--graph", str(afile / "x.py")])
+    assert f"{afile} is a file, not a folder" in err
+    err = user_error(capsys, ["simulate", *TINY, *H100, "--trace", str(tmp_path)])
+    assert f"--trace {tmp_path} is a folder" in err
+
+
+@pytest.mark.parametrize("step, flag", [
+    (["--mode", "train", "--context", "5"], "--context"),
+    (["--mode", "prefill", "--context", "5"], "--context"),
+    (["--mode", "decode", "--seq", "64"], "--seq"),
+    (["--mode", "prefill", "--master-weights"], "--master-weights"),
+    (["--mode", "decode", "--reselection", "0.5"], "--reselection"),  # tiny-llama has no NSA block pool
+])
+def test_a_step_flag_the_step_ignores_is_refused(capsys, step, flag):
+    err = user_error(capsys, ["inspect", "--workload", "tiny-llama", *step])
+    assert err.startswith(f"error: {flag} ") and "drop" in err
+
+
+def test_reselection_outside_deepseek_decode_is_refused(capsys):
+    err = user_error(capsys, ["inspect", "--workload", "tiny-deepseek", "--mode", "prefill", "--reselection", "0.5"])
+    assert "--reselection applies to decode steps of DeepSeek-style workloads" in err
+
+
+def test_nsa_block_on_a_hugging_face_model_is_refused(capsys, tmp_path):
+    err = user_error(capsys, ["inspect", "--workload", f"hf:{tmp_path}", "--mode", "train", "--nsa-block", "4"])
+    assert "--nsa-block applies to the built-in DeepSeek-style workloads" in err
+
+
+@pytest.mark.parametrize("policies, message", [(",", "names no policy"), ("none,none", "'none' more than once")])
+def test_a_policy_list_with_no_or_repeated_names_is_refused(capsys, no_capture, policies, message):
+    err = user_error(capsys, ["compare", *TINY, *H100, "--budget", "50%", "--policies", policies])
+    assert message in err
+
+
+def test_sweep_over_budgets_refuses_a_budget_as_well(capsys, no_capture):
+    err = user_error(capsys, ["sweep", *TINY, *H100, "--vary", "budget", "--values", "90%,50%", "--budget", "70%"])
+    assert "drop --budget 70%" in err
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "-4"])
+def test_sweep_over_nsa_blocks_refuses_a_bad_block(capsys, no_capture, value):
+    args = ["sweep", "--workload", "tiny-deepseek", "--mode", "decode", *H100, "--budget", "50%",
+            "--vary", "nsa-block", f"--values=16,{value}"]
+    err = user_error(capsys, args)
+    assert f"--values {value!r}: an NSA block is a positive whole number of tokens" in err
+
+
+def test_sweep_over_nsa_blocks_refuses_a_block_as_well(capsys, no_capture):
+    args = ["sweep", "--workload", "tiny-deepseek", "--mode", "decode", *H100, "--budget", "50%",
+            "--vary", "nsa-block", "--values", "16,32", "--nsa-block", "8"]
+    assert "drop --nsa-block 8" in user_error(capsys, args)
+
+
+def test_sweep_over_bandwidths_reads_the_values_before_capturing(capsys, no_capture):
+    err = user_error(capsys, ["sweep", *TINY, *H100, "--budget", "50%", "--vary", "h2d-bw", "--values", "8GB/s,16GB"])
+    assert "cannot read '16GB' as a bandwidth" in err
+
+
+def test_valid_commands_still_work(capsys, tmp_path):
+    trace = tmp_path / "step.json"
+    assert main(["plan", *TINY, *H100, "--budget", "50%", "--json", "--trace", str(trace)]) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"] and trace.exists()
+    assert main(["inspect", "--workload", "tiny-deepseek", "--mode", "decode", "--reselection", "0.5",
+                 "--context", "31", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes"] > 0
