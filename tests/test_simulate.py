@@ -149,6 +149,27 @@ def test_a_prefetched_storage_released_unread_frees_after_its_copy_lands():
     assert min(t for t, usage in memory if usage < 104 and t > 0) == pytest.approx(2.0)
 
 
+def test_an_offload_that_is_the_last_use_frees_only_after_the_last_reader():
+    """t (100 B) is written by op 0 (0 .. 1) and read last by op 1 (1 .. 4), then sent out; the offload waits
+    only for op 0, so it runs 1 .. 2 while op 1 still reads t. Its bytes come back when op 1 ends (t = 4), not
+    when the copy lands: the prefetch of w (100 B), which fits only without t, is issued at 4 and lands at 5."""
+    values = [value(0, 4, ValueKind.INPUT), value(1, 100), value(2, 4), value(3, 100, ValueKind.PARAMETER),
+              value(4, 4)]
+    ops = [op(0, [0], [1], flops=GB), op(1, [1], [2], flops=3 * GB), op(2, [2, 3], [4], flops=GB)]
+    prog = program(values, ops, [0, 3], [4])
+    plan = plan_of(prog, [(C, 0), (C, 1), (O, 1), (P, 3), (W, 3), (C, 2)], budget_bytes=112,
+                   initial_remote=frozenset({3}))
+    timeline = simulate(check_then(plan), hardware(bw=100))
+    assert _usage_at(timeline.memory, 3.0) == 108  # x, t and op 1's output while op 1 runs
+    h2d = next(iv for iv in timeline.intervals if iv.stream == "h2d")
+    assert (h2d.start, h2d.end) == pytest.approx((4.0, 5.0))
+
+
+def check_then(plan: Plan) -> Plan:
+    check_plan(plan)
+    return plan
+
+
 def _usage_at(memory, t: float) -> int:
     """Device bytes in use at time ``t`` (seconds) by a timeline's memory trace (the last entry at or before)."""
     return [usage for when, usage in memory if when <= t][-1]

@@ -9,6 +9,7 @@ from programs import op, program, random_programs, simple_hardware, value
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.hardware import get_hardware
+from hyperoffload.ir import ValueKind
 from hyperoffload.policies import POLICIES
 from hyperoffload.simulate import simulate
 from hyperoffload.workloads import capture_workload, get_workload
@@ -43,6 +44,19 @@ def test_nothing_to_move_gives_the_compute_time():
     hardware = get_hardware("h100-sxm")
     bound = window_bound(prog, hardware, memory_profile(prog).peak_bytes)
     assert bound.seconds == bound.compute_s and bound.excess_bytes == 0
+
+
+def test_an_input_nothing_uses_leaves_no_window_to_pay_for():
+    """x (12 B) is read by the only op; w (4 B) is an input nothing reads or writes. At a budget of 12 bytes w
+    stays remote with no copy either way, so the bound is the compute time (an empty window once counted as
+    negative, which asked for a stall)."""
+    prog = program([value(0, 12, ValueKind.INPUT), value(1, 4, ValueKind.INPUT), value(2, 0)], [op(0, [0], [2])],
+                   [0, 1], [2])
+    hardware = simple_hardware(bw=1e3)
+    bound = window_bound(prog, hardware, 12)
+    assert bound.excess_bytes == 4 and bound.seconds == pytest.approx(bound.compute_s)
+    assert bound.d2h_window_s == 0.0 and bound.h2d_window_s == 0.0
+    _check_policies(prog, hardware, 12)
 
 
 def _check_policies(prog, hardware, budget):

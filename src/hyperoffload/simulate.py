@@ -242,6 +242,10 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     last_offload: dict[int, int] = {}
     readers_since: dict[int, int] = {}
     release_needs: dict[int, list[int]] = {}  # release index -> instructions that must finish
+    # Storages each instruction frees once it finishes (check_plan's automatic frees after a last use); an
+    # offload that is a storage's last use frees it only once its last reader has finished too (below).
+    frees_after = list(check.frees_after)
+    deferred_frees: dict[int, tuple[int, list[int]]] = {}  # key -> (storage, instructions that must finish)
     compute_stream: list[int] = []
     lane_queue = {H2D: [], D2H: []}
     pending_transfer: dict[int, int] = {}
@@ -285,6 +289,12 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
             on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
             last_offload[ins.target] = i
             pending_transfer[ins.target] = i
+            if ins.target in frees_after[i]:
+                # The copy may land while the op that last read the storage still runs (the offload waits
+                # only for the last writer): its bytes come back when both are done.
+                frees_after[i] = tuple(x for x in frees_after[i] if x != ins.target)
+                reader = readers_since.get(ins.target, -1)
+                deferred_frees[n + i] = (ins.target, [i] if reader < 0 else [i, reader])
             last_transfer[ins.target] = i
             lane_queue[D2H].append(i)
         elif ins.kind is Kind.PREFETCH:
@@ -304,6 +314,8 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     blocked_releases: dict[int, list[int]] = {}
     outstanding: dict[int, int] = {}
     for r, needs in release_needs.items():
+        deferred_frees[r] = (instrs[r].target, needs)
+    for r, (_, needs) in deferred_frees.items():
         outstanding[r] = len(needs)
         for x in needs:
             blocked_releases.setdefault(x, []).append(r)
@@ -340,11 +352,11 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
 
     def finished(i: int, when: float) -> None:
         finish[i] = when
-        free(check.frees_after[i], when)
+        free(frees_after[i], when)
         for r in blocked_releases.get(i, ()):
             outstanding[r] -= 1
             if outstanding[r] == 0:
-                free((instrs[r].target,), when)
+                free((deferred_frees[r][0],), when)
 
     def can_allocate(i: int) -> str:
         """"" if ``i`` may allocate now, else "memory": not enough free memory under the budget for it,

@@ -110,8 +110,11 @@ def _windows(program: Program, hardware: Hardware, order: list[int]) -> _Windows
         k, r = divmod(position, n)
         return k * compute + cumulative[r]
 
-    d_window = at(p) - at(d_start + 1)  # the offload starts after the writing op has finished
-    h_window = at(h_end) - at(p + 1)  # the prefetch is allocated after the peak op and lands before the use
+    # The offload starts after the writing op has finished; the prefetch is allocated after the peak op and
+    # lands before the use. Where nothing at the peak was written (or is read again), the window is empty,
+    # not negative: those bytes need no copy that way at all.
+    d_window = max(0.0, at(p) - at(d_start + 1))
+    h_window = max(0.0, at(h_end) - at(p + 1))
     # The next step's D2H window begins where this step's H2D window may still be open: if they meet,
     # a stall there lengthens both, and the two directions can copy at once (sharing the link).
     # Otherwise every second a copy needs beyond its own window is a stall of its own.
