@@ -188,3 +188,16 @@ def test_valid_commands_still_work(capsys, tmp_path):
     assert main(["inspect", "--workload", "tiny-deepseek", "--mode", "decode", "--reselection", "0.5",
                  "--context", "31", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_bytes"] > 0
+
+
+def test_a_budget_above_the_device_memory_is_planned_with_a_note(capsys):
+    """Budgets above the device's memory are what-ifs the tables use on purpose: planned, with one line saying
+    the plan does not fit that device and what to give instead; ``--json`` stays one object on stdout."""
+    assert main(["plan", *TINY, *H100, "--budget", "50%", "--device-memory", "1MiB", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["device_memory_bytes"] == 2**20 and result["budget_bytes"] > 2**20
+    note = [line for line in captured.err.splitlines() if "device memory" in line]
+    assert len(note) == 1 and "does not fit that device" in note[0] and "at most 1.00 MiB" in note[0]
+    assert main(["plan", *TINY, *H100, "--budget", "50%", "--json"]) == 0
+    assert "device memory" not in capsys.readouterr().err

@@ -398,6 +398,16 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def _note_budget_over_device(budget: int, hardware, err: Console) -> None:
+    """Say so (on stderr, so ``--json`` output stays one object) when the budget is more than the device has:
+    the figures are then a what-if (the tables of budgets as shares of the no-offload peak go there on purpose)."""
+    if budget > hardware.memory_bytes:
+        err.print(f"[yellow]note: the budget, {format_bytes(budget)}, is more than {hardware.name}'s "
+                  f"{format_bytes(hardware.memory_bytes)} of device memory: a plan for it does not fit that device. "
+                  f"Give at most {format_bytes(hardware.memory_bytes)}, or --device-memory for a larger "
+                  f"device[/yellow]", highlight=False, soft_wrap=True)
+
+
 def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     import time
 
@@ -415,6 +425,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     captured = _capture(args, err)
     program = captured.program
     budget = parse_budget(args.budget, program, hardware)
+    _note_budget_over_device(budget, hardware, err)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name}..."):
         start = time.perf_counter()
         plan = policy(program, hardware, budget)
@@ -441,6 +452,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         print(json.dumps({"workload": program.meta.get("workload", program.name), "mode": program.mode,
                           "hardware": hardware.name, "policy": args.policy, **figures.as_dict(),
                           "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
+                          "device_memory_bytes": hardware.memory_bytes,
                           "instructions": len(plan.instructions), "static_layout": plan.layout is not None,
                           "window_bound_s": window, "free_budget_bytes": free_budget, **memory,
                           **kv_placement(plan.program)}))
@@ -483,6 +495,7 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     names = _policy_names(args)
     program = _capture(args, err).program
     budget = parse_budget(args.budget, program, hardware)
+    _note_budget_over_device(budget, hardware, err)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name} with every "
                     f"policy..."):
         results = compare(program, hardware, budget, names)
