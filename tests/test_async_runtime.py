@@ -315,3 +315,29 @@ def test_run_command_bad_input(capsys, argv, message):
         code = exit.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_command_states_the_simulators_own_ratio(capsys, tmp_path, monkeypatch):
+    """The summary compares the measured ratio (planned over unplanned wall time) with the simulator's own:
+    its planned step over its unplanned one (the compute alone), not a simulated time over a measured one."""
+    import dataclasses
+    import re
+
+    from hyperoffload.runtime import measure
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    real = measure.measure_run
+    seen = []
+
+    def slow_unplanned(*args, **kwargs):  # an unplanned step 100 s long would make a mixed ratio near 0
+        figures = dataclasses.replace(real(*args, **kwargs), unplanned_wall_s=100.0)
+        seen.append(figures)
+        return figures
+
+    monkeypatch.setattr(measure, "measure_run", slow_unplanned)
+    assert main(["run", "--workload", "tiny-llama", "--mode", "train", "--budget", "50%", "--link", "2GB/s",
+                 "--steps", "1", "--warmup", "0"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    predicted = float(re.search(r"the simulator predicted ([0-9.]+)x", out).group(1))
+    assert predicted == pytest.approx(seen[0].sim_step_s / seen[0].sim_compute_s, abs=0.006)
+    assert predicted >= 0.99
