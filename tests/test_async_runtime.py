@@ -341,3 +341,17 @@ def test_run_command_states_the_simulators_own_ratio(capsys, tmp_path, monkeypat
     predicted = float(re.search(r"the simulator predicted ([0-9.]+)x", out).group(1))
     assert predicted == pytest.approx(seen[0].sim_step_s / seen[0].sim_compute_s, abs=0.006)
     assert predicted >= 0.99
+
+
+def test_run_command_says_what_moved_each_way(capsys, tmp_path, monkeypatch):
+    """reactive's step moves more in than out (what it evicts unchanged needs no copy back): the summary gives
+    both figures, not the inbound bytes as if they went both ways."""
+    import re
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["run", "--workload", "tiny-llama", "--mode", "train", "--budget", "50%", "--link", "2GB/s",
+                 "--policy", "reactive", "--steps", "1", "--warmup", "0"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    table = re.search(r"moved per step │ ([0-9.]+ \w+) in, ([0-9.]+ \w+) out", out)
+    assert table and table.group(1) != table.group(2)
+    assert f"Moving {table.group(1)} in and {table.group(2)} out per step" in out

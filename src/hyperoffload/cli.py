@@ -731,7 +731,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
                   f"for memory")
     out.print(table)
     peak = memory_profile(program).peak_bytes
-    out.print(f"Moving {format_bytes(figures.h2d_bytes)} each way per step kept the step at "
+    moved = f"{format_bytes(figures.h2d_bytes)} each way" if figures.h2d_bytes == figures.d2h_bytes else \
+        f"{format_bytes(figures.h2d_bytes)} in and {format_bytes(figures.d2h_bytes)} out"
+    out.print(f"Moving {moved} per step kept the step at "
               f"{format_bytes(figures.measured_peak_bytes)} ({figures.measured_peak_bytes / peak:.0%} of its "
               f"{format_bytes(peak)} peak), {figures.wall_s / figures.unplanned_wall_s:.2f}x the unplanned step's time; "
               f"the simulator predicted {figures.sim_step_s / figures.sim_compute_s:.2f}x (its planned step over "

@@ -48,7 +48,7 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload(
             name="tiny-llama",
-            description="4-layer LLaMA-style decoder for tests and demos; a training step takes about a second on CPU",
+            description="4-layer LLaMA-style decoder for tests and demos; a training step runs in about 30 ms on CPU",
             config=LlamaConfig(vocab_size=512, hidden=128, ffn=352, layers=4, heads=4, kv_heads=2),
             dtype=torch.float32, batch=2, seq=64, context=64,
             source="project-defined; shape follows LLaMA 3 (GQA 2:1, SwiGLU, RMSNorm, RoPE)"),
