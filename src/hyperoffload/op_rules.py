@@ -142,3 +142,30 @@ def count_bytes(call: OpCall) -> tuple[int, int]:
             written = tensors_bytes((rows,))
             return written + index_bytes, written
     return tensors_bytes(call.inputs), tensors_bytes(call.outputs)
+
+
+@register_flop_rule("aten._grouped_mm")
+def grouped_mm_flops(call: OpCall) -> int:
+    """A grouped matmul (mixture-of-experts layers): each row of ``self`` meets one group's matrix, so the
+    work is that of one (rows x k) @ (k x n) product. ``self`` and ``mat2`` both 2-D with a 3-D result is
+    the weight-gradient form, where the groups split the contraction instead."""
+    a, b = call.argument("self"), call.argument("mat2")
+    out = call.outputs[0]
+    if a.dim() == 2 and b.dim() == 2 and out.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out.numel() * a.shape[-1]
+
+
+@register_flop_rule("transformers.grouped_mm_fallback")
+def grouped_mm_fallback_flops(call: OpCall) -> int:
+    """transformers' grouped matmul fallback: ``input`` (rows, k) sorted by expert, each row times its expert's
+    (k, n) matrix of ``weight`` (experts, k, n)."""
+    x, weight = call.argument("input"), call.argument("weight")
+    return 2 * x.shape[0] * x.shape[1] * weight.shape[2]
+
+
+@register_flop_rule("transformers.grouped_mm_fallback_backward")
+def grouped_mm_fallback_backward_flops(call: OpCall) -> int:
+    """Gradients of the input and of the expert weights: two products the size of the forward's."""
+    x, weight = call.argument("input"), call.argument("weight")
+    return 2 * 2 * x.shape[0] * x.shape[1] * weight.shape[2]

@@ -15,7 +15,9 @@ on a laptop.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -82,11 +84,15 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int, fake_inputs
     config = model.config
     meta = {"source": "transformers", "model_type": getattr(config, "model_type", None), "batch": batch,
             "seq": seq, "dtype": str(params[0].dtype).removeprefix("torch.")}
-    with _unpacked_positions():
+    with _unpacked_positions(), _traceable_experts():
         if mode == "train":
-            return capture_train_step(model, (input_ids,), targets, kwargs=dict(_CALL_KWARGS), name=name, meta=meta)
-        model.eval()
-        return capture_prefill_step(model, (input_ids,), kwargs=dict(_CALL_KWARGS), name=name, meta=meta)
+            captured = capture_train_step(model, (input_ids,), targets, kwargs=dict(_CALL_KWARGS), name=name,
+                                          meta=meta)
+        else:
+            model.eval()
+            captured = capture_prefill_step(model, (input_ids,), kwargs=dict(_CALL_KWARGS), name=name, meta=meta)
+    # The eager step computes the experts the way the graph does (see _traceable_experts).
+    return dataclasses.replace(captured, step=_with_traceable_experts(captured.step))
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -177,6 +183,46 @@ def _unpacked_positions() -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _traceable_experts() -> Iterator[None]:
+    """Have mixture-of-experts layers use transformers' own grouped-matmul fallback op unless the weights are
+    bfloat16.
+
+    transformers' default experts implementation (``grouped_mm``) calls ``torch.nn.functional.grouped_mm``
+    whenever torch has it. Its CPU kernel takes float32, but torch's shape function for fake tensors
+    (``meta_grouped_mm``) accepts bfloat16 only, so tracing a float32 (or float16) MoE model fails with
+    "Expected inputs of BF16 type". transformers routes non-bfloat16 weights to its fallback
+    (``transformers::grouped_mm_fallback``, a custom op with a fake implementation and a backward: one matmul
+    per expert) under torch.compile for the same reason; this does the same while capturing, and while the
+    eager step runs, so that graph and eager compute the same products. bfloat16 experts keep
+    ``grouped_mm``.
+    """
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # not a transformers model, or a transformers version without grouped experts
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and original(
+        input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+def _with_traceable_experts(step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(step)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _traceable_experts():
+            return step(*args, **kwargs)
+
+    return run
 
 
 def build_hf_model(config_path: str, *, fake: bool = True, seed: int = 0) -> nn.Module:

@@ -62,6 +62,7 @@ from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.runtime.async_executor import AsyncExecutor
 from hyperoffload.runtime.plan_executor import PlanRun, Transfers, run_plan
+from hyperoffload.runtime.reference import rng_state, set_rng_state
 from hyperoffload.simulate import simulate
 
 
@@ -391,12 +392,16 @@ def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers
 
     report("reference step", 0, 1)
     ref_inputs = [t.clone() for t in inputs]
+    # The checked step starts from the reference's random state, so random ops (dropout) draw the same
+    # numbers in both and the comparison is bit for bit.
+    start = rng_state()
     reference = run_plan(unplanned, ref_inputs)
     report("reference step", 1, 1)
 
     with AsyncExecutor(transfers) as executor:
         report("planned step, checked", 0, 1)
         checked_inputs = [t.clone() for t in inputs]
+        set_rng_state(start)
         checked = executor.run(plan, checked_inputs, arena=config.arena)
         arena_bytes = checked.arena_bytes
         diff = max_abs_diff([*checked.outputs, *checked_inputs], [*reference.outputs, *ref_inputs])

@@ -109,6 +109,24 @@ class EagerComparison:
     """Measured and analysed live bytes are equal at every op, not just at the peak."""
 
 
+def rng_state() -> tuple:
+    """The state of torch's default random generators (CPU, and each CUDA device once CUDA is in use).
+
+    A step with random ops (dropout in a training step: ``aten.bernoulli_``) draws from these; two runs
+    that are compared bit for bit must each start from the same state (``set_rng_state``), or they draw
+    different masks and differ though both are right."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple) -> None:
+    """Restore a state from ``rng_state``."""
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def compare_with_eager(captured, order: Sequence[int] | None = None) -> EagerComparison:
     """Run ``captured`` (a real, not fake, capture) through ``run_reference`` and eagerly, and compare."""
     from hyperoffload.analysis import memory_profile
@@ -116,7 +134,9 @@ def compare_with_eager(captured, order: Sequence[int] | None = None) -> EagerCom
     program = captured.program
     graph_inputs = [t.clone() for t in captured.inputs]
     eager_inputs = [t.clone() for t in captured.inputs]
+    start = rng_state()  # both runs draw the same random numbers (dropout masks)
     run = run_reference(program, graph_inputs, order)
+    set_rng_state(start)
     eager = captured.step(*eager_inputs)
     eager = tuple(x for x in tree_flatten(eager)[0] if isinstance(x, torch.Tensor))
     pairs = [(f"output {i}", got, want) for i, (got, want) in enumerate(zip(run.outputs, eager))]

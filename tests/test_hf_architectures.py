@@ -1,0 +1,131 @@
+"""Hugging Face causal LMs of several architectures through the whole pipeline: a tiny config written to a
+folder (random weights, nothing downloaded), built with ``build_hf_model`` as ``hf:PATH`` does, captured for
+train and prefill, planned under half the no-offload peak and run: the planned step bit-identical to the
+unplanned one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hyperoffload import plan  # noqa: E402
+from hyperoffload.analysis import memory_profile  # noqa: E402
+from hyperoffload.capture.hf import build_hf_model, capture_hf  # noqa: E402
+from hyperoffload.hardware import get_hardware  # noqa: E402
+from hyperoffload.plans import plan_without_offload  # noqa: E402
+from hyperoffload.runtime import EmulatedLink, compare_with_eager, run_plan  # noqa: E402
+from hyperoffload.runtime.measure import RunConfig, measure_run  # noqa: E402
+from helpers import assert_matches_eager  # noqa: E402
+
+SEQ = 16
+_TOKENS = dict(vocab_size=256, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **_TOKENS)
+# Each architecture's tiny config, as AutoConfig.for_model(model_type, **sizes) takes it. Their default
+# dropout is kept: GPT-2 trains with dropout 0.1 (random ops in the step).
+ARCHITECTURES = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256, bos_token_id=1, eos_token_id=2),
+    "llama": dict(_DECODER, num_key_value_heads=2),
+    "mistral": dict(_DECODER, num_key_value_heads=2, sliding_window=8),
+    "qwen2": dict(_DECODER, num_key_value_heads=2),
+    "phi3": dict(_DECODER, num_key_value_heads=2, pad_token_id=0),
+    "phi": dict(_DECODER, num_key_value_heads=4),
+    "gemma": dict(_DECODER, num_key_value_heads=2, head_dim=16),
+    "gemma2": dict(_DECODER, num_key_value_heads=2, head_dim=16, sliding_window=8),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
+                **_TOKENS),
+    "gpt_neox": dict(_DECODER),
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **_TOKENS),
+    "mixtral": dict(_DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(_DECODER, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64),
+}
+
+
+def _config_path(tmp_path, arch: str) -> str:
+    try:
+        config = transformers.AutoConfig.for_model(arch, **ARCHITECTURES[arch])
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no {arch} architecture")
+    config.save_pretrained(tmp_path)
+    return str(tmp_path / "config.json")
+
+
+def _capture(tmp_path, arch: str, mode: str):
+    model = build_hf_model(_config_path(tmp_path, arch), fake=False)
+    torch.manual_seed(0)
+    return capture_hf(model, mode, batch=1, seq=SEQ)
+
+
+@pytest.mark.parametrize("mode", ["train", "prefill"])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_architecture_plans_and_runs_bit_identical(tmp_path, arch: str, mode: str) -> None:
+    captured = _capture(tmp_path, arch, mode)
+    program = captured.program
+    assert program.meta["model_type"] == arch and program.mode == mode
+    peak = memory_profile(program).peak_bytes
+    # Planned for 60% of the peak: tied-embedding models (GPT-2) have a prefill whose output projection
+    # alone needs more than half of the tiny step's peak.
+    planned = plan(program, "h100-sxm", int(peak * 0.6))
+    assert planned.budget_bytes < peak
+    reference_inputs = [t.clone() for t in captured.inputs]
+    planned_inputs = [t.clone() for t in captured.inputs]
+    torch.manual_seed(1)  # the same random state for both runs: GPT-2's dropout draws from it
+    reference = run_plan(plan_without_offload(program), reference_inputs)
+    torch.manual_seed(1)
+    planned_run = run_plan(planned, planned_inputs)
+    assert planned_run.peak_bytes <= planned.budget_bytes
+    assert len(planned_run.outputs) == len(reference.outputs)
+    assert all(torch.equal(a, b) for a, b in zip(planned_run.outputs, reference.outputs))
+    assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))
+    if mode == "train":  # the update did land
+        assert not all(torch.equal(a, b) for a, b in zip(reference_inputs, captured.inputs))
+
+def test_dropout_step_compares_bit_identical(tmp_path) -> None:
+    """GPT-2 trains with dropout: the step draws random masks. The comparisons run both sides from the same
+    random state, so a correct plan (and the graph against eager) is bit-identical rather than off by a mask."""
+    captured = _capture(tmp_path, "gpt2", "train")
+    assert any(op.target.startswith("aten.bernoulli") for op in captured.program.ops)
+    comparison = compare_with_eager(captured)
+    assert comparison.identical and comparison.max_abs_diff == 0.0
+    program = captured.program
+    planned = plan(program, "h100-sxm", "50%")
+    with EmulatedLink(h2d_bw=1e12, d2h_bw=1e12) as link:
+        figures = measure_run(planned, captured.inputs, link, get_hardware("h100-sxm"), RunConfig(steps=1, warmup=0))
+    assert figures.max_abs_diff == 0.0
+    assert figures.measured_peak_bytes <= planned.budget_bytes
+
+
+def _expert_products(program, target: str) -> list[tuple[int, int]]:
+    """(FLOPs, 2 x rows x k x n) of each forward grouped expert product in ``program``."""
+    found = []
+    for op in program.ops:
+        if op.target.startswith(target + "."):
+            rows, k = program.values[op.inputs[0]].shape
+            n = program.values[op.outputs[0]].shape[-1]
+            found.append((op.flops, 2 * rows * k * n))
+    return found
+
+
+def test_float32_moe_experts_trace_and_match_eager(tmp_path) -> None:
+    """transformers' grouped_mm experts fail to trace in float32 (torch's fake-tensor shape function for
+    grouped_mm takes bfloat16 only): the capture routes them to transformers' fallback op, in the graph and in
+    the eager step alike, and counts its FLOPs as one (rows x k) @ (k x n) product."""
+    captured = _capture(tmp_path, "mixtral", "train")
+    products = _expert_products(captured.program, "transformers.grouped_mm_fallback")
+    assert len(products) == 4  # 2 layers x (gate_up, down)
+    assert all(flops == expected and flops > 0 for flops, expected in products)
+    assert any(op.target.startswith("transformers.grouped_mm_fallback_backward") and op.flops > 0
+               for op in captured.program.ops)
+    assert_matches_eager(captured)
+
+
+def test_bfloat16_moe_keeps_grouped_mm_with_matmul_flops(tmp_path) -> None:
+    sizes = dict(ARCHITECTURES["mixtral"], dtype="bfloat16")
+    transformers.AutoConfig.for_model("mixtral", **sizes).save_pretrained(tmp_path)
+    model = build_hf_model(str(tmp_path), fake=True)
+    captured = capture_hf(model, "prefill", batch=1, seq=SEQ)
+    products = _expert_products(captured.program, "aten._grouped_mm")
+    assert len(products) == 4
+    assert all(flops == expected for flops, expected in products)
