@@ -89,6 +89,22 @@ def test_inspect_hugging_face_config(tmp_path, capsys):
     assert figures["verify"]["identical_to_eager"] and figures["verify"]["live_bytes_agree"]
 
 
+def test_plan_and_run_hugging_face_decode(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    step = ["--workload", f"hf:{tmp_path}", "--mode", "decode", "--context", "40"]
+    figures = run_json(capsys, *step)
+    assert figures["mode"] == "decode" and figures["context"] == 40 and figures["kv_bytes"] > 0
+    assert main(["plan", *step, "--hardware", "h100-sxm", "--budget", "70%", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["feasible"] and planned["peak_bytes"] <= planned["budget_bytes"]
+    assert main(["run", *step, "--budget", "70%", "--link", "1GB/s", "--steps", "1", "--warmup", "0", "--json"]) == 0
+    ran = json.loads(capsys.readouterr().out)
+    assert ran["max_abs_diff"] == 0.0 and ran["feasible"]
+
+
 def test_inspect_hugging_face_config_missing(tmp_path, capsys):
     assert main(["inspect", "--workload", f"hf:{tmp_path}", "--mode", "train"]) == 2
     assert "no Hugging Face config" in capsys.readouterr().err

@@ -109,10 +109,16 @@ def test_fake_inputs_for_real_model() -> None:
         capture_hf(real, "prefill", batch=BATCH, seq=SEQ).program).peak_bytes
 
 
-def test_decode_is_not_supported_yet() -> None:
-    with pytest.raises(CaptureError, match="decode capture is not supported yet") as info:
-        capture_hf(build("llama"), "decode", batch=BATCH, seq=SEQ)
-    assert "capture_workload" in str(info.value) and "prefill" in str(info.value)
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"mode": "decode", "seq": SEQ}, "pass context"),
+    ({"mode": "decode"}, "decode needs context"),
+    ({"mode": "decode", "context": -1}, "decode needs context"),
+    ({"mode": "decode", "context": 10**6}, "max_position_embeddings"),
+    ({"mode": "train", "seq": SEQ, "context": 8}, "a train step has none"),
+])
+def test_decode_input_is_checked(kwargs: dict, match: str) -> None:
+    with pytest.raises(CaptureError, match=match):
+        capture_hf(build("llama"), batch=BATCH, **kwargs)
 
 
 @pytest.mark.parametrize(("model", "kwargs", "match"), [

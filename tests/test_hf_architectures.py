@@ -129,3 +129,65 @@ def test_bfloat16_moe_keeps_grouped_mm_with_matmul_flops(tmp_path) -> None:
     products = _expert_products(captured.program, "aten._grouped_mm")
     assert len(products) == 4
     assert all(flops == expected for flops, expected in products)
+
+
+# Decode keeps the KV cache in transformers' StaticCache layout; sliding-window layers (Mistral and Gemma 2 as
+# configured above) and OPT (learned positions from the cache length as a Python number) are refused.
+DECODE_REFUSED = {"mistral": "StaticSlidingWindowLayer", "gemma2": "StaticSlidingWindowLayer",
+                  "opt": "reads a tensor's value as a Python number"}
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in DECODE_REFUSED])
+def test_architecture_decode_plans_and_runs_bit_identical(tmp_path, arch: str) -> None:
+    model = build_hf_model(_config_path(tmp_path, arch), fake=False)
+    torch.manual_seed(0)
+    captured = capture_hf(model, "decode", batch=2, context=12)
+    program = captured.program
+    assert program.mode == "decode" and program.meta["context"] == 12
+    cache = [program.values[v] for v in program.inputs if program.values[v].kind.value == "kv_cache"]
+    assert cache and all(v.shape[2] == 13 for v in cache)  # (batch, kv heads, context + 1 slots, head dim)
+    peak = memory_profile(program).peak_bytes
+    planned = plan(program, "h100-sxm", int(peak * 0.7))
+    reference = run_plan(plan_without_offload(program), [t.clone() for t in captured.inputs])
+    planned_run = run_plan(planned, [t.clone() for t in captured.inputs])
+    assert planned_run.peak_bytes <= planned.budget_bytes < peak
+    assert all(torch.equal(a, b) for a, b in zip(planned_run.outputs, reference.outputs))
+
+
+@pytest.mark.parametrize("arch", list(DECODE_REFUSED))
+def test_decode_of_an_unsupported_cache_is_refused_by_name(tmp_path, arch: str) -> None:
+    from hyperoffload.capture import CaptureError
+
+    model = build_hf_model(_config_path(tmp_path, arch), fake=False)
+    with pytest.raises(CaptureError, match=DECODE_REFUSED[arch]) as raised:
+        capture_hf(model, "decode", batch=1, context=8)
+    assert "prefill" in str(raised.value)
+
+
+def test_the_decode_step_continues_what_a_prompt_left_in_the_cache(tmp_path) -> None:
+    """The captured decode step, run by the reference executor on a cache the same adapter filled from a prompt,
+    gives the next token's logits of a full forward pass over prompt and token (the last bits aside: one
+    attention over 13 slots against a causal one over 13 tokens)."""
+    from hyperoffload.capture.hf import StaticCacheDecoder
+    from hyperoffload.runtime import run_reference
+
+    model = build_hf_model(_config_path(tmp_path, "llama"), fake=False)
+    torch.manual_seed(0)
+    captured = capture_hf(model, "decode", batch=2, context=12)
+    program = captured.program
+    decoder = StaticCacheDecoder(model)
+    prompt = torch.randint(0, 256, (2, 12))
+    token = torch.randint(0, 256, (2, 1))
+    cache = decoder.new_cache(2, 13)
+    with torch.no_grad():
+        decoder(prompt, cache, torch.zeros(1, dtype=torch.int64))  # the prefill writes slots 0 ... 11
+        want = model(torch.cat((prompt, token), 1)).logits[:, -1:]
+    inputs = list(captured.inputs)
+    flat_cache = [t for pair in cache for t in pair]
+    kv_positions = [i for i, v in enumerate(program.inputs) if program.values[v].kind.value == "kv_cache"]
+    for position, tensor in zip(kv_positions, flat_cache, strict=True):
+        inputs[position] = tensor.clone()
+    inputs[-2] = token  # tokens, then start (= context)
+    got = run_reference(program, inputs).outputs[0]
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

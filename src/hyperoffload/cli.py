@@ -300,8 +300,8 @@ def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
     if args.workload.startswith(HF_PREFIX):
         from hyperoffload.capture.hf import build_hf_model, capture_hf
 
-        if args.context is not None or args.master_weights:
-            raise ValueError("--context and --master-weights apply to the built-in workloads only")
+        if args.master_weights:
+            raise ValueError("--master-weights applies to the built-in workloads only")
         if getattr(args, "nsa_block", None) is not None:
             raise ValueError("--nsa-block applies to the built-in DeepSeek-style workloads (NSA), not a Hugging Face "
                              "model: drop it")
@@ -309,8 +309,10 @@ def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
         with console.status(f"Capturing the {args.mode} step of {path} on {kind} tensors..."):
             model = build_hf_model(path, fake=fake)
             torch.manual_seed(0)  # the example batch
-            return capture_hf(model, args.mode, batch=args.batch or 1, seq=args.seq or 128,
-                              name=args.workload)
+            if args.mode == "decode":
+                return capture_hf(model, "decode", batch=args.batch or 1, context=128 if args.context is None
+                                  else args.context, name=args.workload)
+            return capture_hf(model, args.mode, batch=args.batch or 1, seq=args.seq or 128, name=args.workload)
     workload = get_workload(args.workload)
     workload = with_nsa_block(workload, getattr(args, "nsa_block", None))
     with console.status(f"Capturing the {args.mode} step of {workload.name} on {kind} tensors..."):

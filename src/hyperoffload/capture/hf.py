@@ -1,4 +1,4 @@
-"""Capture a Hugging Face ``transformers`` causal language model (train or prefill) as a Program.
+"""Capture a Hugging Face ``transformers`` causal language model (train, prefill or decode) as a Program.
 
 ``transformers`` is an optional dependency: this module never imports it at import time. It
 works with any ``nn.Module`` that has a ``config.vocab_size`` and a Hugging Face style
@@ -6,8 +6,11 @@ works with any ``nn.Module`` that has a ``config.vocab_size`` and a Hugging Face
 (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``, ...).
 
 The adapter only makes the example batch and the call pure; the capture itself is the
-project's ``capture_train_step`` / ``capture_prefill_step``, so an HF step and a built-in
-workload step become the same kind of Program. A model built under ``fake_build()`` (no
+project's ``capture_train_step`` / ``capture_prefill_step`` / ``capture_decode_step``, so an HF step
+and a built-in workload step become the same kind of Program. A decode step keeps its KV cache in
+transformers' ``StaticCache`` layout (per layer, keys and values of (batch, kv heads, slots, head
+dim), written in place with ``index_copy_``), with the tensors passed in as step inputs
+(``StaticCacheDecoder``). A model built under ``fake_build()`` (no
 memory) gets fake example inputs from the same fake mode, so a 70B HF model can be planned
 on a laptop.
 """
@@ -26,9 +29,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyperoffload.capture.fake import default_dtype, fake_build, is_fake
 from hyperoffload.capture.graph_to_program import CaptureError
-from hyperoffload.capture.steps import Captured, capture_prefill_step, capture_train_step
+from hyperoffload.capture.steps import Captured, capture_decode_step, capture_prefill_step, capture_train_step
 
-HF_MODES = ("train", "prefill")
+HF_MODES = ("train", "prefill", "decode")
 
 # use_cache=False: no DynamicCache object is created or returned, so the forward is a pure
 # function of (weights, input_ids). return_dict=True: the output has ``.logits``, which
@@ -36,9 +39,9 @@ HF_MODES = ("train", "prefill")
 _CALL_KWARGS = {"use_cache": False, "return_dict": True}
 
 
-def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int, fake_inputs: bool | None = None,
-               name: str | None = None) -> Captured:
-    """Capture one ``mode`` step ("train" or "prefill") of a Hugging Face causal LM.
+def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = None, context: int | None = None,
+               fake_inputs: bool | None = None, name: str | None = None) -> Captured:
+    """Capture one ``mode`` step ("train", "prefill" or "decode") of a Hugging Face causal LM.
 
     The example batch is ``input_ids`` of ``batch`` sequences of ``seq`` tokens (int64, random
     ids below ``config.vocab_size``, drawn from torch's global generator: seed it for a
@@ -48,25 +51,33 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int, fake_inputs
     given, so dropout (if the config has any) is part of the step. "prefill" captures one
     forward without gradients returning the logits, and puts the model in eval mode (dropout
     off) first, as inference runs it; call ``model.train()`` afterwards to train it again.
+    "decode" (``context`` tokens already cached, no ``seq``) captures one token per sequence
+    against a static KV cache of ``context + 1`` slots that is an input of the step and is written
+    in place (``StaticCacheDecoder``), also in eval mode; models whose cache has sliding-window,
+    linear-attention or other non-static layers are refused.
 
     ``fake_inputs``: ``None`` (the default) makes fake inputs exactly when the model's
     parameters are fake (built under ``fake_build()``), in the same fake mode; ``True`` makes
     fake inputs for a real model too (the step can then only be inspected, not run); ``False``
     insists on real inputs and so needs a real model. ``name`` defaults to the model's class.
     """
-    if mode == "decode":
-        raise CaptureError(
-            "Hugging Face decode capture is not supported yet: HF models keep the KV cache in a Cache object "
-            "that grows by concatenation each token, not in fixed-size tensors passed in and updated in place, "
-            "which a decode Program needs. Capture mode='prefill' of this model, or capture decode of a "
-            "built-in workload (hyperoffload.workloads.capture_workload(get_workload('llama3-8b'), 'decode') "
-            "or capture_decode_step with workloads.Llama, whose new_cache() gives a static KV cache)")
     if mode not in HF_MODES:
         raise CaptureError(f"unknown mode {mode!r} for a Hugging Face model; choose one of: {', '.join(HF_MODES)}")
     vocab = _vocab_size(model)
     _check_count("batch", batch, "sequences")
-    _check_count("seq", seq, "tokens")
-    _check_positions(model, seq)
+    if mode == "decode":
+        if seq is not None:
+            raise CaptureError("a decode step feeds one token per sequence: pass context (the tokens already "
+                               "cached), not seq")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise CaptureError(f"decode needs context, the tokens already in the KV cache: an int >= 0, "
+                               f"got {context!r}")
+        _check_positions(model, context + 1)
+    else:
+        if context is not None:
+            raise CaptureError(f"context sets the KV cache of a decode step; a {mode} step has none: drop it")
+        _check_count("seq", seq, "tokens")
+        _check_positions(model, seq)
     params = list(model.parameters())
     if not params:
         raise CaptureError(f"{type(model).__name__} has no parameters; pass the model itself (e.g. a "
@@ -75,7 +86,7 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int, fake_inputs
     # Inputs go where the embedding weights are; under a fake mode they are fake tensors of that mode,
     # so the trace sees one consistent set of fake tensors.
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        stream = torch.randint(0, vocab, (batch, seq + 1), dtype=torch.int64, device=params[0].device)
+        stream = torch.randint(0, vocab, (batch, (seq or 1) + 1), dtype=torch.int64, device=params[0].device)
         # Clones, not views: the two inputs must own separate storages, or the capture would count one
         # buffer for both while a caller passing separate tensors holds two.
         input_ids = stream[:, :-1].clone()
@@ -84,6 +95,27 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int, fake_inputs
     config = model.config
     meta = {"source": "transformers", "model_type": getattr(config, "model_type", None), "batch": batch,
             "seq": seq, "dtype": str(params[0].dtype).removeprefix("torch.")}
+    if mode == "decode":
+        del meta["seq"]
+        model.eval()
+        decoder = StaticCacheDecoder(model)
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            tokens = input_ids[:, :1].clone()
+            cache = decoder.new_cache(batch, context + 1)
+        with _unpacked_positions(), _traceable_experts(), _eager_gqa_decode():
+            try:
+                captured = capture_decode_step(decoder, tokens, context, cache=cache,
+                                               name=name or type(model).__name__, meta={**meta, "context": context})
+            except CaptureError as error:
+                if "_local_scalar_dense" not in str(error):
+                    raise
+                raise CaptureError(
+                    f"{type(model).__name__}'s decode step reads a tensor's value as a Python number (for OPT, the "
+                    f"cache length its learned positions start from), which a captured step cannot follow. Hugging "
+                    f"Face decode capture works for models that place tokens by cache_position (checked: LLaMA, Qwen2, "
+                    f"Phi-3, Phi, Gemma, Falcon, GPT-2, GPT-NeoX, Mixtral, Qwen2-MoE); capture mode='prefill' of "
+                    f"this model instead ({error})") from None
+        return dataclasses.replace(captured, step=_with_traceable_experts(captured.step))
     with _unpacked_positions(), _traceable_experts():
         if mode == "train":
             captured = capture_train_step(model, (input_ids,), targets, kwargs=dict(_CALL_KWARGS), name=name,
@@ -93,6 +125,75 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int, fake_inputs
             captured = capture_prefill_step(model, (input_ids,), kwargs=dict(_CALL_KWARGS), name=name, meta=meta)
     # The eager step computes the experts the way the graph does (see _traceable_experts).
     return dataclasses.replace(captured, step=_with_traceable_experts(captured.step))
+
+
+class StaticCacheDecoder(nn.Module):
+    """A Hugging Face causal LM as a decoder that takes its KV cache as tensors, the form a decode Program
+    needs (``capture_decode_step``): ``forward(tokens, cache, start)`` with ``cache`` a list of (keys, values)
+    per layer in transformers' ``StaticCache`` layout and ``start`` (1,) int64 the position of the first token.
+
+    Each call wraps the given tensors in a ``StaticCache`` whose layers write the new tokens' keys and values in
+    place at ``start`` (``index_copy_``) and attend over all slots with the positions past the sequence masked,
+    as transformers' static-cache generation does. Only full-attention static layers are supported: a
+    sliding-window layer rolls its buffer once full, which depends on a Python counter rather than on the
+    step's inputs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def new_cache(self, batch: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed keys and values of ``slots`` tokens per layer, shaped, typed and placed as the model's own
+        ``StaticCache`` makes them (its layers size themselves on a first one-token call, run here)."""
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.model.config, max_cache_len=slots)
+        self._check_layers(cache)
+        device = next(self.model.parameters()).device
+        tokens = torch.zeros((batch, 1), dtype=torch.int64, device=device)
+        with torch.no_grad():
+            self._call(tokens, cache, torch.zeros(1, dtype=torch.int64, device=device))
+        # The sizing call wrote its token at slot 0: clear it, and hand out the layers' own buffers.
+        return [(layer.keys.zero_(), layer.values.zero_()) for layer in cache.layers]
+
+    def cache_names(self) -> list[str]:
+        layers = len(self._static_cache(1).layers)
+        return [f"layers.{i}.{part}" for i in range(layers) for part in ("keys", "values")]
+
+    def forward(self, tokens: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                start: torch.Tensor) -> torch.Tensor:
+        static = self._static_cache(cache[0][0].shape[-2])
+        for layer, (keys, values) in zip(static.layers, cache, strict=True):
+            # What the layer's lazy_initialization would set, with the step's own tensors as its buffers.
+            layer.keys, layer.values = keys, values
+            layer.device = keys.device
+            layer.batch_size, layer.num_heads = keys.shape[:2]
+            layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+            layer.cumulative_length = start[0].clone()  # each layer advances its own count in place
+            layer.is_initialized = True
+        return self._call(tokens, static, start).logits
+
+    def _static_cache(self, slots: int):
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.model.config, max_cache_len=slots)
+        self._check_layers(cache)
+        return cache
+
+    def _check_layers(self, cache) -> None:
+        from transformers.cache_utils import StaticLayer
+
+        other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer})
+        if other:
+            raise CaptureError(f"{type(self.model).__name__}'s KV cache has {', '.join(other)} layers; Hugging Face "
+                               f"decode capture supports full-attention static layers (StaticLayer) only. Capture "
+                               f"mode='prefill' of this model, or decode of a built-in workload")
+
+    def _call(self, tokens: torch.Tensor, cache, start: torch.Tensor):
+        positions = start + torch.arange(tokens.shape[1], device=start.device)
+        # One row of positions for the whole batch, as transformers makes them itself from cache_position.
+        return self.model(input_ids=tokens, past_key_values=cache, cache_position=positions,
+                          position_ids=positions[None], use_cache=True, return_dict=True)
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -214,6 +315,32 @@ def _traceable_experts() -> Iterator[None]:
         yield
     finally:
         moe._can_use_grouped_mm = original
+
+
+@contextlib.contextmanager
+def _eager_gqa_decode() -> Iterator[None]:
+    """Have grouped-query attention of a one-token query take, while tracing, the path it takes eagerly.
+
+    With a mask (a static cache always has one) and one query token, transformers' SDPA attention packs each
+    group's query heads onto one key head (``pack_gqa``) unless ``torch.compiler.is_compiling()``, which is
+    true while make_fx traces; it then repeats keys and values per query head instead (``repeat_kv``). The
+    traced step would differ from the step that runs: other ops, repeated K/V in the memory profile, and
+    results that differ in the last bits. Tracing is not compiling here (the graph runs op by op), so the
+    eager answer is the exact one."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        yield
+        return
+    original = getattr(sdpa_attention, "is_torchdynamo_compiling", None)
+    if original is None:
+        yield
+        return
+    sdpa_attention.is_torchdynamo_compiling = lambda: False
+    try:
+        yield
+    finally:
+        sdpa_attention.is_torchdynamo_compiling = original
 
 
 def _with_traceable_experts(step: Callable[..., Any]) -> Callable[..., Any]:
