@@ -131,10 +131,9 @@ def test_bfloat16_moe_keeps_grouped_mm_with_matmul_flops(tmp_path) -> None:
     assert all(flops == expected for flops, expected in products)
 
 
-# Decode keeps the KV cache in transformers' StaticCache layout; sliding-window layers (Mistral and Gemma 2 as
-# configured above) and OPT (learned positions from the cache length as a Python number) are refused.
-DECODE_REFUSED = {"mistral": "StaticSlidingWindowLayer", "gemma2": "StaticSlidingWindowLayer",
-                  "opt": "reads a tensor's value as a Python number"}
+# Decode keeps the KV cache in transformers' StaticCache layout (Mistral and Gemma 2 as configured above with
+# sliding-window layers of 8 tokens); OPT (learned positions from the cache length as a Python number) is refused.
+DECODE_REFUSED = {"opt": "reads a tensor's value as a Python number"}
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in DECODE_REFUSED])
@@ -145,7 +144,9 @@ def test_architecture_decode_plans_and_runs_bit_identical(tmp_path, arch: str) -
     program = captured.program
     assert program.mode == "decode" and program.meta["context"] == 12
     cache = [program.values[v] for v in program.inputs if program.values[v].kind.value == "kv_cache"]
-    assert cache and all(v.shape[2] == 13 for v in cache)  # (batch, kv heads, context + 1 slots, head dim)
+    # (batch, kv heads, slots, head dim): context + 1 slots, or a sliding window's 8 (every Mistral layer)
+    assert cache and all(v.shape[2] == (8 if arch == "mistral" else 13) or arch == "gemma2" and v.shape[2] == 8
+                         for v in cache)
     peak = memory_profile(program).peak_bytes
     planned = plan(program, "h100-sxm", int(peak * 0.7))
     reference = run_plan(plan_without_offload(program), [t.clone() for t in captured.inputs])
@@ -164,23 +165,25 @@ def test_decode_of_an_unsupported_cache_is_refused_by_name(tmp_path, arch: str) 
     assert "prefill" in str(raised.value)
 
 
-def test_the_decode_step_continues_what_a_prompt_left_in_the_cache(tmp_path) -> None:
+@pytest.mark.parametrize("context", [5, 12])  # Mistral's and Gemma 2's windows (8 tokens): not yet full, full
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_the_decode_step_continues_what_a_prompt_left_in_the_cache(tmp_path, arch: str, context: int) -> None:
     """The captured decode step, run by the reference executor on a cache the same adapter filled from a prompt,
     gives the next token's logits of a full forward pass over prompt and token (the last bits aside: one
-    attention over 13 slots against a causal one over 13 tokens)."""
+    attention over the cache's slots against a causal one over the tokens)."""
     from hyperoffload.capture.hf import StaticCacheDecoder
     from hyperoffload.runtime import run_reference
 
-    model = build_hf_model(_config_path(tmp_path, "llama"), fake=False)
+    model = build_hf_model(_config_path(tmp_path, arch), fake=False)
     torch.manual_seed(0)
-    captured = capture_hf(model, "decode", batch=2, context=12)
+    captured = capture_hf(model, "decode", batch=2, context=context)
     program = captured.program
-    decoder = StaticCacheDecoder(model)
-    prompt = torch.randint(0, 256, (2, 12))
+    decoder = StaticCacheDecoder(model, position=0)  # the prompt goes in from slot 0
+    prompt = torch.randint(0, 256, (2, context))
     token = torch.randint(0, 256, (2, 1))
-    cache = decoder.new_cache(2, 13)
+    cache = decoder.new_cache(2, context + 1)
     with torch.no_grad():
-        decoder(prompt, cache, torch.zeros(1, dtype=torch.int64))  # the prefill writes slots 0 ... 11
+        decoder(prompt, cache, torch.zeros(1, dtype=torch.int64))  # the prefill writes the prompt's slots
         want = model(torch.cat((prompt, token), 1)).logits[:, -1:]
     inputs = list(captured.inputs)
     flat_cache = [t for pair in cache for t in pair]

@@ -53,8 +53,8 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
     off) first, as inference runs it; call ``model.train()`` afterwards to train it again.
     "decode" (``context`` tokens already cached, no ``seq``) captures one token per sequence
     against a static KV cache of ``context + 1`` slots that is an input of the step and is written
-    in place (``StaticCacheDecoder``), also in eval mode; models whose cache has sliding-window,
-    linear-attention or other non-static layers are refused.
+    in place (``StaticCacheDecoder``; sliding-window layers hold their window), also in eval mode; models
+    whose cache has linear-attention or other non-static layers are refused.
 
     ``fake_inputs``: ``None`` (the default) makes fake inputs exactly when the model's
     parameters are fake (built under ``fake_build()``), in the same fake mode; ``True`` makes
@@ -98,7 +98,7 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
     if mode == "decode":
         del meta["seq"]
         model.eval()
-        decoder = StaticCacheDecoder(model)
+        decoder = StaticCacheDecoder(model, position=context)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             tokens = input_ids[:, :1].clone()
             cache = decoder.new_cache(batch, context + 1)
@@ -112,8 +112,8 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
                 raise CaptureError(
                     f"{type(model).__name__}'s decode step reads a tensor's value as a Python number (for OPT, the "
                     f"cache length its learned positions start from), which a captured step cannot follow. Hugging "
-                    f"Face decode capture works for models that place tokens by cache_position (checked: LLaMA, Qwen2, "
-                    f"Phi-3, Phi, Gemma, Falcon, GPT-2, GPT-NeoX, Mixtral, Qwen2-MoE); capture mode='prefill' of "
+                    f"Face decode capture works for models that place tokens by cache_position (checked: LLaMA, Mistral, "
+                    f"Qwen2, Phi-3, Phi, Gemma, Gemma 2, Falcon, GPT-2, GPT-NeoX, Mixtral, Qwen2-MoE); capture mode='prefill' of "
                     f"this model instead ({error})") from None
         return dataclasses.replace(captured, step=_with_traceable_experts(captured.step))
     with _unpacked_positions(), _traceable_experts():
@@ -134,13 +134,17 @@ class StaticCacheDecoder(nn.Module):
 
     Each call wraps the given tensors in a ``StaticCache`` whose layers write the new tokens' keys and values in
     place at ``start`` (``index_copy_``) and attend over all slots with the positions past the sequence masked,
-    as transformers' static-cache generation does. Only full-attention static layers are supported: a
-    sliding-window layer rolls its buffer once full, which depends on a Python counter rather than on the
-    step's inputs."""
+    as transformers' static-cache generation does. A sliding-window layer holds the last ``sliding_window``
+    tokens and, once full, rolls its buffer by one per token; which of its code paths runs depends on a Python
+    count of the tokens already cached, ``position``, not on the step's inputs: a captured step is for that
+    count (``capture_hf`` sets it to the context). Other layer kinds (linear attention, indexed) are refused."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, position: int | None = None) -> None:
         super().__init__()
         self.model = model
+        self.position = position
+        """Tokens already in the cache at the next call (sliding-window layers need it as a Python int)."""
+        self.slots: int | None = None
 
     def new_cache(self, batch: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed keys and values of ``slots`` tokens per layer, shaped, typed and placed as the model's own
@@ -149,6 +153,7 @@ class StaticCacheDecoder(nn.Module):
 
         cache = StaticCache(config=self.model.config, max_cache_len=slots)
         self._check_layers(cache)
+        self.slots = slots
         device = next(self.model.parameters()).device
         tokens = torch.zeros((batch, 1), dtype=torch.int64, device=device)
         with torch.no_grad():
@@ -162,7 +167,9 @@ class StaticCacheDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
                 start: torch.Tensor) -> torch.Tensor:
-        static = self._static_cache(cache[0][0].shape[-2])
+        from transformers.cache_utils import StaticSlidingWindowLayer
+
+        static = self._static_cache(self.slots or max(keys.shape[-2] for keys, _ in cache))
         for layer, (keys, values) in zip(static.layers, cache, strict=True):
             # What the layer's lazy_initialization would set, with the step's own tensors as its buffers.
             layer.keys, layer.values = keys, values
@@ -170,6 +177,11 @@ class StaticCacheDecoder(nn.Module):
             layer.batch_size, layer.num_heads = keys.shape[:2]
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
             layer.cumulative_length = start[0].clone()  # each layer advances its own count in place
+            if isinstance(layer, StaticSlidingWindowLayer):
+                if self.position is None:
+                    raise CaptureError("a sliding-window KV cache needs the tokens already cached as a Python int: set "
+                                       "StaticCacheDecoder.position before calling it")
+                layer.cumulative_length_int = self.position
             layer.is_initialized = True
         return self._call(tokens, static, start).logits
 
@@ -181,13 +193,14 @@ class StaticCacheDecoder(nn.Module):
         return cache
 
     def _check_layers(self, cache) -> None:
-        from transformers.cache_utils import StaticLayer
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-        other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer})
+        known = (StaticLayer, StaticSlidingWindowLayer)
+        other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in known})
         if other:
             raise CaptureError(f"{type(self.model).__name__}'s KV cache has {', '.join(other)} layers; Hugging Face "
-                               f"decode capture supports full-attention static layers (StaticLayer) only. Capture "
-                               f"mode='prefill' of this model, or decode of a built-in workload")
+                               f"decode capture supports static full-attention and sliding-window layers only. "
+                               f"Capture mode='prefill' of this model, or decode of a built-in workload")
 
     def _call(self, tokens: torch.Tensor, cache, start: torch.Tensor):
         positions = start + torch.arange(tokens.shape[1], device=start.device)
