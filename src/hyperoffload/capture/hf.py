@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -145,6 +146,9 @@ class StaticCacheDecoder(nn.Module):
         self.position = position
         """Tokens already in the cache at the next call (sliding-window layers need it as a Python int)."""
         self.slots: int | None = None
+        # transformers renames past_key_values to cache (deprecated from 5.x, to go in 5.40): take what it has.
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
 
     def new_cache(self, batch: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed keys and values of ``slots`` tokens per layer, shaped, typed and placed as the model's own
@@ -205,7 +209,7 @@ class StaticCacheDecoder(nn.Module):
     def _call(self, tokens: torch.Tensor, cache, start: torch.Tensor):
         positions = start + torch.arange(tokens.shape[1], device=start.device)
         # One row of positions for the whole batch, as transformers makes them itself from cache_position.
-        return self.model(input_ids=tokens, past_key_values=cache, cache_position=positions,
+        return self.model(input_ids=tokens, **{self._cache_keyword: cache}, cache_position=positions,
                           position_ids=positions[None], use_cache=True, return_dict=True)
 
 
@@ -387,7 +391,9 @@ def build_hf_model(config_path: str, *, fake: bool = True, seed: int = 0) -> nn.
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise CaptureError(f"cannot read the Hugging Face config at {folder}/config.json: {error}") from error
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    # Newer transformers name it dtype and warn when torch_dtype is read; older ones have torch_dtype only.
+    dtype = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    dtype = dtype or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if not fake:
