@@ -103,7 +103,7 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             tokens = input_ids[:, :1].clone()
             cache = decoder.new_cache(batch, context + 1)
-        with _unpacked_positions(), _traceable_experts(), _eager_gqa_decode():
+        with _unpacked_positions(), _traceable_experts():
             try:
                 captured = capture_decode_step(decoder, tokens, context, cache=cache,
                                                name=name or type(model).__name__, meta={**meta, "context": context})
@@ -287,20 +287,9 @@ def _unpacked_positions() -> Iterator[None]:
     ``arange`` inside the step, never from an input, so they are unpacked by construction and
     answering None is exact. Only the trace runs inside this block; the eager step needs no patch.
     """
-    try:
-        from transformers import masking_utils
-    except ImportError:  # not a transformers model, or transformers not installed: nothing to patch
+    with _patched("transformers.masking_utils", "find_packed_sequence_indices",
+                  lambda original: lambda position_ids: None):
         yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:  # a transformers version without the check has nothing to fix
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
@@ -317,47 +306,32 @@ def _traceable_experts() -> Iterator[None]:
     eager step runs, so that graph and eager compute the same products. bfloat16 experts keep
     ``grouped_mm``.
     """
-    try:
-        from transformers.integrations import moe
-    except ImportError:  # not a transformers model, or a transformers version without grouped experts
+    with _patched("transformers.integrations.moe", "_can_use_grouped_mm",
+                  lambda original: lambda input, weight, offs: weight.dtype == torch.bfloat16 and original(
+                      input, weight, offs)):
         yield
-        return
-    original = getattr(moe, "_can_use_grouped_mm", None)
-    if original is None:
-        yield
-        return
-    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and original(
-        input, weight, offs)
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = original
 
 
 @contextlib.contextmanager
-def _eager_gqa_decode() -> Iterator[None]:
-    """Have grouped-query attention of a one-token query take, while tracing, the path it takes eagerly.
+def _patched(module: str, name: str, replacement: Callable[[Any], Any]) -> Iterator[None]:
+    """Within the block, ``module.name`` is ``replacement(original)``; nothing changes where transformers (or
+    that attribute: an older or newer version) is missing."""
+    import importlib
 
-    With a mask (a static cache always has one) and one query token, transformers' SDPA attention packs each
-    group's query heads onto one key head (``pack_gqa``) unless ``torch.compiler.is_compiling()``, which is
-    true while make_fx traces; it then repeats keys and values per query head instead (``repeat_kv``). The
-    traced step would differ from the step that runs: other ops, repeated K/V in the memory profile, and
-    results that differ in the last bits. Tracing is not compiling here (the graph runs op by op), so the
-    eager answer is the exact one."""
     try:
-        from transformers.integrations import sdpa_attention
-    except ImportError:
+        target = importlib.import_module(module)
+    except ImportError:  # not a transformers model, or transformers not installed: nothing to patch
         yield
         return
-    original = getattr(sdpa_attention, "is_torchdynamo_compiling", None)
+    original = getattr(target, name, None)
     if original is None:
         yield
         return
-    sdpa_attention.is_torchdynamo_compiling = lambda: False
+    setattr(target, name, replacement(original))
     try:
         yield
     finally:
-        sdpa_attention.is_torchdynamo_compiling = original
+        setattr(target, name, original)
 
 
 def _with_traceable_experts(step: Callable[..., Any]) -> Callable[..., Any]:
