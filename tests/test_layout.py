@@ -193,8 +193,8 @@ def test_static_layout_keeps_the_faster_of_early_and_just_in_time_prefetches(har
     budget = int(memory_profile(prog).peak_bytes * share)
     hardware = get_hardware(hardware_name)
     plans = {"kept": plan_hyperoffload(prog, hardware, budget, LAYOUT),
-             "early": _plan_in_arena(prog, hardware, budget, LAYOUT),
-             "just in time": _plan_in_arena(prog, hardware, budget, replace(LAYOUT, early_prefetch=False))}
+             "early": _plan_in_arena(prog, hardware, budget, LAYOUT)[0],
+             "just in time": _plan_in_arena(prog, hardware, budget, replace(LAYOUT, early_prefetch=False))[0]}
     step = {}
     for name, plan in plans.items():
         verify(plan, hardware)
