@@ -98,6 +98,10 @@ class Op:
     transfer_bytes: int = 0
     """For a lane op, the bytes it moves over the link per step (for a data-dependent fetch, the
     expected bytes under the capture's stated statistics); 0 for compute ops."""
+    random: bool = False
+    """True for an op that draws from the global random generator (dropout: ``bernoulli_``,
+    ``native_dropout``, an attention kernel with a dropout probability): such ops keep their
+    captured order among themselves (``Program.dependencies``)."""
 
     @property
     def is_view(self) -> bool:
@@ -152,6 +156,8 @@ class Program:
         Data dependencies (producer before reader) plus storage hazards: an op that
         writes a storage keeps its captured order relative to every other op touching
         that storage, so a reorder never reads a half-updated tensor or a stale one.
+        Ops that draw random numbers (``Op.random``) keep their captured order among
+        themselves, so every order draws the same numbers for the same op.
         Computed once per program (every plan check needs it; the program never changes).
         """
         cached = _DEPENDENCIES.get(self)
@@ -197,6 +203,11 @@ class Program:
                     last_write, reads_since_write = op_id, []
                 else:
                     reads_since_write.append(op_id)
+        # Reordered, a random op would draw another's numbers, and a planned step would no longer be bit for bit
+        # the unplanned one.
+        random_ops = [op.id for op in self.ops if op.random]
+        for before, after in zip(random_ops, random_ops[1:]):
+            deps[after].add(before)
         for op in self.ops:
             deps[op.id].discard(op.id)
         return tuple(tuple(sorted(d)) for d in deps)

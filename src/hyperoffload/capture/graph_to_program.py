@@ -193,7 +193,27 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
                        if not b.records[v]["remote"] and b.records[v]["dtype"] not in ("int64", "int32"))
     return Op(id=op_id, name=node.name, target=str(target), inputs=tuple(input_ids), outputs=tuple(output_ids),
               mutates=tuple(dict.fromkeys(mutated)), phase=phase, flops=int(flops), bytes_read=bytes_read,
-              bytes_written=bytes_written, lane=lane, transfer_bytes=transfer)
+              bytes_written=bytes_written, lane=lane, transfer_bytes=transfer, random=_draws_random(call))
+
+
+# aten ops that draw from the global random generator (names without the overload), and the attention
+# kernels that do when given a dropout probability (their backward replays the mask it drew).
+_RANDOM_OPS = ("bernoulli", "rand", "normal", "uniform", "native_dropout", "_fused_dropout", "multinomial",
+               "exponential", "geometric", "cauchy", "log_normal", "random_", "poisson", "rrelu_with_noise")
+_ATTENTION_OPS = ("_scaled_dot_product", "_efficient_attention", "_flash_attention")
+
+
+def _draws_random(call: OpCall) -> bool:
+    namespace, _, name = call.target.partition(".")
+    if namespace != "aten" or name.endswith("_backward"):
+        return False
+    if name.startswith(_RANDOM_OPS):
+        return True
+    if name.startswith(_ATTENTION_OPS) and "dropout_p" in call.argument_names:
+        k = call.argument_names.index("dropout_p")
+        dropout = call.args[k] if k < len(call.args) else call.kwargs.get("dropout_p", 0.0)
+        return isinstance(dropout, (int, float)) and dropout > 0
+    return False
 
 
 def _finalise_kinds(records: list[dict], reads: dict[int, set[Phase]]) -> tuple[Value, ...]:
