@@ -121,6 +121,17 @@ def test_decode_input_is_checked(kwargs: dict, match: str) -> None:
         capture_hf(build("llama"), batch=BATCH, **kwargs)
 
 
+def test_a_model_that_cannot_decode_against_a_static_cache_is_a_capture_error(monkeypatch) -> None:
+    model = build("llama")
+
+    def old_forward(input_ids, **kwargs):  # a forward from before cache_position
+        raise TypeError("forward() got an unexpected keyword argument 'cache_position'")
+
+    monkeypatch.setattr(model, "forward", old_forward)
+    with pytest.raises(CaptureError, match="does not decode one token against a StaticCache .*prefill"):
+        capture_hf(model, "decode", batch=BATCH, context=8)
+
+
 @pytest.mark.parametrize(("model", "kwargs", "match"), [
     (lambda: transformers.LlamaConfig(**SIZES), {}, "nn.Module"),
     (lambda: torch.nn.Linear(4, 4), {}, "vocab_size"),

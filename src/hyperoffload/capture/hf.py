@@ -153,15 +153,17 @@ class StaticCacheDecoder(nn.Module):
     def new_cache(self, batch: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed keys and values of ``slots`` tokens per layer, shaped, typed and placed as the model's own
         ``StaticCache`` makes them (its layers size themselves on a first one-token call, run here)."""
-        from transformers import StaticCache
-
-        cache = StaticCache(config=self.model.config, max_cache_len=slots)
-        self._check_layers(cache)
+        cache = self._static_cache(slots)
         self.slots = slots
         device = next(self.model.parameters()).device
         tokens = torch.zeros((batch, 1), dtype=torch.int64, device=device)
         with torch.no_grad():
-            self._call(tokens, cache, torch.zeros(1, dtype=torch.int64, device=device))
+            try:
+                self._call(tokens, cache, torch.zeros(1, dtype=torch.int64, device=device))
+            except (TypeError, ValueError, AttributeError, NotImplementedError) as error:
+                raise CaptureError(f"{type(self.model).__name__} does not decode one token against a StaticCache "
+                                   f"({type(error).__name__}: {error}); capture mode='prefill' of this model "
+                                   f"instead") from error
         # The sizing call wrote its token at slot 0: clear it, and hand out the layers' own buffers.
         return [(layer.keys.zero_(), layer.values.zero_()) for layer in cache.layers]
 
@@ -192,7 +194,12 @@ class StaticCacheDecoder(nn.Module):
     def _static_cache(self, slots: int):
         from transformers import StaticCache
 
-        cache = StaticCache(config=self.model.config, max_cache_len=slots)
+        try:
+            cache = StaticCache(config=self.model.config, max_cache_len=slots)
+        except (TypeError, ValueError, AttributeError, NotImplementedError) as error:
+            raise CaptureError(f"transformers cannot make a StaticCache for {type(self.model).__name__} "
+                               f"({type(error).__name__}: {error}); capture mode='prefill' of this model "
+                               f"instead") from error
         self._check_layers(cache)
         return cache
 
