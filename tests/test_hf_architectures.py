@@ -194,3 +194,12 @@ def test_the_decode_step_continues_what_a_prompt_left_in_the_cache(tmp_path, arc
     got = run_reference(program, inputs).outputs[0]
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in DECODE_REFUSED])
+def test_architecture_decode_captures_on_fake_weights(tmp_path, arch: str) -> None:
+    """As ``hf:PATH`` captures by default: weights and cache on fake tensors (float32 experts included: the
+    call that sizes the cache takes the same traceable paths as the capture)."""
+    model = build_hf_model(_config_path(tmp_path, arch), fake=True)
+    program = capture_hf(model, "decode", batch=2, context=12).program
+    assert program.mode == "decode" and any(program.values[v].kind.value == "kv_cache" for v in program.inputs)

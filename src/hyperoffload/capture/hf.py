@@ -100,10 +100,10 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
         del meta["seq"]
         model.eval()
         decoder = StaticCacheDecoder(model, position=context)
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            tokens = input_ids[:, :1].clone()
-            cache = decoder.new_cache(batch, context + 1)
         with _unpacked_positions(), _traceable_experts():
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                tokens = input_ids[:, :1].clone()
+                cache = decoder.new_cache(batch, context + 1)  # a first call sizes the cache: traced code paths
             try:
                 captured = capture_decode_step(decoder, tokens, context, cache=cache,
                                                name=name or type(model).__name__, meta={**meta, "context": context})
