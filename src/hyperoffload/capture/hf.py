@@ -204,8 +204,16 @@ class StaticCacheDecoder(nn.Module):
         return cache
 
     def _check_layers(self, cache) -> None:
-        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+        import transformers
 
+        try:
+            from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+        except ImportError:  # transformers 4.x keeps the cache in per-kind lists, not per-layer objects
+            StaticLayer = StaticSlidingWindowLayer = None
+        if StaticLayer is None or not hasattr(cache, "layers"):
+            raise CaptureError(f"Hugging Face decode capture needs transformers 5 (a StaticCache of per-layer "
+                               f"objects); this is transformers {transformers.__version__}. Upgrade it, or capture "
+                               f"mode='prefill'")
         known = (StaticLayer, StaticSlidingWindowLayer)
         other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in known})
         if other:
