@@ -201,3 +201,20 @@ def test_a_budget_above_the_device_memory_is_planned_with_a_note(capsys):
     assert len(note) == 1 and "does not fit that device" in note[0] and "at most 1.00 MiB" in note[0]
     assert main(["plan", *TINY, *H100, "--budget", "50%", "--json"]) == 0
     assert "device memory" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("check, message", [
+    ({"identical_to_eager": False, "max_abs_diff": 8.9e-8, "live_bytes_agree": True},
+     "the results differ from eager by up to 8.9e-08 (the size of float rounding"),
+    ({"identical_to_eager": True, "max_abs_diff": 0.0, "live_bytes_agree": False},
+     "the measured live bytes differ from the analysis"),
+    ({"identical_to_eager": False, "max_abs_diff": 0.5, "live_bytes_agree": True},
+     "the results differ from eager by up to 0.5"),
+])
+def test_a_failed_verify_says_what_differs(capsys, monkeypatch, check, message):
+    monkeypatch.setattr(cli, "_verify", lambda args, peak, err: {**check, "measured_peak_bytes": 1,
+                                                                 "analysed_peak_bytes": 1})
+    assert main(["inspect", *TINY, "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert "verification failed: " + message in " ".join(err.split())
+    assert ("float rounding" in err) == (check["max_abs_diff"] == 8.9e-8)
