@@ -46,15 +46,35 @@ def test_hand_computed_flows():
     assert bound.seconds <= simulate(plan, hardware).figures.step_s
 
 
-def test_duplex_share_charges_overlapping_copies():
-    """With one bin the two copies share one slot-pair: at duplex 0.5 they cannot overlap usefully, so the
-    bound is at least the sum of both copies."""
+def test_one_bin_and_the_default_bins_both_charge_the_offload():
+    """With one bin the offload must cross before the bin's instant (at least 1 s of link); the default bins
+    give a bound at least as high here."""
     prog = _two_peaks()
     hardware = simple_hardware(bw=1000.0, duplex=0.5)
     budget = memory_profile(prog).peak_bytes - 1000
     one = flow_bound(prog, hardware, budget, bins=1)
     assert one.seconds >= 1.0  # D2H of x before the instant
     assert flow_bound(prog, hardware, budget).seconds >= one.seconds * (1 - 1e-9)  # finer bins only tighten
+
+
+def test_duplex_share_charges_copies_that_must_cross_together():
+    """x (1000 B) must be off while op1 and op2 start and back for op3, which reads it; y (1000 B), made by op2,
+    must be off when op3 starts. One op per bin: x comes back and y goes out in the same slot (op2's), so the
+    two copies run together there. Apart from x's offload before op2 (1 s) and y's return for op4 (1 s), that
+    slot takes 1 s with independent lanes and 2 s when each gets half the link."""
+    values = [value(0, 0), value(1, 1000), value(2, 4000), value(3, 1000), value(4, 4000), value(5, 0)]
+    ops = [op(0, [0], [1], flops=1000), op(1, [0], [2], flops=1000), op(2, [2], [3], flops=1000),
+           op(3, [1], [4], flops=1000), op(4, [3, 4], [5], flops=1000)]
+    prog = program(values, ops, [0], [5])
+    budget = memory_profile(prog).peak_bytes - 1000
+    seconds = {}
+    for duplex in (1.0, 0.5):
+        hardware = simple_hardware(bw=1000.0, duplex=duplex)
+        seconds[duplex] = flow_bound(prog, hardware, budget).seconds
+        assert_no_plan_beats(lambda order, hw=hardware: flow_bound(prog, hw, budget, order).seconds, prog, hardware,
+                             budget)
+    assert seconds[1.0] == pytest.approx(3.0, abs=1e-5)
+    assert seconds[0.5] == pytest.approx(4.0, abs=1e-5)
 
 
 def test_budget_at_the_peak_gives_the_compute_time():

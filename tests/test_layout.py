@@ -203,6 +203,15 @@ def test_static_layout_keeps_the_faster_of_early_and_just_in_time_prefetches(har
     assert step["kept"] == min(step["early"], step["just in time"])
 
 
+def test_static_layout_with_just_in_time_prefetches_only_is_a_plan():
+    prog = capture_workload(get_workload("tiny-llama"), "train").program
+    budget = int(memory_profile(prog).peak_bytes * 0.5)
+    hardware = simple_hardware(bw=1e8)
+    plan = plan_hyperoffload(prog, hardware, budget, replace(LAYOUT, early_prefetch=False))
+    assert isinstance(plan, Plan) and plan.layout.arena_bytes <= budget
+    verify(plan, hardware)
+
+
 def test_prefetch_into_arena_moves_prefetches_no_later():
     prog = capture_workload(get_workload("tiny-llama"), "train").program
     budget = int(memory_profile(prog).peak_bytes * 0.6)

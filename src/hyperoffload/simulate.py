@@ -241,11 +241,12 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     last_writer: dict[int, int] = {}
     last_offload: dict[int, int] = {}
     readers_since: dict[int, int] = {}
-    release_needs: dict[int, list[int]] = {}  # release index -> instructions that must finish
     # Storages each instruction frees once it finishes (check_plan's automatic frees after a last use); an
     # offload that is a storage's last use frees it only once its last reader has finished too (below).
     frees_after = list(check.frees_after)
-    deferred_frees: dict[int, tuple[int, list[int]]] = {}  # key -> (storage, instructions that must finish)
+    # A RELEASE, or an offload that is a storage's last use (by instruction index) -> (the storage, the
+    # instructions that must finish before its bytes come back).
+    deferred_frees: dict[int, tuple[int, list[int]]] = {}
     compute_stream: list[int] = []
     lane_queue = {H2D: [], D2H: []}
     pending_transfer: dict[int, int] = {}
@@ -294,7 +295,7 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 # only for the last writer): its bytes come back when both are done.
                 frees_after[i] = tuple(x for x in frees_after[i] if x != ins.target)
                 reader = readers_since.get(ins.target, -1)
-                deferred_frees[n + i] = (ins.target, [i] if reader < 0 else [i, reader])
+                deferred_frees[i] = (ins.target, [i] if reader < 0 else [i, reader])
             last_transfer[ins.target] = i
             lane_queue[D2H].append(i)
         elif ins.kind is Kind.PREFETCH:
@@ -309,12 +310,10 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
             # whether or not a WAIT for that copy came first: a waited offload may still be moving when its
             # last reader ends, and a prefetched storage is not there to free before its copy lands.
             needs = [readers_since.get(ins.target, -1), last_transfer.get(ins.target, -1)]
-            release_needs[i] = [x for x in dict.fromkeys(needs) if x >= 0]
+            deferred_frees[i] = (ins.target, [x for x in dict.fromkeys(needs) if x >= 0])
     allocating = [i for i in range(n) if alloc[i] > 0]
     blocked_releases: dict[int, list[int]] = {}
     outstanding: dict[int, int] = {}
-    for r, needs in release_needs.items():
-        deferred_frees[r] = (instrs[r].target, needs)
     for r, (_, needs) in deferred_frees.items():
         outstanding[r] = len(needs)
         for x in needs:
@@ -377,9 +376,9 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
             memory.append((when, usage))
             next_alloc += 1
 
-    for r, needs in release_needs.items():
-        if not needs:
-            free((instrs[r].target,), 0.0)
+    for storage, needs in deferred_frees.values():
+        if not needs:  # released before anything read or copied it this step: free from the start
+            free((storage,), 0.0)
 
     while True:
         progressed = True

@@ -48,8 +48,7 @@ amount off. A plan's point sets it to ``b_i`` if the storage is off at the insta
 Counting a storage off for a whole slot, letting fractions of it move, and dropping the previous step's
 copies (the D2H of state the step never writes, the tail of copies left in flight at the step's start)
 only enlarge the feasible set. Dropping any segment would shrink it (and could raise the bound above a
-plan), so every storage is kept; storages under ``min_bytes`` are merely treated as free to be off
-anywhere in their segments, with no flow charged, which loosens.
+plan), so every storage is kept.
 
 **Link.** In each slot the bytes each lane moves are at most what its bandwidth allows in the slot's
 duration; while both lanes move data each gets ``duplex_share`` of its bandwidth (``simulate``), so with
@@ -159,12 +158,11 @@ def _segments(program: Program, order: list[int]) -> list[_Segment]:
 
 
 def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: Sequence[int] | None = None,
-               *, bins: int = 50, min_bytes: int = 0) -> FlowBound:
+               *, bins: int = 50) -> FlowBound:
     """The flow bound of ``program`` run in ``order`` (default: as captured) under ``budget_bytes``.
 
     ``bins``: how many bins to cut the order into (fewer if it has fewer compute ops); more is tighter and
-    slower. ``min_bytes``: storages smaller than this are free to be off in their segments (a looser, smaller
-    LP); 0 charges every storage.
+    slower.
     """
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
@@ -205,15 +203,15 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
 
     def h2d_until(position: int) -> int:
         """Last slot a prefetch landing before the op at ``position`` starts may move data in."""
-        i = int(np.searchsorted(compute_positions, position))  # next compute op at or after ``position``
-        if i == compute_positions.size:
-            return slots - 1
+        # The next compute op at or after ``position``: there is one, as a segment whose use comes after the
+        # last compute op charges no H2D (below).
+        i = int(np.searchsorted(compute_positions, position))
         anchor = int(compute_positions[i])
         j = int(slot_of[anchor])
         # A slot's time begins when its first op starts (the first slot begins with the step).
         return j - 1 if j > 0 and slot_start[j] == anchor else j
 
-    # Each segment's instants; storages under min_bytes (and segments that charge nothing) are free capacity.
+    # Each segment's instants; segments that charge nothing are free capacity.
     free = np.zeros(k_bins, dtype=np.float64)
     charged: list[tuple[_Segment, np.ndarray]] = []
     for seg in _segments(program, order):
@@ -229,7 +227,7 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
             # A use after the last compute op may wait for its prefetch past the end of the compute this
             # bound counts: charge no H2D for it (looser).
             seg = _Segment(seg.storage, seg.lo, seg.hi, seg.nbytes, seg.epoch, False)
-        if seg.nbytes < min_bytes or (seg.epoch is None and not seg.returns):
+        if seg.epoch is None and not seg.returns:
             free[ks] += seg.nbytes
         else:
             charged.append((seg, ks))

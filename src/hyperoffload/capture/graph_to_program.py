@@ -28,6 +28,11 @@ class CaptureError(ValueError):
     """A step could not be captured or converted; the message names the cause and the fix."""
 
 
+class DataDependentValue(CaptureError):
+    """The step reads a tensor's value as a Python number (``.item()``, ``int(tensor)``) and hands it to an op:
+    the captured graph would hold that one value, so the step cannot be captured as a Program."""
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -65,6 +70,10 @@ class _Builder:
     def value_of(self, node: torch.fx.Node, user: torch.fx.Node) -> int:
         vid = self.node_values.get(node.name)
         if vid is None:
+            if "_local_scalar_dense" in str(node.target):
+                raise DataDependentValue(f"{user.name} ({user.target}) takes {node.name}, a tensor's value read as a "
+                                         f"Python number (.item(), int(tensor)), which the captured step would hold "
+                                         f"fixed; steps must pass tensors between ops")
             raise CaptureError(f"{user.name} ({user.target}) takes {node.name}, which is not a tensor the "
                                f"capture tracks; steps must pass tensors between ops")
         return vid

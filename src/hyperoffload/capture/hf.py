@@ -29,7 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyperoffload.capture.fake import default_dtype, fake_build, is_fake
-from hyperoffload.capture.graph_to_program import CaptureError
+from hyperoffload.capture.graph_to_program import CaptureError, DataDependentValue
 from hyperoffload.capture.steps import Captured, capture_decode_step, capture_prefill_step, capture_train_step
 
 HF_MODES = ("train", "prefill", "decode")
@@ -84,48 +84,54 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
         raise CaptureError(f"{type(model).__name__} has no parameters; pass the model itself (e.g. a "
                            f"LlamaForCausalLM), not a wrapper or a config")
     fake_mode = _input_fake_mode(model, fake_inputs)
-    # Inputs go where the embedding weights are; under a fake mode they are fake tensors of that mode,
-    # so the trace sees one consistent set of fake tensors.
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        stream = torch.randint(0, vocab, (batch, (seq or 1) + 1), dtype=torch.int64, device=params[0].device)
-        # Clones, not views: the two inputs must own separate storages, or the capture would count one
-        # buffer for both while a caller passing separate tensors holds two.
-        input_ids = stream[:, :-1].clone()
-        targets = stream[:, 1:].clone()
-        del stream
-    config = model.config
-    meta = {"source": "transformers", "model_type": getattr(config, "model_type", None), "batch": batch,
-            "seq": seq, "dtype": str(params[0].dtype).removeprefix("torch.")}
+    inputs_mode = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    meta = {"source": "transformers", "model_type": getattr(model.config, "model_type", None), "batch": batch,
+            "dtype": str(params[0].dtype).removeprefix("torch.")}
     if mode == "decode":
-        del meta["seq"]
-        model.eval()
-        decoder = StaticCacheDecoder(model, position=context)
+        captured = _capture_decode(model, batch, context, vocab, inputs_mode, name, meta)
+    else:
+        # Inputs go where the embedding weights are; under a fake mode they are fake tensors of that mode,
+        # so the trace sees one consistent set of fake tensors.
+        with inputs_mode:
+            stream = torch.randint(0, vocab, (batch, seq + 1), dtype=torch.int64, device=params[0].device)
+            # Clones, not views: the two inputs must own separate storages, or the capture would count one
+            # buffer for both while a caller passing separate tensors holds two.
+            input_ids = stream[:, :-1].clone()
+            targets = stream[:, 1:].clone()
+            del stream
+        meta["seq"] = seq
         with _unpacked_positions(), _traceable_experts():
-            with fake_mode if fake_mode is not None else contextlib.nullcontext():
-                tokens = input_ids[:, :1].clone()
-                cache = decoder.new_cache(batch, context + 1)  # a first call sizes the cache: traced code paths
-            try:
-                captured = capture_decode_step(decoder, tokens, context, cache=cache,
-                                               name=name or type(model).__name__, meta={**meta, "context": context})
-            except CaptureError as error:
-                if "_local_scalar_dense" not in str(error):
-                    raise
-                raise CaptureError(
-                    f"{type(model).__name__}'s decode step reads a tensor's value as a Python number (for OPT, the "
-                    f"cache length its learned positions start from), which a captured step cannot follow. Hugging "
-                    f"Face decode capture works for models that place tokens by cache_position (checked: LLaMA, Mistral, "
-                    f"Qwen2, Phi-3, Phi, Gemma, Gemma 2, Falcon, GPT-2, GPT-NeoX, Mixtral, Qwen2-MoE); capture mode='prefill' of "
-                    f"this model instead ({error})") from None
-        return dataclasses.replace(captured, step=_with_traceable_experts(captured.step))
-    with _unpacked_positions(), _traceable_experts():
-        if mode == "train":
-            captured = capture_train_step(model, (input_ids,), targets, kwargs=dict(_CALL_KWARGS), name=name,
-                                          meta=meta)
-        else:
-            model.eval()
-            captured = capture_prefill_step(model, (input_ids,), kwargs=dict(_CALL_KWARGS), name=name, meta=meta)
+            if mode == "train":
+                captured = capture_train_step(model, (input_ids,), targets, kwargs=dict(_CALL_KWARGS), name=name,
+                                              meta=meta)
+            else:
+                model.eval()
+                captured = capture_prefill_step(model, (input_ids,), kwargs=dict(_CALL_KWARGS), name=name,
+                                                meta=meta)
     # The eager step computes the experts the way the graph does (see _traceable_experts).
     return dataclasses.replace(captured, step=_with_traceable_experts(captured.step))
+
+
+def _capture_decode(model: nn.Module, batch: int, context: int, vocab: int, inputs_mode, name: str | None,
+                    meta: dict) -> Captured:
+    """``capture_hf``'s decode step: one token per sequence against a static cache of ``context + 1`` slots."""
+    model.eval()
+    decoder = StaticCacheDecoder(model, position=context)
+    device = next(model.parameters()).device
+    with _unpacked_positions(), _traceable_experts():
+        with inputs_mode:
+            tokens = torch.randint(0, vocab, (batch, 1), dtype=torch.int64, device=device)
+            cache = decoder.new_cache(batch, context + 1)  # a first call sizes the cache: traced code paths
+        try:
+            return capture_decode_step(decoder, tokens, context, cache=cache, name=name or type(model).__name__,
+                                       meta={**meta, "context": context})
+        except DataDependentValue as error:
+            raise CaptureError(
+                f"{type(model).__name__}'s decode step reads a tensor's value as a Python number (for OPT, the cache "
+                f"length its learned positions start from), which a captured step cannot follow. Hugging Face decode "
+                f"capture works for models that place tokens by cache_position (checked: LLaMA, Mistral, Qwen2, "
+                f"Phi-3, Phi, Gemma, Gemma 2, Falcon, GPT-2, GPT-NeoX, Mixtral, Qwen2-MoE); capture mode='prefill' "
+                f"of this model instead ({error})") from None
 
 
 class StaticCacheDecoder(nn.Module):

@@ -230,8 +230,6 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
 def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, config: PlannerConfig) -> Plan:
     if not config.static_layout:
         return _search(program, hardware, budget_bytes, config)[0]
-    if not config.early_prefetch:
-        return _plan_in_arena(program, hardware, budget_bytes, config)
     # Prefetching early into whatever live bytes are free scatters long-lived residencies over the arena's
     # top (a weight prefetched right after the peak for the end of the step sits above everything there),
     # which the layout then has to make room for. Planned just in time and moved early only into free slots
@@ -240,22 +238,23 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
     # slower. Both are planned and the faster kept.
     # The just-in-time plan searches only the execution order the first search chose (every margin): the
     # order is what takes the time, and the same one has won both on every budget measured.
-    plans, failure, order = [], None, None
-    for variant in (config, replace(config, early_prefetch=False)):
+    variants = [config, replace(config, early_prefetch=False)] if config.early_prefetch else [config]
+    found, failure, order = [], None, None
+    for variant in variants:
         try:
-            plan, order = _plan_in_arena(program, hardware, budget_bytes, variant, order)
-            plans.append(plan)
+            plan, order, step_s = _plan_in_arena(program, hardware, budget_bytes, variant, order)
+            found.append((step_s, plan))
         except InfeasibleBudget as error:
             failure = failure or error
-    if not plans:
+    if not found:
         raise failure
-    return min(plans, key=lambda plan: simulate(plan, hardware).figures.step_s)
+    return min(found, key=lambda t: t[0])[1]
 
 
 def _plan_in_arena(program: Program, hardware: Hardware, budget_bytes: int, config: PlannerConfig,
-                   order: tuple[int, ...] | None = None) -> tuple[Plan, tuple[int, ...]]:
+                   order: tuple[int, ...] | None = None) -> tuple[Plan, tuple[int, ...], float]:
     """The fastest plan found whose static arena fits ``budget_bytes`` (see ``_plan_program``), searched in
-    ``order`` only if given, and the execution order it runs in."""
+    ``order`` only if given; the execution order it runs in, and its simulated step time (seconds)."""
     plan, hint = _search(program, hardware, budget_bytes, config, None if order is None else (order, None))
     first = _orders(program)[0]
     target: np.ndarray | None = None  # live bytes each position of the hint's order may hold
@@ -268,9 +267,9 @@ def _plan_in_arena(program: Program, hardware: Hardware, budget_bytes: int, conf
             # simulates faster (earlier is not always faster: the H2D lane may be busy with more urgent work).
             moved, _ = prefetch_into_arena(plan, layout)
             chosen = tuple(hint[0]) if hint else first
-            if moved is not plan and simulate(moved, hardware).figures.step_s < simulate(plan, hardware).figures.step_s:
-                return moved, chosen
-            return plan, chosen
+            step_s = simulate(plan, hardware).figures.step_s
+            moved_s = simulate(moved, hardware).figures.step_s if moved is not plan else step_s
+            return (moved, chosen, moved_s) if moved_s < step_s else (plan, chosen, step_s)
         if attempt == config.layout_attempts:
             break
         # Fragmentation: where the packing rises above the budget, plan for fewer live bytes, by what it is
