@@ -26,7 +26,6 @@ from rich.table import Table
 from hyperoffload.analysis import flow_bound, memory_profile, window_bound
 from hyperoffload.budgets import hideable_budget
 from hyperoffload.hardware import get_hardware
-from hyperoffload.plans import Kind
 from hyperoffload.policies import minimum_budget, plan_hyperoffload
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
@@ -36,10 +35,9 @@ SCENARIOS = ("llama3-8b:h100-sxm", "llama3-8b:ascend-910c", "llama3-8b:gh200", "
 SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 
 
-def _order(plan) -> str:
-    """"captured" if the plan computes in the captured order, else "refined" (see policies.reorder)."""
-    ops = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
-    return "captured" if ops == sorted(ops) else "refined"
+def _order(order: list[int]) -> str:
+    """"captured" if ``order`` is the captured order, else "refined" (see policies.reorder)."""
+    return "captured" if order == sorted(order) else "refined"
 
 
 def table_for(name: str, console: Console, *, flow: bool = False) -> None:
@@ -61,13 +59,13 @@ def table_for(name: str, console: Console, *, flow: bool = False) -> None:
         plan = plan_hyperoffload(program, hardware, budget)
         plan_s = time.perf_counter() - start
         f = verify(plan, hardware).figures
-        order = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
+        order = plan.compute_order()
         window = window_bound(program, hardware, budget, order).seconds
         flows = (f"{f.step_s / flow_bound(program, hardware, budget, order).seconds:.3f}",) if flow else ()
         table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
                       f"{f.step_s / f.bound_s:.3f}", f"{f.step_s / f.lower_bound_s:.3f}",
                       f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.step_s / window:.3f}", *flows, f"{f.slowdown:.3f}",
-                      f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), _order(plan), f"{plan_s:.1f}")
+                      f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), _order(order), f"{plan_s:.1f}")
     console.print(table)
 
 

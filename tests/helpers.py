@@ -42,12 +42,6 @@ def random_valid_order(program, seed: int) -> list[int]:
     return order
 
 
-def compute_order(plan) -> list[int]:
-    """The op ids of ``plan``'s compute instructions, in plan order."""
-    from hyperoffload.plans import Kind
-
-    return [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
-
 
 def assert_no_plan_beats(bound_s, prog, hardware, budget: int) -> None:
     """Every policy's plan of ``prog`` that meets ``budget`` simulates no faster than ``bound_s(order)`` (seconds,
@@ -63,5 +57,5 @@ def assert_no_plan_beats(bound_s, prog, hardware, budget: int) -> None:
         figures = simulate(plan, hardware).figures
         if figures.peak_bytes > budget:
             continue  # the policy did not meet the budget: the bound is about plans that do
-        seconds = bound_s(compute_order(plan))
+        seconds = bound_s(plan.compute_order())
         assert seconds <= figures.step_s * (1 + 1e-9) + 1e-12, (name, seconds, figures.step_s)

@@ -126,24 +126,9 @@ def cpu_cache_path() -> Path:
     return Path(base) / "hyperoffload" / "cpu-calibration.json"
 
 
-def load_hardware(name: str) -> Hardware:
-    """``get_hardware``, with a profile file that cannot be read (a folder, binary, unreadable) named in one line
-    instead of a bare "[Errno 21] Is a directory" or "'utf-8' codec can't decode byte 0xff"."""
-    try:
-        return get_hardware(name, cpu_cache=cpu_cache_path())
-    except UnicodeDecodeError:
-        raise HardwareError(f"{name} is not a text file; a hardware profile is a TOML file like the presets in "
-                            f"src/hyperoffload/hardware/presets/") from None
-    except OSError as error:
-        if not name.endswith(".toml"):
-            raise  # cpu-emulated's calibration cache, not a profile file: the message names its own file
-        raise HardwareError(f"cannot read the hardware profile {name}: {error.strerror}; give a readable .toml "
-                            f"file") from None
-
-
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
     """The profile named by ``--hardware`` with any command-line overrides applied."""
-    hardware = load_hardware(args.hardware)
+    hardware = get_hardware(args.hardware, cpu_cache=cpu_cache_path())
     overrides = {name: value for name, value in (
         ("h2d_bw", args.h2d_bw), ("d2h_bw", args.d2h_bw), ("h2d_latency_s", args.copy_latency),
         ("d2h_latency_s", args.copy_latency), ("memory_bytes", args.device_memory)) if value is not None}
@@ -423,7 +408,6 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.allocator_model import fragmentation_figures
     from hyperoffload.analysis.window_bound import window_bound
     from hyperoffload.budgets import parse_budget
-    from hyperoffload.plans import Kind
     from hyperoffload.units import format_seconds
     from hyperoffload.report.figures import figures_table
     from hyperoffload.verify import verify
@@ -442,8 +426,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         timeline = verify(plan, hardware)
     with err.status("Laying out memory and replaying the caching allocator..."):
         memory = fragmentation_figures(plan)
-        bound = window_bound(plan.program, hardware, budget, [i.target for i in plan.instructions
-                                                              if i.kind is Kind.COMPUTE])
+        bound = window_bound(plan.program, hardware, budget, plan.compute_order())
         window, free_budget = bound.seconds, bound.free_budget_bytes
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
@@ -622,7 +605,7 @@ def _hardware(args: argparse.Namespace, out: Console, err: Console) -> int:
                       "`hyperoffload hardware cpu-emulated` measures and shows it.")
         return 0
     with err.status("Loading the profile (cpu-emulated calibrates this machine once)..."):
-        hardware = load_hardware(args.name)
+        hardware = get_hardware(args.name, cpu_cache=cpu_cache_path())
     if args.json:
         print(json.dumps(profile_dict(hardware)))
     else:

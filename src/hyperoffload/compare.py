@@ -19,7 +19,7 @@ from hyperoffload.analysis import memory_profile, window_bound
 from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import Kind, Plan, check_plan
+from hyperoffload.plans import Plan, check_plan
 from hyperoffload.policies import InfeasibleBudget, get_policy, policies_for
 from hyperoffload.simulate import Timeline, budget_bounds
 from hyperoffload.units import parse_bandwidth
@@ -89,8 +89,7 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     timeline = _with_budget_figures(timeline, plan, program, hardware, budget_bytes, peak_bytes)
     window = None
     if feasible:
-        order = [i.target for i in plan.instructions if i.kind is Kind.COMPUTE]
-        window = window_bound(plan.program, hardware, budget_bytes, order).seconds
+        window = window_bound(plan.program, hardware, budget_bytes, plan.compute_order()).seconds
     return PolicyResult(policy=policy, budget_bytes=budget_bytes, feasible=feasible, plan_s=plan_s, plan=plan,
                         timeline=timeline, note=note, window_bound_s=window)
 

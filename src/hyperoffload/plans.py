@@ -75,6 +75,10 @@ class Plan:
     """A static layout of the plan's device memory (``hyperoffload.layout.Layout``), or None if the policy
     leaves addresses to the allocator."""
 
+    def compute_order(self) -> list[int]:
+        """The op ids the plan computes, in its order (what the order-dependent bounds take)."""
+        return [i.target for i in self.instructions if i.kind is Kind.COMPUTE]
+
 
 class PlanError(ValueError):
     """A plan breaks a rule; ``index`` is the offending instruction (-1 for the plan as a whole)."""

@@ -13,6 +13,14 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+def _finite(value: float, text, what: str, example: str) -> float:
+    """``value`` (read from ``text``), refused if it is infinite: a number too large for a float such as
+    "1e400" reads as infinity."""
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is too large to be {what}; {example}")
+    return value
+
+
 def _size(text: str) -> float | None:
     """Bytes as a float (``inf`` for "1e400"), or None where ``text`` is not a size."""
     match = _SIZE.match(text)
@@ -28,9 +36,7 @@ def parse_bytes(text: str) -> int:
     if value is None:
         raise ValueError(f"cannot read {text!r} as a size; write a number with a unit such as 40GiB, 60GB or 512MiB")
     # "1e400" reads as infinity, which int() cannot hold: refuse it here rather than with an OverflowError.
-    if not math.isfinite(value):
-        raise ValueError(f"{text!r} is too large to be a size; write a number with a unit such as 40GiB or 60GB")
-    return int(value)
+    return int(_finite(value, text, "a size", "write a number with a unit such as 40GiB or 60GB"))
 
 
 def format_bytes(n: int | float) -> str:
@@ -67,9 +73,7 @@ def parse_bandwidth(text: str | float | int) -> float:
     # The messages name what was typed ("-5GB/s"), not the size inside it.
     if value is None:
         raise ValueError(f"cannot read {text!r} as a bandwidth; write it like 25GB/s or 1.5GiB/s")
-    if not math.isfinite(value):
-        raise ValueError(f"{text!r} is too large to be a bandwidth; write it like 25GB/s or 1.5GiB/s")
-    return float(int(value))  # whole bytes per second, as before
+    return float(int(_finite(value, text, "a bandwidth", "write it like 25GB/s or 1.5GiB/s")))  # whole bytes per second, as before
 
 
 _FLOP_UNITS = {"flop": 1, "kflop": 1e3, "mflop": 1e6, "gflop": 1e9, "tflop": 1e12, "pflop": 1e15}
@@ -84,9 +88,7 @@ def parse_flops(text: str | float | int) -> float:
         raise ValueError(f"cannot read {text!r} as a compute rate; write it like 989TFLOP/s")
     value = float(match.group(1)) * _FLOP_UNITS[match.group(2).lower()]
     # "1e400TFLOP/s" reads as infinity: every op would silently take no time.
-    if not math.isfinite(value):
-        raise ValueError(f"{text!r} is too large to be a compute rate; write it like 989TFLOP/s")
-    return value
+    return _finite(value, text, "a compute rate", "write it like 989TFLOP/s")
 
 
 _PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # divide: 10 / 1e6 is exactly 1e-05
@@ -101,9 +103,7 @@ def parse_duration(text: str | float | int) -> float:
         raise ValueError(f"cannot read {text!r} as a duration; write it like 10us, 2ms or 0.5s")
     seconds = float(match.group(1)) / _PER_SECOND[match.group(2).lower()]
     # "1e400s" reads as infinity: a copy or launch that never ends would silently wreck every figure.
-    if not math.isfinite(seconds):
-        raise ValueError(f"{text!r} is too large to be a duration; write it like 10us, 2ms or 0.5s")
-    return seconds
+    return _finite(seconds, text, "a duration", "write it like 10us, 2ms or 0.5s")
 
 
 def format_seconds(seconds: float) -> str:

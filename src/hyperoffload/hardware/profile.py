@@ -148,6 +148,12 @@ def load_hardware_file(path: str | Path) -> Hardware:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise HardwareError(f"no hardware file at {path}") from None
+    except UnicodeDecodeError:
+        raise HardwareError(f"{path} is not a text file; a hardware profile is a TOML file like the presets "
+                            f"(hyperoffload hardware NAME shows one)") from None
+    except OSError as error:  # a folder, a file this user may not read
+        raise HardwareError(f"cannot read the hardware profile {path}: {error.strerror}; give a readable .toml "
+                            f"file") from None
     except tomllib.TOMLDecodeError as error:
         raise HardwareError(f"{path} is not valid TOML: {error}") from None
     return hardware_from_dict(data, origin=str(path))

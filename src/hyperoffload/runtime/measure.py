@@ -39,7 +39,8 @@ step (and a decode step's remote-KV forms) through the executor and charges ever
 shapes (``cost.op_signature``) ran there its mean time per call, dispatch included (``executor_op_costs``). On
 a CPU the roofline misjudges small kernels both ways: attention, batched matmuls and ``arange`` take several
 times their roofline, elementwise ops less than the spread dispatch cost. On ``tiny-deepseek`` decode this
-took the simulated unplanned step from 27% under the measured one to within a few percent. The dispatch
+took the simulator's error on the unplanned step from 0.42 (one dispatch cost for every op) to 0.01-0.03
+(``bench/decode_kv.py --only run``, README). The dispatch
 calibration above remains for op shapes not timed (plans of other forms of the step).
 """
 
@@ -62,7 +63,7 @@ from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.runtime.async_executor import AsyncExecutor
 from hyperoffload.runtime.plan_executor import PlanRun, Transfers, run_plan
-from hyperoffload.runtime.reference import rng_state, set_rng_state
+from hyperoffload.runtime.reference import replayed_random_numbers
 from hyperoffload.simulate import simulate
 
 
@@ -275,8 +276,8 @@ def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats:
     gc.freeze()  # the cyclic collector would otherwise land on whichever op allocates when it runs
     try:
         # The first time in a process, warm up for WARM_UP_S as well as two runs: a fresh process runs its first
-        # second or so of small ops up to 1.7x slower (allocator, first-call paths, clock ramp-up), which two
-        # runs of a 12 ms step miss.
+        # second or so of small ops slower (allocator, first-call paths, clock ramp-up), which two runs of a
+        # 12 ms step miss.
         global _warmed
         warm_until = time.perf_counter() + (0.0 if _warmed else WARM_UP_S)
         _warmed = True
@@ -394,14 +395,13 @@ def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers
     ref_inputs = [t.clone() for t in inputs]
     # The checked step starts from the reference's random state, so random ops (dropout) draw the same
     # numbers in both and the comparison is bit for bit.
-    start = rng_state()
-    reference = run_plan(unplanned, ref_inputs)
+    with replayed_random_numbers():
+        reference = run_plan(unplanned, ref_inputs)
     report("reference step", 1, 1)
 
     with AsyncExecutor(transfers) as executor:
         report("planned step, checked", 0, 1)
         checked_inputs = [t.clone() for t in inputs]
-        set_rng_state(start)
         checked = executor.run(plan, checked_inputs, arena=config.arena)
         arena_bytes = checked.arena_bytes
         diff = max_abs_diff([*checked.outputs, *checked_inputs], [*reference.outputs, *ref_inputs])

@@ -109,22 +109,14 @@ class EagerComparison:
     """Measured and analysed live bytes are equal at every op, not just at the peak."""
 
 
-def rng_state() -> tuple:
-    """The state of torch's default random generators (CPU, and each CUDA device once CUDA is in use).
+def replayed_random_numbers():
+    """A ``with`` block after which torch's default random generators (the CPU's, and each CUDA device's once
+    CUDA is in use) are back where they were at its start (``torch.random.fork_rng``).
 
-    A step with random ops (dropout in a training step: ``aten.bernoulli_``) draws from these; two runs
-    that are compared bit for bit must each start from the same state (``set_rng_state``), or they draw
-    different masks and differ though both are right."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def set_rng_state(state: tuple) -> None:
-    """Restore a state from ``rng_state``."""
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+    A step with random ops (dropout in a training step: ``aten.bernoulli_``) draws from them; run the first of
+    two runs compared bit for bit inside the block, and the second draws the same masks."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # never start CUDA just for this
+    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else [])
 
 
 def compare_with_eager(captured, order: Sequence[int] | None = None) -> EagerComparison:
@@ -134,9 +126,8 @@ def compare_with_eager(captured, order: Sequence[int] | None = None) -> EagerCom
     program = captured.program
     graph_inputs = [t.clone() for t in captured.inputs]
     eager_inputs = [t.clone() for t in captured.inputs]
-    start = rng_state()  # both runs draw the same random numbers (dropout masks)
-    run = run_reference(program, graph_inputs, order)
-    set_rng_state(start)
+    with replayed_random_numbers():  # both runs draw the same random numbers (dropout masks)
+        run = run_reference(program, graph_inputs, order)
     eager = captured.step(*eager_inputs)
     eager = tuple(x for x in tree_flatten(eager)[0] if isinstance(x, torch.Tensor))
     pairs = [(f"output {i}", got, want) for i, (got, want) in enumerate(zip(run.outputs, eager))]
