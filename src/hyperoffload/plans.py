@@ -131,7 +131,7 @@ def check_plan(plan: Plan) -> PlanCheck:
     # knowing whether a released value is needed again.
     uses: dict[int, list[int]] = {}
     compute_uses: dict[int, list[int]] = {}
-    touched, read, written = _op_storages(program)
+    touched, read, written = op_storages(program)
     for i, ins in enumerate(instrs):
         if ins.kind is Kind.COMPUTE:
             if not 0 <= ins.target < len(program.ops):
@@ -265,7 +265,7 @@ def check_plan(plan: Plan) -> PlanCheck:
                      initial_bytes=initial)
 
 
-def _op_storages(program: Program) -> tuple[tuple[frozenset[int], ...], tuple[tuple[int, ...], ...],
+def op_storages(program: Program) -> tuple[tuple[frozenset[int], ...], tuple[tuple[int, ...], ...],
                                             tuple[frozenset[int], ...]]:
     """Per op id, the storages it touches (reads or writes), those it reads (sorted) and those it mutates;
     computed once per program (every plan of it is checked against the same ops)."""

@@ -35,7 +35,7 @@ from hyperoffload.analysis.dependency_bound import dependency_bound
 from hyperoffload.cost import lane_op_time, op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import Kind, Plan, PlanError, check_plan
+from hyperoffload.plans import Kind, Plan, PlanError, check_plan, op_storages
 
 COMPUTE, H2D, D2H = "compute", "h2d", "d2h"
 STREAMS = (COMPUTE, H2D, D2H)
@@ -199,17 +199,19 @@ def _keeps_state_remote(plan: Plan) -> bool:
     return all(on_device[s] == (s not in plan.initial_remote) for s in on_device)
 
 
-def _op_facts(program: Program) -> tuple[tuple[int, ...], tuple[frozenset[int], ...], tuple[frozenset[int], ...]]:
-    """Per op id: the bytes it allocates (storages its outputs own), the storages it reads and those it
-    writes (mutates or creates); once per program, as a planner simulates many plans of one program."""
+def _op_facts(program: Program) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[frozenset[int], ...]]:
+    """Per op id: the bytes it allocates (storages its outputs own), the storages it reads (``op_storages``)
+    and those it writes (mutates or creates); once per program, as a planner simulates many plans of one
+    program."""
     cached = _OP_FACTS.get(program)
     if cached is None:
         values = program.values
+        _, read, mutated = op_storages(program)
+        owned = [[o for o in op.outputs if values[o].owns_storage] for op in program.ops]
         cached = _OP_FACTS[program] = (
-            tuple(sum(values[o].alloc_bytes for o in op.outputs if values[o].owns_storage) for op in program.ops),
-            tuple(frozenset(values[v].storage for v in op.inputs) for op in program.ops),
-            tuple(frozenset({values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage})
-                  for op in program.ops))
+            tuple(sum(values[o].alloc_bytes for o in outs) for outs in owned),
+            read,
+            tuple(mutated[op.id] | frozenset(outs) for op, outs in zip(program.ops, owned)))
     return cached
 
 
