@@ -28,7 +28,7 @@ demo: $(STAMP)
 # Planned LLaMA steps with the CUDA runtime against the unplanned step and the simulator (needs a GPU;
 # says so and exits 0 without one).
 gpu-check: $(STAMP)
-	$(PY) bench/gpu_check.py
+	$(PY) bench/gpu_check.py; status=$$?; $(PY) bench/gpu_compare.py && exit $$status
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2

@@ -156,10 +156,12 @@ def main(argv=None) -> int:
         preset = "h100-sxm"
         print(f"gpu-check: no profile matches {name!r}; simulating on {preset} (pass --hardware to choose)")
     hardware = get_hardware(preset)
-    results = [check(w, hardware, args.budget, args.steps, args.warmup) for w in (get_workload("tiny-llama"), SMALL)]
-    for r in results:
+    results = []
+    for workload in (get_workload("tiny-llama"), SMALL):
+        r = check(workload, hardware, args.budget, args.steps, args.warmup)
+        results.append(r)
         if args.json:
-            print(json.dumps(r))
+            print(json.dumps(r), flush=True)
             continue
         print(f"{r['workload']:12s} on {r['device']} (simulated as {r['hardware']}), budget {r['budget_bytes']:,} B")
         print(f"  step: wall {r['wall_s'] * 1e3:.2f} ms, simulated {r['sim_step_s'] * 1e3:.2f} ms "
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
             print(f"  arena: {a['arena_bytes']:,} B (layout {a['layout_arena_bytes']:,} B, budget "
                   f"{a['budget_bytes']:,} B), executor peak {a['measured_peak_bytes']:,} B, slot waits "
                   f"{a['slot_waits']}, max_abs_diff {a['max_abs_diff']:g}")
-        print(f"  -> {'ok' if r['ok'] else 'FAILED'}")
+        print(f"  -> {'ok' if r['ok'] else 'FAILED'}", flush=True)
     return 0 if all(r["ok"] for r in results) else 1
 
 
