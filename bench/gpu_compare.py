@@ -140,45 +140,54 @@ class Runner:
     transfers: Callable[[], object]
     place: Callable[[Plan, Sequence[torch.Tensor]], list[torch.Tensor]]
     synchronize: Callable[[], None]
+    device: str
+    """Where compute runs (a step's remote tensors are brought here to be compared)."""
 
 
 def cuda_runner() -> Runner:
     from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
 
-    return Runner(transfers=CudaStreams, place=place_inputs, synchronize=torch.cuda.synchronize)
+    return Runner(transfers=CudaStreams, place=place_inputs, synchronize=torch.cuda.synchronize, device="cuda")
 
 
 def cpu_runner(hardware: Hardware) -> Runner:
     return Runner(transfers=lambda: EmulatedLink.for_hardware(hardware),
-                  place=lambda plan, inputs: [t.clone() for t in inputs], synchronize=lambda: None)
+                  place=lambda plan, inputs: [t.clone() for t in inputs], synchronize=lambda: None,
+                  device="cpu")
 
 
 def first_step(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequence[torch.Tensor]) -> list:
-    """The outputs and state after one step of ``plan`` from fresh copies of ``inputs``."""
+    """The outputs and state after one step of ``plan`` from fresh copies of ``inputs``, on the compute device."""
     run = executor.step(plan, runner.place(plan, inputs))
     executor.synchronize()
     runner.synchronize()
-    return [*run.outputs, *run.state]
+    return [t.to(runner.device) for t in (*run.outputs, *run.state)]
 
 
 def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequence[torch.Tensor], steps: int,
-                warmup: int) -> tuple[float, int]:
-    """Mean step period (s) of ``steps`` donated steps after ``warmup``, and the executor's largest measured
+                warmup: int) -> tuple[float, float, int]:
+    """Mean step period (s) of ``steps`` donated steps after ``warmup``; the mean time (s) the caller's thread
+    spends issuing a step (on CUDA, where a step returns once issued, near the period when the step is bound by
+    the executor's issue rate rather than by the GPU or the link); and the executor's largest measured
     device-tier peak (bytes) over all of them."""
     state = runner.place(plan, inputs)
     peak = 0
+    issue = 0.0
     for k in range(warmup + steps):
         if k == warmup:
             executor.synchronize()
             runner.synchronize()
             start = time.perf_counter()
+        issued = time.perf_counter()
         run = executor.step(plan, state)
+        if k >= warmup:
+            issue += time.perf_counter() - issued
         peak = max(peak, run.peak_bytes)
         state = list(run.state)
         del run
     executor.synchronize()
     runner.synchronize()
-    return (time.perf_counter() - start) / steps, peak
+    return (time.perf_counter() - start) / steps, issue / steps, peak
 
 
 def plan_policies(program, hardware: Hardware, budget_bytes: int, names: Sequence[str]) -> dict[str, Plan | str]:
@@ -209,6 +218,7 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
     runnable = {"none": plan_without_offload(program), **{n: p for n, p in plans.items() if isinstance(p, Plan)}}
 
     walls: dict[str, list[float]] = {n: [] for n in runnable}
+    issues: dict[str, list[float]] = {n: [] for n in runnable}
     peaks: dict[str, int] = dict.fromkeys(runnable, 0)
     with AsyncExecutor(runner.transfers()) as executor:
         for plan in runnable.values():
@@ -222,8 +232,9 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
         for r in range(rounds):
             progress(f"timed round {r + 1} of {rounds}")
             for name, plan in runnable.items():
-                wall, peak = timed_steps(executor, runner, plan, inputs, steps, warmup)
+                wall, issue, peak = timed_steps(executor, runner, plan, inputs, steps, warmup)
                 walls[name].append(wall)
+                issues[name].append(issue)
                 peaks[name] = max(peaks[name], peak)
 
     unplanned_wall = statistics.median(walls["none"])
@@ -237,13 +248,14 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
         sim_nominal = simulate(plan, nominal).figures
         wall = statistics.median(walls[name])
         rows.append({"policy": name, "feasible": True, "wall_s": wall, "wall_rounds_s": walls[name],
+                     "issue_s": statistics.median(issues[name]),
                      "slowdown": wall / unplanned_wall, "sim_step_s": sim.step_s,
                      "sim_slowdown": sim.step_s / sim.compute_s, "sim_error": abs(sim.step_s - wall) / wall,
                      "sim_nominal_step_s": sim_nominal.step_s, "measured_peak_bytes": peaks[name],
                      "sim_peak_bytes": sim.peak_bytes, "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes,
                      "max_abs_diff": diffs.get(name, noise),
                      "within_budget": name == "none" or peaks[name] <= budget_bytes})
-    return {"workload": workload_name, "hardware": hardware.name, "nominal": nominal.name, "budget": budget,
+    return {"workload": workload_name, "batch": captured.program.meta.get("batch"), "hardware": hardware.name, "nominal": nominal.name, "budget": budget,
             "budget_bytes": budget_bytes, "peak_bytes": simulate(runnable["none"], hardware).figures.peak_bytes,
             "plan_s": plan_s, "noise": noise, "rows": rows}
 
@@ -270,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budgets", default="50%,80%", help="comma-separated budgets (default 50%%,80%%)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each round's (default 1)")
+    parser.add_argument("--batch", type=int, help="sequences per step (default: the workload's)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the policies (default 2)")
     parser.add_argument("--link-bytes", type=int, default=1 << 30, help="bytes per link copy (default 1 GiB)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each link and matmul timing (default 5)")
@@ -314,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(0)
     progress(f"capturing {workload.name} on {device}")
     with torch.device(device):
-        captured = capture_workload(workload, "train", fake=False)
+        captured = capture_workload(workload, "train", batch=args.batch, fake=False)
     ok = True
     # Each budget's table as soon as it is measured, so a run stopped early keeps what it finished.
     for budget in args.budgets.split(","):
