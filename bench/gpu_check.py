@@ -89,8 +89,13 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int) ->
         # Timed steps on donated state; nothing else of ours stays on the GPU meanwhile.
         state = place_inputs(plan, captured.inputs)
         del captured
+        executor.synchronize()
+        torch.cuda.synchronize()
+        # What this script holds on the GPU besides the step's state.
+        outside = torch.cuda.memory_allocated() - device_bytes(state)
         for _ in range(warmup):
             state = list(executor.step(plan, state).state)
+        untracked, step_allocated, state = allocator_beside_count(executor, plan, state, outside)
         executor.synchronize()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -110,11 +115,34 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int) ->
     torch.cuda.empty_cache()
     return {"workload": workload.name, "hardware": hardware.name, "device": torch.cuda.get_device_name(),
             "budget_bytes": plan.budget_bytes, "sim_peak_bytes": sim.peak_bytes, "measured_peak_bytes": peak,
-            "max_memory_allocated": allocated, "pinned_remote_bytes": pinned,
+            "max_memory_allocated": allocated, "pinned_remote_bytes": pinned, "outside_bytes": outside,
+            "step_max_allocated_bytes": step_allocated, "untracked_bytes": untracked,
             "wall_s": wall, "sim_step_s": sim.step_s, "sim_compute_s": sim.compute_s,
             "sim_error": abs(sim.step_s - wall) / wall, "max_abs_diff": diff, "unplanned_noise": noise,
             "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes, "arena": arena,
             "ok": diff <= noise and peak <= plan.budget_bytes and arena["ok"]}
+
+
+def device_bytes(tensors) -> int:
+    """Bytes of the distinct CUDA storages under ``tensors``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    return sum(storages.values())
+
+
+def allocator_beside_count(executor, plan, state: list, outside: int) -> tuple[int, int, list]:
+    """One donated step with the caching allocator's bytes read after every instruction, less ``outside`` (what
+    the caller holds on the GPU besides the step). Returns the most those bytes exceeded the executor's own count
+    at any instruction (``untracked``: the count is taken after the instruction, before its frees; the read after
+    them, so this is a floor), the step's ``max_memory_allocated`` less ``outside`` (temporaries inside ops
+    included), and the state after the step."""
+    samples: list[int] = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    run = executor.step(plan, state, on_instruction=lambda i: samples.append(torch.cuda.memory_allocated()))
+    untracked = max(a - outside - live for a, live in zip(samples, run.live_bytes, strict=True))
+    executor.synchronize()
+    torch.cuda.synchronize()
+    return untracked, torch.cuda.max_memory_allocated() - outside, list(run.state)
 
 
 def arena_check(executor, program, inputs, hardware, budget: str, want, noise: float) -> dict:
@@ -169,6 +197,9 @@ def main(argv=None) -> int:
         print(f"  memory: executor peak {r['measured_peak_bytes']:,} B, max_memory_allocated "
               f"{r['max_memory_allocated']:,} B ({r['max_memory_allocated'] / r['budget_bytes']:.3f} x budget), "
               f"simulated peak {r['sim_peak_bytes']:,} B; pinned remote buffers {r['pinned_remote_bytes']:,} B")
+        print(f"  allocator: one step's max_memory_allocated less the script's other GPU memory "
+              f"{r['step_max_allocated_bytes']:,} B ({r['step_max_allocated_bytes'] / r['budget_bytes']:.3f} x "
+              f"budget); at most {r['untracked_bytes']:,} B beyond the executor's count at an instruction")
         print(f"  exactness: max_abs_diff {r['max_abs_diff']:g} (unplanned vs unplanned: {r['unplanned_noise']:g})")
         a = r["arena"]
         if "error" in a:

@@ -10,12 +10,13 @@ import threading
 
 import pytest
 import torch
-from test_plan_executor import (END, assert_identical, compute_uses, longest_idle_gap, offload_trips,
+from test_plan_executor import (END, assert_identical, compute_uses, idle_ops, longest_idle_gap, offload_trips,
                                 round_trip_plan, storage_named)
 
 import hyperoffload
 from hyperoffload.cli import main
 from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
+from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
 from hyperoffload.runtime import (AsyncExecutor, BudgetExceeded, EmulatedLink, TransferError, run_async, run_plan)
 
@@ -355,3 +356,35 @@ def test_run_command_says_what_moved_each_way(capsys, tmp_path, monkeypatch):
     table = re.search(r"moved per step │ ([0-9.]+ \w+) in, ([0-9.]+ \w+) out", out)
     assert table and table.group(1) != table.group(2)
     assert f"Moving {table.group(1)} in and {table.group(2)} out per step" in out
+
+
+def test_a_released_storage_is_freed_once_its_offload_has_landed(captured):
+    """The executor's count and the memory really held agree: once an offloaded activation is released and its
+    copy has landed, nothing of the step still references its device storage (the transfer's record of it
+    included), so the allocator can reuse its bytes before the step ends. Seen on a GPU, where a step's
+    ``torch.cuda.max_memory_allocated`` was twice its budget while the executor counted the budget."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    program = captured.program
+    activations = [v.id for v in program.values
+                   if v.kind is ValueKind.ACTIVATION and v.owns_storage and v.id not in program.inputs]
+    storage = max(activations, key=lambda s: idle_ops(program, s))
+    plan = round_trip_plan(program, [(storage, *longest_idle_gap(program, storage))])
+    instrs = plan.instructions
+    release = instrs.index(Instr(Kind.RELEASE, storage))
+    prefetch = instrs.index(Instr(Kind.PREFETCH, storage))
+    assert prefetch - release > 2
+
+    class Watching(Recording):
+        def offload(self, label, src, dst):
+            self.source = StorageWeakRef(src)
+            return super().offload(label, src, dst)
+
+    expired: dict[int, bool] = {}
+    with EmulatedLink(h2d_bw=1e12, d2h_bw=1e12) as fast:
+        watching = Watching(fast)
+        run = run_async(plan, [t.clone() for t in captured.inputs], link=watching,
+                        on_instruction=lambda i: expired.setdefault(i, watching.source.expired())
+                        if release <= i < prefetch else None)
+    assert run.h2d_bytes > 0 and run.d2h_bytes > 0
+    assert expired[prefetch - 1], "the released storage was still referenced just before its prefetch"

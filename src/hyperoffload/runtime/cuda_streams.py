@@ -59,14 +59,17 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class CudaTransfer:
-    """One copy on a side stream: its completion event and the buffers it must keep alive until then."""
+    """One copy on a side stream: its completion event and the host buffer it must keep alive until then. The
+    device side needs no reference: ``record_stream`` (or, for an arena's slots, the arena's own marking) keeps
+    the allocator from reusing its block under the copy, and holding it here would keep its memory allocated
+    after the executor has counted it free, until the step ends (seen on an H200: twice the budget allocated)."""
 
     __slots__ = ("_buffers", "direction", "event", "label", "nbytes")
 
     def __init__(self, label: str, direction: str, nbytes: int, event: torch.cuda.Event,
                  buffers: tuple[torch.UntypedStorage, ...]) -> None:
         self.label, self.direction, self.nbytes, self.event = label, direction, nbytes, event
-        self._buffers = buffers  # the host side of a DMA must outlive it
+        self._buffers = tuple(b for b in buffers if b.device.type != "cuda")  # the host side of a DMA must outlive it
 
     def __repr__(self) -> str:
         return f"CudaTransfer({self.direction} {self.label}, {self.nbytes} bytes)"

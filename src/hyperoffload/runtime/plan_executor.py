@@ -311,8 +311,10 @@ class _InFlight:
     kind: Kind
     storage: int
     handle: Any
-    device: torch.UntypedStorage
-    """The device-side storage the copy reads (offload) or writes (prefetch); counted while ``held``."""
+    device: torch.UntypedStorage | None
+    """The device-side storage the copy reads (offload) or writes (prefetch); counted while ``held``, and let go
+    of (None) once the step has seen the copy finish, so that the flight, kept until the step ends, does not keep
+    the storage's memory alive after the count has dropped it."""
     remote: torch.UntypedStorage
     held: bool = True
     """Whether the device bytes still count on the transfer's behalf (until the step sees it finish)."""
@@ -745,6 +747,7 @@ class _Step:
         if flight.held:
             flight.held = False
             self._let_go(flight.device)
+            flight.device = None
 
     def _poll(self) -> None:
         """Let go of the device storages held by offloads that have finished."""
