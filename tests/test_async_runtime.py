@@ -388,3 +388,87 @@ def test_a_released_storage_is_freed_once_its_offload_has_landed(captured):
                         if release <= i < prefetch else None)
     assert run.h2d_bytes > 0 and run.d2h_bytes > 0
     assert expired[prefetch - 1], "the released storage was still referenced just before its prefetch"
+
+
+def test_donated_state_sent_out_mid_step_is_freed_before_it_comes_back(captured):
+    """On donated state the executor holds the only references: a parameter the plan sends out between its
+    forward and backward uses is freed once its copy has landed and the step has released it, not kept alive by
+    the step's record of its inputs until the step ends (which kept a GPU's allocated memory above the budget)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    program = captured.program
+    param = storage_named(program, "layers.0.attn.wq.weight")
+    plan = round_trip_plan(program, [(param, *longest_idle_gap(program, param))])
+    release = plan.instructions.index(Instr(Kind.RELEASE, param))
+    prefetch = plan.instructions.index(Instr(Kind.PREFETCH, param))
+    state = [t.clone() for t in captured.inputs]
+    weight = StorageWeakRef(state[program.inputs.index(param)].untyped_storage())
+    expired: dict[int, bool] = {}
+    with EmulatedLink(h2d_bw=1e12, d2h_bw=1e12) as fast, AsyncExecutor(fast) as executor:
+        run = executor.step(plan, state, on_instruction=lambda i: expired.setdefault(i, weight.expired())
+                            if release <= i < prefetch else None)
+        executor.synchronize()
+        unplanned = executor.run(plan_without_offload(program), inputs := [t.clone() for t in captured.inputs])
+    assert state == [], "the donated list is emptied"
+    assert expired[prefetch - 1], "the parameter's device storage was still alive just before its prefetch"
+    assert_identical(run.outputs, unplanned.outputs)
+    assert_identical(run.state, inputs)
+
+
+def test_device_memory_really_held_never_exceeds_the_executors_count(captured, planned):
+    """At every instruction of a donated planned step on the slow link, the device-tier storages still alive
+    (donated inputs, every op's outputs, every prefetch's destination: followed by weak references, so the
+    check holds none) add up to no more than the executor's count, which the budget bounds. The count is read
+    before the instruction's frees, the storages after them."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    followed: dict[int, tuple[StorageWeakRef, int]] = {}  # data_ptr -> (weak reference, bytes)
+    remote: set[int] = set()
+
+    def follow(storage: torch.UntypedStorage) -> None:
+        if storage.data_ptr() not in remote and storage.nbytes():
+            followed[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    follow(t.untyped_storage())
+            return out
+
+    class Following(Recording):
+        def offload(self, label, src, dst):
+            remote.add(dst.data_ptr())
+            return super().offload(label, src, dst)
+
+        def prefetch(self, label, src, dst, after):
+            remote.add(src.data_ptr())
+            follow(dst)
+            return super().prefetch(label, src, dst, after)
+
+    held: list[int] = []
+
+    def sample(i: int) -> None:
+        for ptr in [p for p, (ref, _) in followed.items() if ref.expired() or p in remote]:
+            del followed[ptr]
+        held.append(sum(n for _, n in followed.values()))
+
+    program = planned.program
+    state = [t.clone() for t in captured.inputs]
+    for vid, tensor in zip(program.inputs, state):
+        if program.values[vid].storage in planned.initial_remote:
+            remote.add(tensor.untyped_storage().data_ptr())
+        else:
+            follow(tensor.untyped_storage())
+    del tensor
+    with EmulatedLink(**SLOW) as slow, AsyncExecutor(Following(slow)) as executor:
+        with Outputs():
+            run = executor.step(planned, state, on_instruction=sample)
+        executor.synchronize()
+    assert len(held) == len(run.live_bytes) == len(planned.instructions)
+    over = [(i, h - n) for i, (h, n) in enumerate(zip(held, run.live_bytes)) if h > n]
+    assert not over, f"storages alive beyond the count at {len(over)} instructions, first {over[0]}"
+    assert max(held) > 0.5 * planned.budget_bytes  # the check followed the step's real storages

@@ -585,9 +585,11 @@ class _Step:
                 if self.slots is not None and (s, -1) in self.slots:
                     tensor = self._into_arena(vid, tensor)
                 self.put(vid, tensor)
-        if self.slots is not None and donate:
-            # The state now lives in this step's arena: let go of the previous one (the caller's tensors). Graph
-            # constants stay: they are not state, so ``_finish`` copies the bytes of mutated ones back into them.
+        if donate:
+            # The executor holds the only references to donated state: keep the layouts of the caller's tensors,
+            # not the tensors, so that a storage the plan sends out is freed when the step lets go of it (and,
+            # from an arena, the state now lives in the step's arena). Graph constants stay: they are not state,
+            # so ``_constants_back`` copies the bytes of mutated ones back into them.
             inputs_on_device = [v for v in program.inputs if self.storage_of[v] not in plan.initial_remote]
             for vid in inputs_on_device:
                 self.caller_meta[vid] = _ViewMeta.of(self.caller.pop(vid))
