@@ -15,14 +15,17 @@ Where CUDA exists, for ``tiny-llama`` and a small LLaMA (8 layers, hidden 1024),
 * runs the step from one static arena (``arena=True``): planned at the same budget with a static layout,
   once in place with the CUDA runtime, and reports the arena's bytes (against the layout's), the executor's
   measured peak, ``max_abs_diff`` against the unplanned step and the slot waits (reuses of a slot an offload
-  was still reading, waited for on the compute stream). This path had not yet been run on a GPU when it was
-  written; a failure there is reported as FAILED with its error, after the other figures.
+  was still reading, waited for on the compute stream). A failure there is reported as FAILED with its error,
+  after the other figures;
+* reads the caching allocator over one donated step: its ``max_memory_allocated`` less what this script holds
+  on the GPU besides the step (``step_max_allocated_bytes``, against the budget), and the most it held beyond
+  the executor's own count at an instruction (``untracked_bytes``).
 
 Exit status 1 if a planned step (from the arena too) differs from the unplanned one by more than the noise
 floor (or by anything, where the unplanned step is reproducible), the executor's measured peak passes the
 budget, the arena is not the layout's size, or the arena run fails.
-Without CUDA it says so and exits 0. Usage: ``.venv/bin/python bench/gpu_check.py [--steps N] [--json]``
-(``make gpu-check``).
+Without CUDA it says so and exits 0. Usage: ``PYTHONPATH=src python3 bench/gpu_check.py [--steps N] [--json]``
+with a Python that has a CUDA build of PyTorch (``make gpu-check``).
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ Where CUDA exists:
 With ``--json`` it prints one JSON object for the link and matmul figures, then one per budget as each is
 measured. ``--dry-run`` runs the same code on the CPU: tiny-llama with an emulated link, no link or matmul
 measurement (the tests use it so this script keeps working where no GPU is). Usage:
-``.venv/bin/python bench/gpu_compare.py [--budgets 50%,80%] [--json]`` (``make gpu-check`` runs it after ``gpu_check.py``). Without CUDA (and without
-``--dry-run``) it says so and exits 0; exit status 1 if a plan's measured peak passes its budget or a planned
-step differs from the unplanned one by more than the noise floor.
+``PYTHONPATH=src python3 bench/gpu_compare.py [--budgets 50%,80%] [--batch B] [--json]`` with a Python that has a
+CUDA build of PyTorch (``make gpu-check`` runs it after ``gpu_check.py``). Without CUDA (and without
+``--dry-run``) it says so and exits 0; exit status 1 if a plan's measured peak passes its budget or a planned step
+differs from the unplanned one by more than the noise floor.
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
                      "sim_peak_bytes": sim.peak_bytes, "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes,
                      "max_abs_diff": diffs.get(name, noise),
                      "within_budget": name == "none" or peaks[name] <= budget_bytes})
-    return {"workload": workload_name, "batch": captured.program.meta.get("batch"), "hardware": hardware.name, "nominal": nominal.name, "budget": budget,
+    return {"workload": workload_name, "batch": captured.program.meta.get("batch"), "hardware": hardware.name,
+            "nominal": nominal.name, "budget": budget,
             "budget_bytes": budget_bytes, "peak_bytes": simulate(runnable["none"], hardware).figures.peak_bytes,
             "plan_s": plan_s, "noise": noise, "rows": rows}
 
