@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from programs import op, program, random_programs, simple_hardware, value
 
-from hyperoffload.analysis import flow_bound, memory_profile
+from hyperoffload.analysis import flow_bound, memory_profile, window_bound
+from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import POLICIES
 from hyperoffload.simulate import simulate
 
@@ -78,10 +79,19 @@ def test_duplex_share_charges_copies_that_must_cross_together():
 
 
 def test_budget_at_the_peak_gives_the_compute_time():
+    """At the unplanned peak nothing has to move: the bound is the ops' compute, 15 us (1000 to 5000 FLOPs at
+    1 GFLOP/s), as the window bound says too. One byte less and one byte of x must be off when op2 starts: out
+    after op0 (1 ms of link against op0 and op1's 3 us) and back during op2 and op3 (1 ms against their 7 us),
+    so the bound is 15 us + 2 ms - 10 us."""
     prog = _two_peaks()
     hardware = simple_hardware(bw=1000.0)
-    bound = flow_bound(prog, hardware, memory_profile(prog).peak_bytes)
-    assert bound.status == "fits" and bound.seconds == bound.compute_s
+    peak = memory_profile(prog).peak_bytes
+    bound = flow_bound(prog, hardware, peak)
+    assert bound.status == "fits" and bound.seconds == pytest.approx(15e-6, rel=1e-12)
+    assert bound.seconds == pytest.approx(window_bound(prog, hardware, peak).seconds, rel=1e-12)
+    below = flow_bound(prog, hardware, peak - 1)
+    assert below.status == "optimal" and below.need_bytes == (0, 0, 1, 0, 0)
+    assert below.seconds == pytest.approx(15e-6 + (1e-3 - 3e-6) + (1e-3 - 7e-6), rel=1e-6)
 
 
 def test_a_budget_nothing_can_meet_is_infeasible():
@@ -93,7 +103,9 @@ def test_a_budget_nothing_can_meet_is_infeasible():
 def _check_policies(prog, hardware, budget, **kwargs):
     def seconds(order):
         bound = flow_bound(prog, hardware, budget, order, **kwargs)
-        assert bound.seconds >= bound.compute_s
+        # The compute it counts is what the unplanned step in that order simulates to.
+        unplanned = simulate(plan_without_offload(prog, order), hardware).figures.compute_s
+        assert bound.compute_s == pytest.approx(unplanned, rel=1e-9, abs=1e-15)
         return bound.seconds
 
     assert_no_plan_beats(seconds, prog, hardware, budget)
@@ -112,7 +124,9 @@ def test_no_plan_of_any_policy_beats_the_bound(prog, share, bandwidth, duplex, b
 def test_the_bound_is_the_compute_time_at_the_peak(prog):
     hardware = simple_hardware(bw=1e3)
     bound = flow_bound(prog, hardware, memory_profile(prog).peak_bytes)
-    assert bound.seconds == bound.compute_s
+    assert bound.status == "fits"
+    assert bound.seconds == pytest.approx(simulate(plan_without_offload(prog), hardware).figures.compute_s,
+                                          rel=1e-9, abs=1e-15)
 
 
 @pytest.mark.parametrize("share", [0.7, 0.5])
