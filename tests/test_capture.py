@@ -158,9 +158,11 @@ def test_generic_module_train_and_prefill():
 
 
 def test_impossible_sizes_are_rejected():
-    with pytest.raises(CaptureError, match="--seq must be a positive"):
+    with pytest.raises(CaptureError, match=r"seq \(--seq\) must be a whole number of tokens, at least 1; got 0"):
         capture_workload(TINY, "train", seq=0)
-    with pytest.raises(CaptureError, match="--context must be >= 0"):
+    with pytest.raises(CaptureError, match=r"context \(--context\) must be .* at least 0; got -1"):
         capture_workload(TINY, "decode", context=-1)
+    with pytest.raises(CaptureError, match=r"batch \(--batch\) must be a whole number of sequences, .* got 2.5"):
+        capture_workload(TINY, "train", batch=2.5)
     with pytest.raises(CaptureError, match="unknown mode"):
         capture_workload(TINY, "serve")

@@ -40,12 +40,11 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
     batch = workload.batch if batch is None else batch
     seq = workload.seq if seq is None else seq
     context = workload.context if context is None else context
-    for label, size in (("batch", batch), ("seq", seq)):
-        if size <= 0:
-            raise CaptureError(f"--{label} must be a positive number of "
-                               f"{'sequences' if label == 'batch' else 'tokens'}, got {size}")
-    if context < 0:
-        raise CaptureError(f"--context must be >= 0 tokens, got {context}")
+    # Named as both the Python argument and the CLI flag say them (``batch`` / ``--batch``).
+    for label, size, least in (("batch", batch, 1), ("seq", seq, 1), ("context", context, 0)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < least:
+            unit = "sequences" if label == "batch" else "tokens"
+            raise CaptureError(f"{label} (--{label}) must be a whole number of {unit}, at least {least}; got {size!r}")
     meta = {"workload": workload.name, "batch": batch, "dtype": str(workload.dtype).removeprefix("torch.")}
     vocab = workload.config.vocab_size
     if not fake:
