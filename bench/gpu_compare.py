@@ -42,11 +42,12 @@ import torch
 
 from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware, get_hardware
-from hyperoffload.plans import Plan, plan_without_offload
+from hyperoffload.plans import Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, get_policy, policies_for
 from hyperoffload.runtime import AsyncExecutor, EmulatedLink
 from hyperoffload.runtime.measure import max_abs_diff
 from hyperoffload.simulate import simulate
+from hyperoffload.units import format_bytes
 from hyperoffload.workloads import LlamaConfig, Workload, capture_workload, get_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -58,6 +59,7 @@ MEDIUM = Workload(name="medium-llama",
                   config=LlamaConfig(vocab_size=32000, hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8),
                   dtype=torch.bfloat16, batch=1, seq=4096, context=4096,
                   source="project-defined for the GPU comparison; LLaMA-3.2-1B-like widths with a 32k vocabulary")
+
 
 def _median_ms(fn: Callable[[], tuple], repeats: int) -> list[float]:
     """Median over ``repeats`` of each elapsed time (ms) that ``fn`` returns, after one untimed call."""
@@ -200,7 +202,10 @@ def plan_policies(program, hardware: Hardware, budget_bytes: int, names: Sequenc
         except InfeasibleBudget as error:
             plans[name] = str(error)
             continue
-        plans[name] = plan if plan.budget_bytes is not None else "needs a peak above the budget"
+        if plan.budget_bytes is None:  # the policy's plan does not fit: say what it needs
+            plans[name] = f"needs {format_bytes(check_plan(plan).peak_bytes)}"
+        else:
+            plans[name] = plan
     return plans
 
 
