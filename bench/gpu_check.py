@@ -17,6 +17,9 @@ Where CUDA exists, for ``tiny-llama`` and a small LLaMA (8 layers, hidden 1024),
   measured peak, ``max_abs_diff`` against the unplanned step and the slot waits (reuses of a slot an offload
   was still reading, waited for on the compute stream). A failure there is reported as FAILED with its error,
   after the other figures;
+* reads the caching allocator over the warm-up steps, from an empty cache: what it reserved beyond what was
+  allocated at its fullest (``fragmentation_bytes``) next to what ``allocator_model`` predicts for the plan
+  (``model_fragmentation_bytes``; not yet run on a GPU);
 * reads the caching allocator over one donated step: its ``max_memory_allocated`` less what this script holds
   on the GPU besides the step (``step_max_allocated_bytes``, against the budget), and the most it held beyond
   the executor's own count at an instruction (``untracked_bytes``).
@@ -38,6 +41,7 @@ import time
 import torch
 
 import hyperoffload
+from hyperoffload.allocator_model import replay_caching_allocator
 from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import plan_without_offload
@@ -96,8 +100,16 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int) ->
         torch.cuda.synchronize()
         # What this script holds on the GPU besides the step's state.
         outside = torch.cuda.memory_allocated() - device_bytes(state)
+        # The caching allocator from an empty cache over the warm-up steps: what it reserves beyond what is
+        # allocated at its fullest is fragmentation, which the allocator model predicts for the plan.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         for _ in range(warmup):
             state = list(executor.step(plan, state).state)
+        executor.synchronize()
+        torch.cuda.synchronize()
+        fragmentation = torch.cuda.max_memory_reserved() - torch.cuda.max_memory_allocated()
+        model = replay_caching_allocator(plan, limit_bytes=hardware.memory_bytes)  # the device, not the budget
         untracked, step_allocated, state = allocator_beside_count(executor, plan, state, outside)
         executor.synchronize()
         torch.cuda.synchronize()
@@ -120,6 +132,8 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int) ->
             "budget_bytes": plan.budget_bytes, "sim_peak_bytes": sim.peak_bytes, "measured_peak_bytes": peak,
             "max_memory_allocated": allocated, "pinned_remote_bytes": pinned, "outside_bytes": outside,
             "step_max_allocated_bytes": step_allocated, "untracked_bytes": untracked,
+            "fragmentation_bytes": fragmentation,
+            "model_fragmentation_bytes": model.reserved_peak_bytes - model.live_peak_bytes,
             "wall_s": wall, "sim_step_s": sim.step_s, "sim_compute_s": sim.compute_s,
             "sim_error": abs(sim.step_s - wall) / wall, "max_abs_diff": diff, "unplanned_noise": noise,
             "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes, "arena": arena,
@@ -203,6 +217,9 @@ def main(argv=None) -> int:
         print(f"  allocator: one step's max_memory_allocated less the script's other GPU memory "
               f"{r['step_max_allocated_bytes']:,} B ({r['step_max_allocated_bytes'] / r['budget_bytes']:.3f} x "
               f"budget); at most {r['untracked_bytes']:,} B beyond the executor's count at an instruction")
+        print(f"  fragmentation: reserved beyond allocated at the fullest {r['fragmentation_bytes']:,} B over "
+              f"{args.warmup} step(s) from an empty cache; the allocator model predicts "
+              f"{r['model_fragmentation_bytes']:,} B for the plan")
         print(f"  exactness: max_abs_diff {r['max_abs_diff']:g} (unplanned vs unplanned: {r['unplanned_noise']:g})")
         a = r["arena"]
         if "error" in a:
