@@ -170,9 +170,12 @@ def first_step(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequ
 def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequence[torch.Tensor], steps: int,
                 warmup: int) -> tuple[float, float, int]:
     """Mean step period (s) of ``steps`` donated steps after ``warmup``; the mean time (s) the caller's thread
-    spends issuing a step (on CUDA, where a step returns once issued, near the period when the step is bound by
-    the executor's issue rate rather than by the GPU or the link); and the executor's largest measured
-    device-tier peak (bytes) over all of them."""
+    spends issuing a step; and the executor's largest measured device-tier peak (bytes) over all of them.
+
+    On CUDA a step returns once issued, so an issue time well below the period means the GPU or the link sets
+    the pace. One near the period says little by itself: the host also blocks when CUDA's launch queue is full
+    (a step of thousands of kernels fills it whenever the GPU is the slower side) and when an allocation waits
+    for an offload to free memory under the budget."""
     state = runner.place(plan, inputs)
     peak = 0
     issue = 0.0
