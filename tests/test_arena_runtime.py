@@ -19,7 +19,8 @@ from hyperoffload.layout import LayoutError, assign_offsets, check_layout
 from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import PlannerConfig, plan_hyperoffload
 from hyperoffload.runtime import ArenaOverlap, AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
-from hyperoffload.runtime.plan_executor import SyncTransfers
+from hyperoffload.runtime import plan_executor as executor_module
+from hyperoffload.runtime.plan_executor import SyncTransfers, out_variant
 
 pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
 
@@ -329,3 +330,42 @@ def test_run_command_refuses_static_layout_for_other_policies(capsys):
                  "--static-layout"])
     assert code != 0
     assert "--static-layout" in capsys.readouterr().err
+
+
+def test_out_overloads_match_the_captured_ops_arguments():
+    aten = torch.ops.aten
+    assert out_variant(aten.mm.default) == (aten.mm.out, "out")
+    assert out_variant(aten.mul.Tensor) == (aten.mul.out, "out")
+    assert out_variant(aten.mul.Scalar) == (aten.mul.Scalar_out, "out")  # not mul.out, which takes a Tensor
+    assert out_variant(aten.silu_backward.default) == (aten.silu_backward.grad_input, "grad_input")
+    assert out_variant(aten.sum.dim_IntList) == (aten.sum.IntList_out, "out")
+    assert out_variant(aten.view.default) is None  # a view: no out= form
+    assert out_variant(aten._scaled_dot_product_flash_attention_for_cpu.default) is None  # two outputs
+    assert out_variant(torch.add) is None  # not an overload
+
+
+def test_op_results_are_written_into_their_slots_not_copied_there(captured, reference, planned):
+    """From the arena, ops with an ``out=`` overload write straight into their slots; only the rest (attention's
+    several outputs, a few backward kernels) are allocated outside the arena and copied in. Results are
+    bit-identical either way, also when every ``out=`` call is refused and the executor falls back to copying."""
+    program = captured.program
+    made = sum(program.values[o].alloc_bytes for op in program.ops for o in op.outputs
+               if program.values[o].owns_storage)
+    inputs = [t.clone() for t in captured.inputs]
+    run = run_plan(planned, inputs, arena=True)
+    assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
+    assert 0 < run.arena_copied_bytes < 0.05 * made  # attention's outputs and a few others remain
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError("out= refused")
+
+    original = executor_module.out_variant
+    try:
+        executor_module.out_variant = lambda target: (refusing, "out") if original(target) else None
+        inputs = [t.clone() for t in captured.inputs]
+        fallback = run_plan(planned, inputs, arena=True)
+    finally:
+        executor_module.out_variant = original
+    assert_identical([*fallback.outputs, *inputs], [*reference[0], *reference[1]])
+    assert fallback.arena_copied_bytes == made  # every op result copied in, the step's inputs not counted
+    assert run_plan(planned, [t.clone() for t in captured.inputs]).arena_copied_bytes == 0  # no arena

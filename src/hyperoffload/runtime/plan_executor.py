@@ -70,9 +70,13 @@ caller's thread (ops run on it). On CUDA (``cuda_streams.CudaStreams``) every co
 runs on the compute stream after the op that produced it; a reused slot's wait is an event wait of the
 compute stream, so the host does not block; a prefetch's side stream waits for the compute stream first; and
 the arena is marked as used by both side streams, so a copy of a slot still queued when the arena is freed
-(a carried offload) keeps its block from being reused. This CUDA path is written and reasoned from CUDA's
-stream rules but has not yet been run on a GPU (``tests/test_cuda_runtime.py`` and ``make gpu-check`` run
-it where there is one).
+(a carried offload) keeps its block from being reused. This CUDA path ran on an H200 bit-identically
+(``tests/test_cuda_runtime.py`` and ``make gpu-check`` run it where there is a GPU).
+
+An op that makes one new storage and has an ``out=`` overload with the same arguments (``mm.out`` for
+``mm``, ``mul.out`` for ``mul.Tensor``) writes straight into its slot, as a view with the size and strides
+the capture recorded; other ops allocate through PyTorch and their result is copied into the slot (a
+transient allocation outside the arena, and one copy). ``PlanRun.arena_copied_bytes`` counts those copies.
 
 Inputs that start the step in remote memory (``plan.initial_remote``) are their own remote copy:
 prefetches read the caller's storage, and an offload of such a storage writes back into it.
@@ -95,6 +99,7 @@ What the step leaves behind depends on ``donate``:
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, replace
@@ -152,6 +157,9 @@ class PlanRun:
     slot_waits: int = 0
     """Allocations into the arena that first waited for the offload still reading their slot's previous
     occupant (on CUDA the compute stream waited, not the host)."""
+    arena_copied_bytes: int = 0
+    """Bytes of op results allocated outside the arena and copied into their slots (ops without a usable
+    ``out=`` overload); 0 when not run from an arena."""
 
 
 class Transfers(Protocol):
@@ -441,6 +449,28 @@ def run_plan(plan: Plan, inputs: Sequence[torch.Tensor], *, arena: bool | Layout
     return execute_plan(plan, inputs, SyncTransfers(), arena=arena)
 
 
+@functools.cache
+def out_variant(target) -> tuple[Any, str] | None:
+    """The ``out=`` overload of aten overload ``target`` that takes the same arguments (names and types), and
+    the name of its one out argument; None if it has none (``mm.default`` -> ``mm.out``, ``mul.Tensor`` ->
+    ``mul.out``, ``mul.Scalar`` -> ``mul.Scalar_out``, ``silu_backward.default`` -> ``silu_backward.grad_input``)."""
+    packet = getattr(target, "overloadpacket", None)
+    schema = getattr(target, "_schema", None)
+    if packet is None or schema is None:
+        return None
+    name = target._overloadname
+    wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    for candidate in dict.fromkeys(("out" if name == "default" else f"{name}_out", "out", *packet.overloads())):
+        if candidate not in packet.overloads():
+            continue
+        overload = getattr(packet, candidate)
+        outs = [a for a in overload._schema.arguments if a.is_out]
+        ins = [(a.name, str(a.type)) for a in overload._schema.arguments if not a.is_out]
+        if len(outs) == 1 and ins == wanted:
+            return overload, outs[0].name
+    return None
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class PreparedPlan:
     """What every step of a plan needs that does not depend on the tensors (``prepare_plan``)."""
@@ -567,6 +597,7 @@ class _Step:
         self.h2d = self.d2h = 0
         self.copy_wait_s = self.memory_wait_s = 0.0
         self.slot_waits = 0
+        self.arena_copied = 0
         self.caller_meta: dict[int, _ViewMeta] = {}  # caller tensors' views, when the step drops the tensors
         # Storages in remote memory for the whole step: in the environment for the lane ops, never device bytes.
         self.remote_tier = frozenset(s for s in set(self.storage_of) if values[s].remote)
@@ -704,6 +735,32 @@ class _Step:
                                f"the tensors (capture the step again)")
         slot.copy_(source)
 
+    def _run_into_slot(self, i: int, op, node: torch.fx.Node) -> list[torch.Tensor] | None:
+        """Run ``op`` (instruction ``i``) with its ``out=`` overload writing straight into its slot, if it makes
+        one new storage and has such an overload; None otherwise (the caller runs it and copies the result)."""
+        if len(op.outputs) != 1 or (op.outputs[0], i) not in self.slots:
+            return None
+        o = op.outputs[0]
+        meta = node.meta.get("val")
+        variant = out_variant(node.target)
+        if variant is None or not isinstance(meta, torch.Tensor) or not self.program.values[o].owns_storage:
+            return None
+        overload, out_name = variant
+        slot = self._slot(o, i)
+        out = _ViewMeta(meta.dtype, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset()).view_into(slot)
+        args = torch.fx.node.map_arg(node.args, self.lookup)
+        kwargs = torch.fx.node.map_arg(node.kwargs, self.lookup)
+        try:
+            overload(*args, **kwargs, **{out_name: out})
+        except RuntimeError:
+            out = None  # the out= kernel refused this view (it would resize it, say): run the op as captured
+        if out is None or out.untyped_storage().data_ptr() != slot.data_ptr() or out.size() != meta.size():
+            produced = run_op(self.program, op, node, self.lookup)
+            self._fill(slot, produced[0].untyped_storage(), o, i)
+            self.arena_copied += slot.nbytes()
+            return [_ViewMeta.of(produced[0]).view_into(slot)]
+        return [out]
+
     def _outputs_into_arena(self, i: int, op, tensors: list[torch.Tensor]) -> None:
         """Move the storages op ``op`` (instruction ``i``) allocated into their slots, rebinding every output
         aliasing them as a view of the slot with its own size, stride and offset."""
@@ -713,6 +770,7 @@ class _Step:
                 continue  # a view of a storage already placed, or an empty storage (nothing to place)
             slot = self._slot(o, i)
             self._fill(slot, tensors[op.outputs.index(o)].untyped_storage(), o, i)
+            self.arena_copied += slot.nbytes()
             for k, v in enumerate(op.outputs):
                 if self.storage_of[v] == o:
                     tensors[k] = _ViewMeta.of(tensors[k]).view_into(slot)
@@ -822,7 +880,7 @@ class _Step:
                        wall_s=time.perf_counter() - start, copy_wait_s=self.copy_wait_s,
                        memory_wait_s=self.memory_wait_s, carried=carried,
                        arena_bytes=self.arena.nbytes() if self.slots is not None else 0,
-                       slot_waits=self.slot_waits)
+                       slot_waits=self.slot_waits, arena_copied_bytes=self.arena_copied)
 
     def _execute(self, i: int, ins) -> None:
         s = ins.target
@@ -834,10 +892,13 @@ class _Step:
                 return
             if self.lanes:
                 self._await_lanes(self.deps[s])
-            outputs = run_op(program, op, self.nodes[op.name], self.lookup)
-            if self.slots is not None:
-                outputs = list(outputs)
-                self._outputs_into_arena(i, op, outputs)
+            node = self.nodes[op.name]
+            outputs = self._run_into_slot(i, op, node) if self.slots is not None else None
+            if outputs is None:
+                outputs = run_op(program, op, node, self.lookup)
+                if self.slots is not None:
+                    outputs = list(outputs)
+                    self._outputs_into_arena(i, op, outputs)
             for vid, tensor in zip(op.outputs, outputs):
                 self.put(vid, tensor)
             for w in {self.storage_of[v] for v in op.mutates}:
