@@ -323,6 +323,7 @@ def test_run_command_with_static_layout_runs_from_the_arena(capsys):
     assert result["static_layout"] is True
     assert result["max_abs_diff"] == 0.0
     assert 0 < result["measured_peak_bytes"] <= result["arena_bytes"] <= result["budget_bytes"]
+    assert 0 < result["arena_copied_bytes"] < result["arena_bytes"]  # most op results go straight into slots
 
 
 def test_run_command_refuses_static_layout_for_other_policies(capsys):

@@ -708,6 +708,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         table.add_row("arena_bytes", format_bytes(figures.arena_bytes),
                       f"the one buffer the planned steps ran from ({format_bytes(plan.layout.live_peak_bytes)} "
                       f"live at peak)")
+        table.add_row("arena_copied_bytes", format_bytes(figures.arena_copied_bytes),
+                      "op results made outside the arena and copied in (no out= form); the rest are written "
+                      "into their slots")
     table.add_row("max_abs_diff", f"{figures.max_abs_diff:g}",
                   "bit-identical to the unplanned step" if figures.max_abs_diff == 0.0
                   else "DIFFERS from the unplanned step")

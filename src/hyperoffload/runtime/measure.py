@@ -123,6 +123,9 @@ class RunFigures:
     """Median per step: time the compute thread waited for an offload to free memory under the budget."""
     arena_bytes: int = 0
     """Bytes of the arena the planned step ran from (``RunConfig.arena``); 0 otherwise."""
+    arena_copied_bytes: int = 0
+    """Bytes of op results the checked step allocated outside the arena and copied in (ops with no usable
+    ``out=`` overload); 0 without an arena."""
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -403,7 +406,7 @@ def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers
         report("planned step, checked", 0, 1)
         checked_inputs = [t.clone() for t in inputs]
         checked = executor.run(plan, checked_inputs, arena=config.arena)
-        arena_bytes = checked.arena_bytes
+        arena_bytes, arena_copied = checked.arena_bytes, checked.arena_copied_bytes
         diff = max_abs_diff([*checked.outputs, *checked_inputs], [*reference.outputs, *ref_inputs])
         peak = checked.peak_bytes
         report("planned step, checked", 1, 1)
@@ -425,7 +428,8 @@ def measure_run(plan: Plan, inputs: Sequence[torch.Tensor], transfers: Transfers
         sim_error_min=abs(figures.step_s - fastest) / fastest,
         h2d_bytes=timed[-1].h2d_bytes, d2h_bytes=timed[-1].d2h_bytes,
         copy_wait_s=statistics.median(r.copy_wait_s for r in timed),
-        memory_wait_s=statistics.median(r.memory_wait_s for r in timed), arena_bytes=arena_bytes)
+        memory_wait_s=statistics.median(r.memory_wait_s for r in timed), arena_bytes=arena_bytes,
+        arena_copied_bytes=arena_copied)
 
 
 def _time_steps(executor: AsyncExecutor, unplanned: Plan, plan: Plan, inputs: Sequence[torch.Tensor],
