@@ -15,8 +15,9 @@ from hyperoffload.analysis import memory_profile  # noqa: E402
 from hyperoffload.capture.hf import build_hf_model, capture_hf  # noqa: E402
 from hyperoffload.hardware import get_hardware  # noqa: E402
 from hyperoffload.plans import plan_without_offload  # noqa: E402
+from hyperoffload.policies import PlannerConfig, plan_hyperoffload  # noqa: E402
 from hyperoffload.runtime import EmulatedLink, compare_with_eager, run_plan  # noqa: E402
-from hyperoffload.runtime.measure import RunConfig, measure_run  # noqa: E402
+from hyperoffload.runtime.measure import RunConfig, measure_run, replayed_random_numbers  # noqa: E402
 from helpers import assert_matches_eager  # noqa: E402
 
 SEQ = 16
@@ -81,6 +82,28 @@ def test_architecture_plans_and_runs_bit_identical(tmp_path, arch: str, mode: st
     assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))
     if mode == "train":  # the update did land
         assert not all(torch.equal(a, b) for a, b in zip(reference_inputs, captured.inputs))
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_architecture_trains_from_a_static_arena_bit_identical(tmp_path, arch: str) -> None:
+    """Planned with a static layout and run from one arena: each architecture's ops either write into their
+    slots through their ``out=`` overloads or are copied in, and the step is bit-identical either way."""
+    captured = _capture(tmp_path, arch, "train")
+    program = captured.program
+    hardware = get_hardware("h100-sxm")
+    planned = plan_hyperoffload(program, hardware, int(memory_profile(program).peak_bytes * 0.7),
+                                config=PlannerConfig(static_layout=True))
+    reference_inputs = [t.clone() for t in captured.inputs]
+    arena_inputs = [t.clone() for t in captured.inputs]
+    with replayed_random_numbers():
+        reference = run_plan(plan_without_offload(program), reference_inputs)
+    run = run_plan(planned, arena_inputs, arena=True)
+    assert run.arena_bytes == planned.layout.arena_bytes <= planned.budget_bytes
+    assert all(torch.equal(a, b) for a, b in zip(run.outputs, reference.outputs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(arena_inputs, reference_inputs, strict=True))
+    made = sum(program.values[o].alloc_bytes for op in program.ops for o in op.outputs
+               if program.values[o].owns_storage)
+    assert run.arena_copied_bytes < 0.25 * made  # most results are written into their slots
+
 
 def test_dropout_step_compares_bit_identical(tmp_path) -> None:
     """GPT-2 trains with dropout: the step draws random masks. The comparisons run both sides from the same
