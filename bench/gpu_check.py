@@ -14,8 +14,10 @@ Where CUDA exists, for ``tiny-llama`` and a small LLaMA (8 layers, hidden 1024),
   budget, and the simulator's ``step_s`` and ``peak_bytes`` on the profile;
 * runs the step from one static arena (``arena=True``): planned at the same budget with a static layout,
   once in place with the CUDA runtime, and reports the arena's bytes (against the layout's), the executor's
-  measured peak, ``max_abs_diff`` against the unplanned step and the slot waits (reuses of a slot an offload
-  was still reading, waited for on the compute stream). A failure there is reported as FAILED with its error,
+  measured peak, ``max_abs_diff`` against the unplanned step, the slot waits (reuses of a slot an offload
+  was still reading, waited for on the compute stream), and the step's ``max_memory_allocated`` beyond what
+  was allocated before it (the arena, op results made outside it, kernels' workspaces: what the budget
+  promises about reserved memory, not yet measured on a GPU). A failure there is reported as FAILED with its error,
   after the other figures;
 * reads the caching allocator over the warm-up steps, from an empty cache: what it reserved beyond what was
   allocated at its fullest (``fragmentation_bytes``) next to what ``allocator_model`` predicts for the plan
@@ -173,14 +175,22 @@ def arena_check(executor, program, inputs, hardware, budget: str, want, noise: f
     layout_bytes = plan.layout.arena_bytes
     try:
         placed = place_inputs(plan, inputs)
+        executor.synchronize()
+        torch.cuda.synchronize()
+        outside = torch.cuda.memory_allocated()  # the caller's tensors (updated in place) and everything else
+        torch.cuda.reset_peak_memory_stats()
         run = executor.run(plan, placed, arena=True)
+        executor.synchronize()
+        torch.cuda.synchronize()
+        step_allocated = torch.cuda.max_memory_allocated() - outside  # the arena, and what ops made outside it
         diff = max_abs_diff([t.cpu() for t in (*run.outputs, *placed)], want)
     except Exception as error:  # noqa: BLE001 - reported with the figures; the exit status says it failed
         return {"layout_arena_bytes": layout_bytes, "budget_bytes": budget_bytes, "error": f"{type(error).__name__}: "
                 f"{error}", "ok": False}
     return {"layout_arena_bytes": layout_bytes, "arena_bytes": run.arena_bytes, "budget_bytes": budget_bytes,
             "measured_peak_bytes": run.peak_bytes, "slot_waits": run.slot_waits, "max_abs_diff": diff,
-            "h2d_bytes": run.h2d_bytes, "d2h_bytes": run.d2h_bytes,
+            "h2d_bytes": run.h2d_bytes, "d2h_bytes": run.d2h_bytes, "step_max_allocated_bytes": step_allocated,
+            "arena_copied_bytes": run.arena_copied_bytes,
             "ok": diff <= noise and run.arena_bytes == layout_bytes and run.peak_bytes <= budget_bytes}
 
 
@@ -228,6 +238,9 @@ def main(argv=None) -> int:
             print(f"  arena: {a['arena_bytes']:,} B (layout {a['layout_arena_bytes']:,} B, budget "
                   f"{a['budget_bytes']:,} B), executor peak {a['measured_peak_bytes']:,} B, slot waits "
                   f"{a['slot_waits']}, max_abs_diff {a['max_abs_diff']:g}")
+            print(f"         the step's max_memory_allocated beyond what was allocated before it "
+                  f"{a['step_max_allocated_bytes']:,} B ({a['step_max_allocated_bytes'] / a['budget_bytes']:.3f} x "
+                  f"budget); op results copied into the arena {a['arena_copied_bytes']:,} B")
         print(f"  -> {'ok' if r['ok'] else 'FAILED'}", flush=True)
     return 0 if all(r["ok"] for r in results) else 1
 
