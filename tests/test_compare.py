@@ -26,6 +26,22 @@ def tiny():
     return capture_workload(get_workload("tiny-llama"), "train").program
 
 
+def test_compare_and_simulate_take_profile_names_and_budget_text_as_plan_does(tiny):
+    from hyperoffload import HardwareError, plan, simulate
+
+    by_name = [r.as_dict() for r in compare(tiny, "h100-sxm", "50%", policies=["hyperoffload", "reactive"])]
+    by_value = [r.as_dict() for r in compare(tiny, H100, parse_budget("50%", tiny, H100),
+                                             policies=["hyperoffload", "reactive"])]
+    for named, valued in zip(by_name, by_value, strict=True):
+        assert {k: v for k, v in named.items() if k != "plan_s"} == {k: v for k, v in valued.items() if k != "plan_s"}
+    planned = plan(tiny, "h100-sxm", "50%")
+    assert simulate(planned, "h100-sxm").figures == simulate(planned, H100).figures
+    with pytest.raises(HardwareError, match="unknown hardware 'h100'"):
+        simulate(planned, "h100")
+    with pytest.raises(HardwareError, match="a Hardware profile or its name"):
+        compare(tiny, 80e9, "50%")
+
+
 def test_compare_has_a_row_per_policy_at_the_same_budget(tiny):
     budget = parse_budget("50%", tiny, H100)
     results = compare(tiny, H100, budget)

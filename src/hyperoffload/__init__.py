@@ -6,7 +6,7 @@ from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind, verify_program
 
 from hyperoffload.budgets import hideable_budget, parse_budget
-from hyperoffload.hardware import Hardware, get_hardware
+from hyperoffload.hardware import Hardware, HardwareError, as_hardware, get_hardware
 from hyperoffload.policies import InfeasibleBudget, PlannerConfig, plan_hyperoffload
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.verify import VerificationError, verify
@@ -16,7 +16,7 @@ from hyperoffload.runtime import AsyncExecutor, EmulatedLink, run_async
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncExecutor", "EmulatedLink", "run_async", "PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
+__all__ = ["AsyncExecutor", "EmulatedLink", "run_async", "PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "HardwareError", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
            "hideable_budget", "parse_budget", "plan", "plan_hyperoffload", "simulate", "verify", "AdamW", "CaptureError", "Captured", "LiveRange", "MemoryProfile", "Op", "Phase", "Program", "Value",
            "ValueKind", "capture_decode_step", "capture_prefill_step", "capture_train_step", "fake_build",
            "live_ranges", "memory_profile", "storage_ranges", "verify_program"]
@@ -27,8 +27,7 @@ def plan(program: Program, hardware: Hardware | str, budget: int | str, *, polic
     ``"40GiB"``, ``"50%"``, ``"hideable"``) with ``policy``; returns a verified ``hyperoffload.plans.Plan``."""
     from hyperoffload.policies import get_policy
 
-    if isinstance(hardware, str):
-        hardware = get_hardware(hardware)
+    hardware = as_hardware(hardware)
     budget_bytes = parse_budget(budget, program, hardware) if isinstance(budget, str) else int(budget)
     result = get_policy(policy)(program, hardware, budget_bytes)
     verify(result)

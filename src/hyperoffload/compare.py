@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from hyperoffload.analysis import memory_profile, window_bound
 from hyperoffload.budgets import parse_budget
-from hyperoffload.hardware import Hardware
+from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, check_plan
 from hyperoffload.policies import InfeasibleBudget, get_policy, policies_for
@@ -108,10 +108,13 @@ def _with_budget_figures(timeline: Timeline, plan: Plan, program: Program, hardw
                                              duplex_bound_s=duplex))
 
 
-def compare(program: Program, hardware: Hardware, budget_bytes: int,
+def compare(program: Program, hardware: Hardware | str, budget: int | str,
             policies: Sequence[str] | None = None) -> list[PolicyResult]:
     """Every policy in ``policies`` (default: all registered, less those that move only a KV cache when the
-    step has none) for the same budget, in that order."""
+    step has none) for the same budget, in that order. ``hardware`` is a profile or its name; ``budget`` is
+    bytes, or text as ``plan`` takes it (``"40GiB"``, ``"50%"``, ``"hideable"``)."""
+    hardware = as_hardware(hardware)
+    budget_bytes = parse_budget(budget, program, hardware) if isinstance(budget, str) else budget
     names = policies_for(program) if policies is None else list(policies)
     peak = memory_profile(program).peak_bytes
     return [run_policy(program, hardware, budget_bytes, name, peak) for name in names]
@@ -166,13 +169,14 @@ class SweepPoint:
     results: tuple[PolicyResult, ...]
 
 
-def sweep(program: Program, hardware: Hardware, *, vary: str, values: Sequence[str], budget: str | None,
+def sweep(program: Program, hardware: Hardware | str, *, vary: str, values: Sequence[str], budget: str | None,
           policies: Sequence[str] | None = None,
           recapture: Callable[[str], Program] | None = None) -> list[SweepPoint]:
     """``compare`` at each of ``values`` of ``vary`` (a key of ``VARIES``). The budget text is parsed at each
     point against that point's profile and step (so ``hideable`` follows the bandwidth, and a percentage the
     step's own peak); unused when varying the budget. A quantity of the step itself (``RECAPTURED``) takes
     ``recapture(value)``, the step captured at that value."""
+    hardware = as_hardware(hardware)
     if vary not in VARIES:
         raise ValueError(f"cannot vary {vary!r}; choose one of: {', '.join(VARIES)}")
     if not values:

@@ -33,7 +33,7 @@ from weakref import WeakKeyDictionary
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.dependency_bound import dependency_bound
 from hyperoffload.cost import lane_op_time, op_times
-from hyperoffload.hardware import Hardware
+from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan, op_storages
 
@@ -154,8 +154,8 @@ def plan_traffic(plan: Plan) -> tuple[int, int]:
     return h2d, d2h
 
 
-def simulate(plan: Plan, hardware: Hardware) -> Timeline:
-    """Simulate ``plan`` on ``hardware``; raise ``PlanError`` if the plan is invalid.
+def simulate(plan: Plan, hardware: Hardware | str) -> Timeline:
+    """Simulate ``plan`` on ``hardware`` (a profile or its name); raise ``PlanError`` if the plan is invalid.
 
     A plan that keeps storages in remote memory between steps (they start the step there and are
     sent back by its end, and every other input ends where it started) is simulated for two
@@ -163,6 +163,7 @@ def simulate(plan: Plan, hardware: Hardware) -> Timeline:
     step's compute to the end of the second's, the peak and stalls cover both steps, and the
     timeline shows both.
     """
+    hardware = as_hardware(hardware)
     if not _keeps_state_remote(plan):
         return _simulate(plan, hardware)
     from hyperoffload.repeat import repeat_plan

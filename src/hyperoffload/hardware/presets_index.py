@@ -40,6 +40,16 @@ def get_hardware(name: str, *, cpu_cache: Path | None = None) -> Hardware:
     return _load_preset(name)
 
 
+def as_hardware(hardware: Hardware | str) -> Hardware:
+    """``hardware`` itself, or the profile it names (``get_hardware``): what every public function that takes a
+    profile accepts."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str):
+        return get_hardware(hardware)
+    raise HardwareError(f"expected a Hardware profile or its name (such as 'h100-sxm'), got {type(hardware).__name__}")
+
+
 def list_hardware() -> list[Hardware]:
     """Every TOML preset (``cpu-emulated`` is listed separately because it needs a calibration)."""
     return [_load_preset(name) for name in PRESET_NAMES if name != CPU_EMULATED]
