@@ -36,6 +36,7 @@ def test_compare_and_simulate_take_profile_names_and_budget_text_as_plan_does(ti
         assert {k: v for k, v in named.items() if k != "plan_s"} == {k: v for k, v in valued.items() if k != "plan_s"}
     planned = plan(tiny, "h100-sxm", "50%")
     assert simulate(planned, "h100-sxm").figures == simulate(planned, H100).figures
+    assert parse_budget("hideable", tiny, "h100-sxm") == parse_budget("hideable", tiny, H100)
     with pytest.raises(HardwareError, match="unknown hardware 'h100'"):
         simulate(planned, "h100")
     with pytest.raises(HardwareError, match="a Hardware profile or its name"):

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.cost import op_times
-from hyperoffload.hardware import Hardware
+from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.units import parse_bytes
 
 
-def hideable_budget(program: Program, hardware: Hardware) -> int:
+def hideable_budget(program: Program, hardware: Hardware | str) -> int:
     """The smallest budget whose ``bound_s`` equals ``compute_s`` (bytes): below it, moving the excess
     once each way at full link speed takes longer than the step's compute. When the link is so fast
     that this would be below the smallest budget the planner can meet, that budget instead."""
     from hyperoffload.policies import minimum_budget
 
+    hardware = as_hardware(hardware)
     peak = memory_profile(program).peak_bytes
     compute_s = sum(op_times(program, hardware))
     movable = int(compute_s * min(hardware.h2d_bw, hardware.d2h_bw))
     return max(peak - movable, minimum_budget(program)[0])
 
 
-def parse_budget(text: str, program: Program, hardware: Hardware) -> int:
+def parse_budget(text: str, program: Program, hardware: Hardware | str) -> int:
     """``"40GiB"``, ``"60GB"``, ``"50%"`` (of the no-offload peak) or ``"hideable"`` -> bytes."""
     text = text.strip()
     if text.lower() == "hideable":

@@ -34,7 +34,7 @@ import numpy as np
 
 from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.cost import op_times
-from hyperoffload.hardware import Hardware
+from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.layout import arena_use, assign_offsets, prefetch_into_arena
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
@@ -194,7 +194,7 @@ def _orders(program: Program) -> tuple[tuple[int, ...], tuple[int, ...], tuple[i
 _ORDERS: WeakKeyDictionary[Program, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = WeakKeyDictionary()
 
 
-def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
+def plan_hyperoffload(program: Program, hardware: Hardware | str, budget_bytes: int,
                       config: PlannerConfig = PlannerConfig()) -> Plan:
     """The fastest plan found whose device memory never exceeds ``budget_bytes``: its live bytes, and
     with ``config.static_layout`` its arena (``plan.layout``), which then is all the memory it reserves.
@@ -203,6 +203,7 @@ def plan_hyperoffload(program: Program, hardware: Hardware, budget_bytes: int,
     block pool that fits the budget, or, if none fits, without a pool, with the smallest pool (planned to
     move other state out to make room for it) and with speculative prefetch of each layer's previous
     selection; the faster plan wins, the smaller peak on a tie. Such a plan's program is the remote-KV form."""
+    hardware = as_hardware(hardware)
     if not has_remote_kv(program):
         return _plan_program(program, hardware, budget_bytes, config)
     tried: list[tuple[float, int, Plan]] = []
