@@ -14,8 +14,12 @@ Where CUDA exists:
   policies in turn, so all see the same machine. Per policy: ``wall_s`` (median over rounds of the mean step
   period, one synchronize per round), the slowdown against the unplanned step measured the same way, the
   simulator's ``step_s`` and slowdown on the measured-link profile and on the nominal one, ``sim_error``,
-  the executor's measured peak against the budget, and ``max_abs_diff`` of the first step's state against the
-  unplanned first step (``noise``: the unplanned step against itself).
+  the executor's measured peak against the budget, the caching allocator's peak allocated and reserved bytes
+  over the timed steps from an empty cache (beyond what the script held before placing the state:
+  ``allocated_bytes``, ``reserved_bytes``), and ``max_abs_diff`` of the first step's state against the
+  unplanned first step (``noise``: the unplanned step against itself). One more row, ``hyperoffload+arena``,
+  is the planner with a static layout run from its arena (``arena_bytes``): what the budget promises about
+  reserved memory. The allocator figures and that row had not yet run on a GPU when they were added.
 
 With ``--json`` it prints one JSON object for the link and matmul figures, then one per budget as each is
 measured. ``--dry-run`` runs the same code on the CPU: tiny-llama with an emulated link, no link or matmul
@@ -43,7 +47,7 @@ import torch
 from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.plans import Plan, check_plan, plan_without_offload
-from hyperoffload.policies import InfeasibleBudget, get_policy, policies_for
+from hyperoffload.policies import InfeasibleBudget, PlannerConfig, get_policy, plan_hyperoffload, policies_for
 from hyperoffload.runtime import AsyncExecutor, EmulatedLink
 from hyperoffload.runtime.measure import max_abs_diff
 from hyperoffload.simulate import simulate
@@ -59,6 +63,10 @@ MEDIUM = Workload(name="medium-llama",
                   config=LlamaConfig(vocab_size=32000, hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8),
                   dtype=torch.bfloat16, batch=1, seq=4096, context=4096,
                   source="project-defined for the GPU comparison; LLaMA-3.2-1B-like widths with a 32k vocabulary")
+
+
+ARENA = "hyperoffload+arena"
+"""The row of the planner with a static layout, run from its arena (``PlannerConfig(static_layout=True)``)."""
 
 
 def _median_ms(fn: Callable[[], tuple], repeats: int) -> list[float]:
@@ -145,12 +153,30 @@ class Runner:
     synchronize: Callable[[], None]
     device: str
     """Where compute runs (a step's remote tensors are brought here to be compared)."""
+    start_memory: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    """Empty the allocator's cache, reset its peaks and return (allocated, reserved) bytes now (zeros on the CPU,
+    which has no allocator statistics)."""
+    peak_memory: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    """The allocator's (allocated, reserved) peaks since ``start_memory``."""
+
+
+def _cuda_start_memory() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def _cuda_peak_memory() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
 
 def cuda_runner() -> Runner:
     from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
 
-    return Runner(transfers=CudaStreams, place=place_inputs, synchronize=torch.cuda.synchronize, device="cuda")
+    return Runner(transfers=CudaStreams, place=place_inputs, synchronize=torch.cuda.synchronize, device="cuda",
+                  start_memory=_cuda_start_memory, peak_memory=_cuda_peak_memory)
 
 
 def cpu_runner(hardware: Hardware) -> Runner:
@@ -159,23 +185,27 @@ def cpu_runner(hardware: Hardware) -> Runner:
                   device="cpu")
 
 
-def first_step(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequence[torch.Tensor]) -> list:
+def first_step(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequence[torch.Tensor],
+               arena: bool = False) -> list:
     """The outputs and state after one step of ``plan`` from fresh copies of ``inputs``, on the compute device."""
-    run = executor.step(plan, runner.place(plan, inputs))
+    run = executor.step(plan, runner.place(plan, inputs), arena=arena)
     executor.synchronize()
     runner.synchronize()
     return [t.to(runner.device) for t in (*run.outputs, *run.state)]
 
 
 def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequence[torch.Tensor], steps: int,
-                warmup: int) -> tuple[float, float, int]:
-    """Mean step period (s) of ``steps`` donated steps after ``warmup``; the mean time (s) the caller's thread
-    spends issuing a step; and the executor's largest measured device-tier peak (bytes) over all of them.
+                warmup: int, arena: bool = False) -> tuple[float, float, int, tuple[int, int]]:
+    """Mean step period (s) of ``steps`` donated steps after ``warmup`` (from a static arena with ``arena``); the
+    mean time (s) the caller's thread spends issuing a step; the executor's largest measured device-tier peak
+    (bytes) over all of them; and the allocator's peak (allocated, reserved) bytes over them beyond what was
+    allocated and reserved before the state was placed, from an empty cache (zeros where not measured).
 
     On CUDA a step returns once issued, so an issue time well below the period means the GPU or the link sets
     the pace. One near the period says little by itself: the host also blocks when CUDA's launch queue is full
     (a step of thousands of kernels fills it whenever the GPU is the slower side) and when an allocation waits
     for an offload to free memory under the budget."""
+    allocated, reserved = runner.start_memory()
     state = runner.place(plan, inputs)
     peak = 0
     issue = 0.0
@@ -185,7 +215,7 @@ def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Seq
             runner.synchronize()
             start = time.perf_counter()
         issued = time.perf_counter()
-        run = executor.step(plan, state)
+        run = executor.step(plan, state, arena=arena)
         if k >= warmup:
             issue += time.perf_counter() - issued
         peak = max(peak, run.peak_bytes)
@@ -193,7 +223,9 @@ def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Seq
         del run
     executor.synchronize()
     runner.synchronize()
-    return (time.perf_counter() - start) / steps, issue / steps, peak
+    period = (time.perf_counter() - start) / steps
+    max_allocated, max_reserved = runner.peak_memory()
+    return period, issue / steps, peak, (max_allocated - allocated, max_reserved - reserved)
 
 
 def plan_policies(program, hardware: Hardware, budget_bytes: int, names: Sequence[str]) -> dict[str, Plan | str]:
@@ -224,27 +256,35 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
     start = time.perf_counter()
     plans = plan_policies(program, hardware, budget_bytes, names)
     plan_s = time.perf_counter() - start
+    # The planner with a static layout, run from its arena: what the budget promises about reserved memory.
+    names.append(ARENA)
+    try:
+        plans[ARENA] = plan_hyperoffload(program, hardware, budget_bytes, config=PlannerConfig(static_layout=True))
+    except InfeasibleBudget as error:
+        plans[ARENA] = str(error)
     runnable = {"none": plan_without_offload(program), **{n: p for n, p in plans.items() if isinstance(p, Plan)}}
 
     walls: dict[str, list[float]] = {n: [] for n in runnable}
     issues: dict[str, list[float]] = {n: [] for n in runnable}
     peaks: dict[str, int] = dict.fromkeys(runnable, 0)
+    memory: dict[str, tuple[int, int]] = dict.fromkeys(runnable, (0, 0))
     with AsyncExecutor(runner.transfers()) as executor:
-        for plan in runnable.values():
-            executor.prepare(plan)
+        for name, plan in runnable.items():
+            executor.prepare(plan, arena=name == ARENA)
         progress("first steps (exactness)")
         want = first_step(executor, runner, runnable["none"], inputs)
         noise = max_abs_diff(first_step(executor, runner, runnable["none"], inputs), want)
-        diffs = {n: max_abs_diff(first_step(executor, runner, p, inputs), want) for n, p in runnable.items()
-                 if n != "none"}
+        diffs = {n: max_abs_diff(first_step(executor, runner, p, inputs, arena=n == ARENA), want)
+                 for n, p in runnable.items() if n != "none"}
         del want
         for r in range(rounds):
             progress(f"timed round {r + 1} of {rounds}")
             for name, plan in runnable.items():
-                wall, issue, peak = timed_steps(executor, runner, plan, inputs, steps, warmup)
+                wall, issue, peak, used = timed_steps(executor, runner, plan, inputs, steps, warmup, name == ARENA)
                 walls[name].append(wall)
                 issues[name].append(issue)
                 peaks[name] = max(peaks[name], peak)
+                memory[name] = max(memory[name], used)
 
     unplanned_wall = statistics.median(walls["none"])
     rows = []
@@ -262,7 +302,9 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
                      "sim_slowdown": sim.step_s / sim.compute_s, "sim_error": abs(sim.step_s - wall) / wall,
                      "sim_nominal_step_s": sim_nominal.step_s, "measured_peak_bytes": peaks[name],
                      "sim_peak_bytes": sim.peak_bytes, "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes,
-                     "max_abs_diff": diffs.get(name, noise),
+                     "max_abs_diff": diffs.get(name, noise), "allocated_bytes": memory[name][0],
+                     "reserved_bytes": memory[name][1],
+                     "arena_bytes": plan.layout.arena_bytes if name == ARENA else 0,
                      "within_budget": name == "none" or peaks[name] <= budget_bytes})
     return {"workload": workload_name, "batch": captured.program.meta.get("batch"), "hardware": hardware.name,
             "nominal": nominal.name, "budget": budget,
@@ -274,16 +316,18 @@ def print_table(result: dict) -> None:
     print(f"{result['workload']} at {result['budget']} ({result['budget_bytes'] / 2**30:.2f} GiB of a "
           f"{result['peak_bytes'] / 2**30:.2f} GiB peak), planned and simulated on {result['hardware']} "
           f"(nominal: {result['nominal']}); planning {result['plan_s']:.1f} s; unplanned noise {result['noise']:g}")
-    print(f"  {'policy':14s} {'wall ms':>9s} {'slowdown':>9s} {'sim ms':>9s} {'sim slow':>9s} {'sim_err':>8s} "
-          f"{'nominal ms':>10s} {'peak GiB':>9s} {'moved GiB':>10s} {'max diff':>9s}")
+    print(f"  {'policy':18s} {'wall ms':>9s} {'slowdown':>9s} {'sim ms':>9s} {'sim slow':>9s} {'sim_err':>8s} "
+          f"{'nominal ms':>10s} {'peak GiB':>9s} {'alloc GiB':>9s} {'resv GiB':>9s} {'moved GiB':>10s} "
+          f"{'max diff':>9s}")
     for row in result["rows"]:
         if not row["feasible"]:
-            print(f"  {row['policy']:14s} infeasible: {row['why']}")
+            print(f"  {row['policy']:18s} infeasible: {row['why']}")
             continue
         moved = (row["h2d_bytes"] + row["d2h_bytes"]) / 2**30
-        print(f"  {row['policy']:14s} {row['wall_s'] * 1e3:9.1f} {row['slowdown']:9.3f} {row['sim_step_s'] * 1e3:9.1f} "
+        print(f"  {row['policy']:18s} {row['wall_s'] * 1e3:9.1f} {row['slowdown']:9.3f} {row['sim_step_s'] * 1e3:9.1f} "
               f"{row['sim_slowdown']:9.3f} {row['sim_error']:8.3f} {row['sim_nominal_step_s'] * 1e3:10.1f} "
-              f"{row['measured_peak_bytes'] / 2**30:9.2f} {moved:10.2f} {row['max_abs_diff']:9.2g}")
+              f"{row['measured_peak_bytes'] / 2**30:9.2f} {row['allocated_bytes'] / 2**30:9.2f} "
+              f"{row['reserved_bytes'] / 2**30:9.2f} {moved:10.2f} {row['max_abs_diff']:9.2g}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,7 +26,10 @@ def test_dry_run_runs_every_feasible_policy_exactly_and_within_its_budget(capsys
     assert device["device"] == "cpu (dry run)" and device["link"]["h2d_bw"] == 2e9
     rows = {row["policy"]: row for row in figures["rows"]}
     assert rows["none"]["feasible"] and rows["hyperoffload"]["feasible"]
-    assert set(rows) >= {"none", "hyperoffload", "reactive", "distance", "zero-infinity", "layerwise", "xla-hidden"}
+    assert set(rows) >= {"none", "hyperoffload", "reactive", "distance", "zero-infinity", "layerwise", "xla-hidden",
+                         "hyperoffload+arena"}
+    arena = rows["hyperoffload+arena"]
+    assert arena["feasible"] and 0 < arena["measured_peak_bytes"] <= arena["arena_bytes"] <= figures["budget_bytes"]
     for row in rows.values():
         if row["feasible"]:
             assert row["max_abs_diff"] == 0.0
