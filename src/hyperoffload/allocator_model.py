@@ -58,7 +58,8 @@ class AllocatorReport:
     live_peak_bytes: int
     """Largest total of the plan's live storages (rounded requests excluded)."""
     limit_bytes: int | None
-    """The device limit the replay ran under (the plan's budget), or None for no limit."""
+    """The device limit the replay ran under: the one asked for, else the plan's budget; None (no limit) only
+    for a plan without a budget replayed with no limit asked for."""
 
 
 @dataclass
@@ -163,7 +164,8 @@ class CachingAllocatorModel:
 
 def replay_caching_allocator(plan: Plan, limit_bytes: int | None = None) -> AllocatorReport:
     """Replay ``plan``'s device allocations and frees, in instruction order, through the caching
-    allocator model with a device limit of ``limit_bytes`` (default: the plan's budget)."""
+    allocator model with a device limit of ``limit_bytes`` (None: the plan's budget; pass the device's memory,
+    ``Hardware.memory_bytes``, for the allocator as it runs with nothing but the device to limit it)."""
     limit = plan.budget_bytes if limit_bytes is None else limit_bytes
     return _replay(residencies(plan), limit)
 
