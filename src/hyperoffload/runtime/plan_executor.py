@@ -326,6 +326,14 @@ class _InFlight:
     remote: torch.UntypedStorage
     held: bool = True
     """Whether the device bytes still count on the transfer's behalf (until the step sees it finish)."""
+    start: int = 0
+    """Address of ``device``'s first byte (kept, so that finding the copies reading a slot reads no storages)."""
+    end: int = 0
+    """Address one past ``device``'s last byte."""
+
+    def __post_init__(self) -> None:
+        self.start = self.device.data_ptr()
+        self.end = self.start + self.device.nbytes()
 
 
 @dataclass(slots=True, eq=False)
@@ -413,6 +421,9 @@ class ArenaSlots:
     layout: Layout
     slots: dict[tuple[int, int], tuple[int, int]]
     """(storage id, instruction that allocates it, -1 before the step) -> (offset, bytes) in the arena."""
+    writes_into_slot: dict[int, tuple[Any, str, _ViewMeta]]
+    """Op id -> the ``out=`` overload, its out argument's name and the captured layout of its result, for each op
+    that writes its one new storage straight into its slot (``out_variant``)."""
 
 
 def arena_slots(plan: Plan, layout: Layout | None = None) -> ArenaSlots:
@@ -430,7 +441,24 @@ def arena_slots(plan: Plan, layout: Layout | None = None) -> ArenaSlots:
                          f"{plan.program.name} (a layout of another plan?); compute it with "
                          f"hyperoffload.layout.assign_offsets(plan)")
     return ArenaSlots(layout=layout, slots={(r.storage, r.start): (off, r.nbytes)
-                                            for r, off in zip(layout.residencies, layout.offsets)})
+                                            for r, off in zip(layout.residencies, layout.offsets)},
+                      writes_into_slot=_writes_into_slot(plan.program))
+
+
+def _writes_into_slot(program) -> dict[int, tuple[Any, str, _ViewMeta]]:
+    """The ops of ``program`` that can write their one new storage into its slot (see ``ArenaSlots``)."""
+    nodes = {n.name: n for n in program.graph.graph.nodes}
+    found = {}
+    for op in program.ops:
+        node = nodes.get(op.name)
+        meta = node.meta.get("val") if node is not None else None
+        if len(op.outputs) != 1 or not program.values[op.outputs[0]].owns_storage or not isinstance(meta, torch.Tensor):
+            continue
+        variant = out_variant(node.target)
+        if variant is not None:
+            found[op.id] = (*variant, _ViewMeta(meta.dtype, tuple(meta.size()), tuple(meta.stride()),
+                                                meta.storage_offset()))
+    return found
 
 
 def _residency_key(r) -> tuple[int, int, int, int]:
@@ -574,6 +602,7 @@ class _Step:
 
         self.caller: dict[int, torch.Tensor] = dict(zip(program.inputs, inputs))
         self.slots = prepared.arena.slots if prepared.arena is not None else None
+        self.writes_into_slot = prepared.arena.writes_into_slot if prepared.arena is not None else {}
         if self.slots is not None:
             self._open_arena(prepared.arena.layout)  # before taking donated inputs: a refusal loses nothing
         if donate:
@@ -702,18 +731,19 @@ class _Step:
         which starts after the compute issued before it. On CUDA that is an event wait of the compute stream
         rather than a host block; on CPU backends the caller's thread is the compute, so it blocks. ``_finish``
         still completes these offloads on the host before the step returns."""
-        self._poll()
-        reading = [f for f in self.holding
-                   if f.held and f.device.data_ptr() - self.arena_base < hi
-                   and lo < f.device.data_ptr() - self.arena_base + f.device.nbytes()]
+        lo, hi = lo + self.arena_base, hi + self.arena_base
+        reading = [f for f in self.holding if f.held and f.start < hi and lo < f.end]
         if not reading:
             return
         start = time.perf_counter()
+        waited = False
         for flight in reading:
-            self.transfers.wait(flight.handle)
+            if not self.transfers.is_done(flight.handle):
+                self.transfers.wait(flight.handle)
+                waited = True
             self._finished(flight)
         self.holding = [f for f in self.holding if f.held]
-        self.slot_waits += 1
+        self.slot_waits += waited
         self.memory_wait_s += time.perf_counter() - start
 
     def _into_arena(self, vid: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -738,23 +768,20 @@ class _Step:
     def _run_into_slot(self, i: int, op, node: torch.fx.Node) -> list[torch.Tensor] | None:
         """Run ``op`` (instruction ``i``) with its ``out=`` overload writing straight into its slot, if it makes
         one new storage and has such an overload; None otherwise (the caller runs it and copies the result)."""
-        if len(op.outputs) != 1 or (op.outputs[0], i) not in self.slots:
+        found = self.writes_into_slot.get(op.id)
+        if found is None or (op.outputs[0], i) not in self.slots:
             return None
+        overload, out_name, meta = found
         o = op.outputs[0]
-        meta = node.meta.get("val")
-        variant = out_variant(node.target)
-        if variant is None or not isinstance(meta, torch.Tensor) or not self.program.values[o].owns_storage:
-            return None
-        overload, out_name = variant
         slot = self._slot(o, i)
-        out = _ViewMeta(meta.dtype, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset()).view_into(slot)
+        out = meta.view_into(slot)
         args = torch.fx.node.map_arg(node.args, self.lookup)
         kwargs = torch.fx.node.map_arg(node.kwargs, self.lookup)
         try:
             overload(*args, **kwargs, **{out_name: out})
         except RuntimeError:
             out = None  # the out= kernel refused this view (it would resize it, say): run the op as captured
-        if out is None or out.untyped_storage().data_ptr() != slot.data_ptr() or out.size() != meta.size():
+        if out is None or out.untyped_storage().data_ptr() != slot.data_ptr() or tuple(out.size()) != meta.size:
             produced = run_op(self.program, op, node, self.lookup)
             self._fill(slot, produced[0].untyped_storage(), o, i)
             self.arena_copied += slot.nbytes()
