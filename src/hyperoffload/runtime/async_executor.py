@@ -68,6 +68,7 @@ class AsyncExecutor:
     def __init__(self, link: Transfers | Hardware | str) -> None:
         self.transfers, self._owned = make_transfers(link)
         self._carried: dict[int, Any] = {}
+        self._arenas: dict[int, torch.UntypedStorage] = {}  # the last donated step's arena, for the next
         self._prepared: dict[int, PreparedPlan] = {}
 
     def prepare(self, plan: Plan, arena: bool | Layout = False) -> PreparedPlan:
@@ -94,14 +95,18 @@ class AsyncExecutor:
         step, where the plan left them, for the next step. If the step fails, the donated state is lost with it
         (restart from your own copy); the executor itself can run the next step. With ``overlap``, offloads that send state back
         to remote memory at the end may still be in flight when this returns; the next step orders its
-        prefetches after them, and ``synchronize`` completes them. ``arena``: run from one arena (each step
-        allocates its own and copies the state into it; the returned state lives in it)."""
+        prefetches after them, and ``synchronize`` completes them. ``arena``: run from one arena, in which the
+        returned state lives. The first such step allocates it and copies the state in; a later step of the same
+        plan on the state it returned runs from the same arena, moving each state storage to its start slot, so
+        a training loop holds one arena, not two while the state is copied. Donated tensors are overwritten by
+        later steps: clone what you keep."""
         if not isinstance(state, list):
             raise TypeError("step() takes the state as a list, which it empties (the executor holds the tensors "
                             "from then on); pass list(tensors)")
         try:
             return execute_plan(self.prepare(plan, arena), state, self.transfers, donate=True, carry=overlap,
-                                carried=self._carried, on_instruction=on_instruction, arena=arena)
+                                carried=self._carried, on_instruction=on_instruction, arena=arena,
+                                arenas=self._arenas if arena is not False and arena is not None else None)
         except BaseException:
             self._finish_carried()
             raise
@@ -128,6 +133,7 @@ class AsyncExecutor:
 
     def close(self) -> None:
         """Complete carried copies and stop a backend this executor made."""
+        self._arenas.clear()
         try:
             self.synchronize()
         finally:

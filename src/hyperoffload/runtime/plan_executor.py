@@ -59,8 +59,10 @@ backend's ``prefetch`` contract), so the ops reading the previous occupant have 
 allocation the executor checks, from the slot tensors' addresses, that the live storages' byte ranges are
 inside the arena and pairwise disjoint, and raises ``ArenaOverlap`` naming both storages and the instruction
 otherwise. Outputs that do not alias an input are returned as copies, so the arena is freed when the
-step returns (with ``donate=True`` the state lives in the arena until the next step copies it into its
-own).
+step returns. With ``donate=True`` the state lives in the arena; given ``arenas`` (as ``AsyncExecutor.step``
+does), the next donated step of the plan runs from that same arena, moving each state storage from where the
+step left it to its start slot (``move_order``), so a training loop holds one arena rather than two while
+the state is copied from one into the next.
 
 The arena is the same code on every device: the buffer is allocated where the backend puts device storages
 (``Transfers.arena_storage``, else ``Transfers.device_storage``) and must be on the device of the step's
@@ -157,6 +159,9 @@ class PlanRun:
     slot_waits: int = 0
     """Allocations into the arena that first waited for the offload still reading their slot's previous
     occupant (on CUDA the compute stream waited, not the host)."""
+    arena_reused: bool = False
+    """Whether the step ran from the previous donated step's arena (``execute_plan``'s ``arenas``), moving the
+    state into its start slots there rather than copying it into a new arena."""
     arena_copied_bytes: int = 0
     """Bytes of op results allocated outside the arena and copied into their slots (ops without a usable
     ``out=`` overload); 0 when not run from an arena."""
@@ -385,6 +390,47 @@ def _run_lane_kernel(program, op, node: torch.fx.Node, bound: dict) -> tuple[lis
     return outputs, moved
 
 
+def move_order(moves: dict[Any, tuple[int, int, int]]) -> list[tuple[str, Any]]:
+    """An order for moving byte ranges within one buffer so that no range is overwritten before it is read.
+
+    ``moves`` maps a key to ``(source, destination, nbytes)`` (offsets; sources are pairwise disjoint, and so
+    are destinations). Returns steps ``("copy", key)`` (copy that move's bytes from its current source to its
+    destination) and ``("spill", key)`` (first copy its source out of the buffer, to a temporary, which is its
+    source from then on): a cycle of moves, each writing where another still has to read, needs one spill, and
+    so does a move whose destination overlaps its own source."""
+    pending = {key: (src, dst, n) for key, (src, dst, n) in moves.items() if src != dst}
+    spilled: set[Any] = set()
+    steps: list[tuple[str, Any]] = []
+
+    def reads(key) -> tuple[int, int] | None:
+        src, _, n = pending[key]
+        return None if key in spilled else (src, src + n)
+
+    while pending:
+        ready = []
+        for key, (_, dst, n) in pending.items():
+            blocked = False
+            for other in pending:
+                span = reads(other)
+                if span is not None and other != key and span[0] < dst + n and dst < span[1]:
+                    blocked = True
+                    break
+            if not blocked:
+                ready.append(key)
+        if not ready:  # every pending move writes where another reads: take one source out of the buffer
+            # (one still read from the buffer: there is one, since spilled sources block nothing)
+            key = next(k for k in pending if k not in spilled)
+            steps.append(("spill", key))
+            spilled.add(key)
+            continue
+        for key in ready:
+            src, dst, n = pending.pop(key)
+            if key not in spilled and src < dst + n and dst < src + n:  # shifted onto itself
+                steps.append(("spill", key))
+            steps.append(("copy", key))
+    return steps
+
+
 class _ArenaRanges:
     """Byte ranges ``[lo, hi)`` (from the arena's base) of the storages live in the arena, which never overlap."""
 
@@ -554,7 +600,8 @@ def prepare_plan(plan: Plan) -> PreparedPlan:
 def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor] | Sequence[torch.Tensor],
                  transfers: Transfers, *, donate: bool = False, carry: bool = False,
                  carried: dict[int, Any] | None = None,
-                 on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False) -> PlanRun:
+                 on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False,
+                 arenas: dict[int, torch.UntypedStorage] | None = None) -> PlanRun:
     """Run one step of ``plan`` on ``inputs`` with ``transfers`` doing the copies (see the module docstring).
 
     ``plan`` may be a ``PreparedPlan`` (``prepare_plan``), to check and analyse it once for many steps.
@@ -564,7 +611,8 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
     address -> handle) so that the next step (given the same dict) orders its prefetches after them; the
     caller completes them with the backend before reading that state. ``on_instruction(i)`` is called after
     each instruction (progress, or stopping a step from outside by raising). ``arena``: run from one arena
-    (``True``, or a ``Layout`` of the plan; see the module docstring).
+    (``True``, or a ``Layout`` of the plan; see the module docstring). ``arenas``: where a donated step keeps its
+    arena for the next; a later donated step of the same plan whose state lives in that arena reuses it.
 
     If anything raises (a failed copy, an op, ``on_instruction``), every transfer of the step is stopped or
     finished before the exception propagates, so no copy thread or stream touches a buffer afterwards.
@@ -574,14 +622,15 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
         prepared = with_arena(prepared, arena)
     elif prepared.arena is not None:
         prepared = replace(prepared, arena=None)
-    return _Step(prepared, inputs, transfers, donate=donate, carry=carry, carried=carried).run(on_instruction)
+    return _Step(prepared, inputs, transfers, donate=donate, carry=carry, carried=carried,
+                 arenas=arenas).run(on_instruction)
 
 
 class _Step:
     """Mutable state of one step; ``run`` is the interpreter loop."""
 
     def __init__(self, prepared: PreparedPlan, inputs, transfers: Transfers, *, donate: bool, carry: bool,
-                 carried: dict[int, Any] | None) -> None:
+                 carried: dict[int, Any] | None, arenas: dict[int, torch.UntypedStorage] | None = None) -> None:
         plan = prepared.plan
         program = plan.program
         if len(inputs) != len(program.inputs):
@@ -603,8 +652,16 @@ class _Step:
         self.caller: dict[int, torch.Tensor] = dict(zip(program.inputs, inputs))
         self.slots = prepared.arena.slots if prepared.arena is not None else None
         self.writes_into_slot = prepared.arena.writes_into_slot if prepared.arena is not None else {}
+        self.arena_reused = False
         if self.slots is not None:
-            self._open_arena(prepared.arena.layout)  # before taking donated inputs: a refusal loses nothing
+            # Before taking donated inputs: a refusal loses nothing.
+            key = id(prepared.arena)
+            previous = arenas.get(key) if arenas is not None and donate else None
+            if previous is None or not self._reuse_arena(prepared.arena.layout, previous):
+                self._open_arena(prepared.arena.layout)
+            if arenas is not None and donate:
+                arenas.clear()  # one arena at a time: the one the state will live in
+                arenas[key] = self.arena
         if donate:
             del inputs[:]  # the executor holds the only references from here on
         for vid in program.constants:
@@ -676,14 +733,53 @@ class _Step:
             self.ranges.remove(storage.data_ptr() - self.arena_base)
 
     # --- the arena --------------------------------------------------------------------------------
-    def _open_arena(self, layout: Layout) -> None:
-        """Allocate the step's arena on the device tier, after checking it fits the plan's budget."""
+    def _check_arena_budget(self, layout: Layout) -> None:
         budget = self.plan.budget_bytes
         if budget is not None and layout.arena_bytes > budget:
             raise BudgetExceeded(
                 f"the arena of plan {self.program.name} takes {layout.arena_bytes} bytes, over its budget of "
                 f"{budget}: plan with PlannerConfig(static_layout=True) (plan/run --static-layout), which re-plans "
                 f"until the arena fits, or run without the arena")
+
+    def _reuse_arena(self, layout: Layout, arena: torch.UntypedStorage) -> bool:
+        """Run from ``arena``, the previous donated step's, if the donated state lives in it: move each state
+        storage from where that step left it to its slot at this step's start (``move_order``; a storage in a
+        cycle of moves goes through a temporary copy outside the arena). Whether it did; if not, nothing moved.
+
+        Reusing keeps one arena per training loop: a new one per step would hold two while the state is copied
+        from the old into the new."""
+        self._check_arena_budget(layout)
+        base, end = arena.data_ptr(), arena.data_ptr() + arena.nbytes()
+        resident = {self.storage_of[v]: t.untyped_storage() for v, t in self.caller.items()
+                    if self.storage_of[v] not in self.plan.initial_remote}
+        if arena.nbytes() != layout.arena_bytes or not resident or any(
+                not base <= st.data_ptr() < end or (s, -1) not in self.slots
+                or st.nbytes() != self.slots[(s, -1)][1] for s, st in resident.items()):
+            return False
+        # The previous step's last offloads may still read slots that the moves and this step write.
+        for handle in self.carried.values():
+            self.transfers.wait(handle)
+        moves = {s: (st.data_ptr() - base, self.slots[(s, -1)][0], st.nbytes()) for s, st in resident.items()}
+        spilled: dict[int, torch.UntypedStorage] = {}
+        for kind, s in move_order(moves):
+            src, dst, nbytes = moves[s]
+            if kind == "spill":
+                spilled[s] = arena[src:src + nbytes].clone()
+            else:
+                source = spilled.pop(s) if s in spilled else arena[src:src + nbytes]
+                arena[dst:dst + nbytes].copy_(source)
+        self.arena, self.arena_base, self.ranges = arena, base, _ArenaRanges()
+        for v, tensor in self.caller.items():
+            s = self.storage_of[v]
+            if s in moves:
+                offset, nbytes = self.slots[(s, -1)]
+                self.caller[v] = _ViewMeta.of(tensor).view_into(arena[offset:offset + nbytes])
+        self.arena_reused = True
+        return True
+
+    def _open_arena(self, layout: Layout) -> None:
+        """Allocate the step's arena on the device tier, after checking it fits the plan's budget."""
+        self._check_arena_budget(layout)
         resident = [t for v, t in self.caller.items() if self.storage_of[v] not in self.plan.initial_remote]
         # The backend decides where device storages live (as for a prefetch without an arena); ``like`` tells
         # backends that follow their inputs (``SyncTransfers``) which device that is.
@@ -752,7 +848,8 @@ class _Step:
         placed = next((self.env[v] for v in self.aliases.get(s, ())), None)
         if placed is None:
             slot = self._slot(s, -1)
-            self._fill(slot, tensor.untyped_storage(), s, -1)
+            if tensor.untyped_storage().data_ptr() != slot.data_ptr():  # not already there (a reused arena)
+                self._fill(slot, tensor.untyped_storage(), s, -1)
             self.replaced.add(s)  # in place, the caller's storage gets the final bytes back
         else:  # another input aliasing the same storage was placed already
             slot = placed.untyped_storage()
@@ -903,6 +1000,7 @@ class _Step:
             raise
         carried = len(self.carried)
         return PlanRun(outputs=outputs, live_bytes=tuple(live), peak_bytes=max(live, default=initial_bytes),
+                       arena_reused=self.arena_reused,
                        h2d_bytes=self.h2d, d2h_bytes=self.d2h, state=state,
                        wall_s=time.perf_counter() - start, copy_wait_s=self.copy_wait_s,
                        memory_wait_s=self.memory_wait_s, carried=carried,
