@@ -358,7 +358,9 @@ def test_out_overloads_match_the_captured_ops_arguments():
     aten = torch.ops.aten
     assert out_variant(aten.mm.default) == (aten.mm.out, "out")
     assert out_variant(aten.mul.Tensor) == (aten.mul.out, "out")
-    assert out_variant(aten.mul.Scalar) == (aten.mul.Scalar_out, "out")  # not mul.out, which takes a Tensor
+    # mul.Scalar_out has only a composite kernel (it allocates and copies), and mul.out takes a Tensor.
+    assert out_variant(aten.mul.Scalar) is None
+    assert out_variant(aten.clone.default) is None  # clone.out: composite too
     assert out_variant(aten.silu_backward.default) == (aten.silu_backward.grad_input, "grad_input")
     assert out_variant(aten.sum.dim_IntList) == (aten.sum.IntList_out, "out")
     assert out_variant(aten.view.default) is None  # a view: no out= form
@@ -376,14 +378,15 @@ def test_op_results_are_written_into_their_slots_not_copied_there(captured, refe
     inputs = [t.clone() for t in captured.inputs]
     run = run_plan(planned, inputs, arena=True)
     assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
-    assert 0 < run.arena_copied_bytes < 0.05 * made  # attention's outputs and a few others remain
+    assert 0 < run.arena_copied_bytes < 0.15 * made  # attention's outputs and ops with composite out= kernels
 
     def refusing(*args, **kwargs):
         raise RuntimeError("out= refused")
 
     original = executor_module.out_variant
     try:
-        executor_module.out_variant = lambda target: (refusing, "out") if original(target) else None
+        executor_module.out_variant = lambda target, device_type: (
+            (refusing, "out") if original(target, device_type) else None)
         inputs = [t.clone() for t in captured.inputs]
         fallback = run_plan(planned, inputs, arena=True)
     finally:

@@ -108,6 +108,7 @@ class AsyncExecutor:
                                 carried=self._carried, on_instruction=on_instruction, arena=arena,
                                 arenas=self._arenas if arena is not False and arena is not None else None)
         except BaseException:
+            self._arenas.clear()  # it held only the state the failed step lost
             self._finish_carried()
             raise
 

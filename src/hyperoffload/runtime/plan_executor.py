@@ -467,9 +467,9 @@ class ArenaSlots:
     layout: Layout
     slots: dict[tuple[int, int], tuple[int, int]]
     """(storage id, instruction that allocates it, -1 before the step) -> (offset, bytes) in the arena."""
-    writes_into_slot: dict[int, tuple[Any, str, _ViewMeta]]
-    """Op id -> the ``out=`` overload, its out argument's name and the captured layout of its result, for each op
-    that writes its one new storage straight into its slot (``out_variant``)."""
+    writes_into_slot: dict[str, dict[int, tuple[Any, str, _ViewMeta]]]
+    """Device type -> op id -> the ``out=`` overload, its out argument's name and the captured layout of its
+    result, for each op that writes its one new storage straight into its slot on that device (``out_variant``)."""
 
 
 def arena_slots(plan: Plan, layout: Layout | None = None) -> ArenaSlots:
@@ -488,11 +488,12 @@ def arena_slots(plan: Plan, layout: Layout | None = None) -> ArenaSlots:
                          f"hyperoffload.layout.assign_offsets(plan)")
     return ArenaSlots(layout=layout, slots={(r.storage, r.start): (off, r.nbytes)
                                             for r, off in zip(layout.residencies, layout.offsets)},
-                      writes_into_slot=_writes_into_slot(plan.program))
+                      writes_into_slot={device: _writes_into_slot(plan.program, device) for device in _DISPATCH_KEYS})
 
 
-def _writes_into_slot(program) -> dict[int, tuple[Any, str, _ViewMeta]]:
-    """The ops of ``program`` that can write their one new storage into its slot (see ``ArenaSlots``)."""
+def _writes_into_slot(program, device_type: str) -> dict[int, tuple[Any, str, _ViewMeta]]:
+    """The ops of ``program`` that can write their one new storage into its slot on ``device_type`` (see
+    ``ArenaSlots``)."""
     nodes = {n.name: n for n in program.graph.graph.nodes}
     found = {}
     for op in program.ops:
@@ -500,7 +501,7 @@ def _writes_into_slot(program) -> dict[int, tuple[Any, str, _ViewMeta]]:
         meta = node.meta.get("val") if node is not None else None
         if len(op.outputs) != 1 or not program.values[op.outputs[0]].owns_storage or not isinstance(meta, torch.Tensor):
             continue
-        variant = out_variant(node.target)
+        variant = out_variant(node.target, device_type)
         if variant is not None:
             found[op.id] = (*variant, _ViewMeta(meta.dtype, tuple(meta.size()), tuple(meta.stride()),
                                                 meta.storage_offset()))
@@ -523,14 +524,22 @@ def run_plan(plan: Plan, inputs: Sequence[torch.Tensor], *, arena: bool | Layout
     return execute_plan(plan, inputs, SyncTransfers(), arena=arena)
 
 
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+"""Device type -> the dispatch key an ``out=`` kernel must be registered under to write into its ``out``."""
+
+
 @functools.cache
-def out_variant(target) -> tuple[Any, str] | None:
-    """The ``out=`` overload of aten overload ``target`` that takes the same arguments (names and types), and
-    the name of its one out argument; None if it has none (``mm.default`` -> ``mm.out``, ``mul.Tensor`` ->
-    ``mul.out``, ``mul.Scalar`` -> ``mul.Scalar_out``, ``silu_backward.default`` -> ``silu_backward.grad_input``)."""
+def out_variant(target, device_type: str = "cpu") -> tuple[Any, str] | None:
+    """The ``out=`` overload of aten overload ``target`` that takes the same arguments (names and types) and has a
+    kernel of its own on ``device_type``, and the name of its one out argument; None if it has none (``mm.default``
+    -> ``mm.out``, ``mul.Tensor`` -> ``mul.out``, ``silu_backward.default`` -> ``silu_backward.grad_input``).
+
+    An ``out=`` overload with only a composite kernel (``mul.Scalar_out``, ``clone.out``) runs the op as usual and
+    copies its result into ``out``: it would allocate outside the arena all the same, so it does not count."""
     packet = getattr(target, "overloadpacket", None)
     schema = getattr(target, "_schema", None)
-    if packet is None or schema is None:
+    key = _DISPATCH_KEYS.get(device_type)
+    if packet is None or schema is None or key is None:
         return None
     name = target._overloadname
     wanted = [(a.name, str(a.type)) for a in schema.arguments]
@@ -540,7 +549,7 @@ def out_variant(target) -> tuple[Any, str] | None:
         overload = getattr(packet, candidate)
         outs = [a for a in overload._schema.arguments if a.is_out]
         ins = [(a.name, str(a.type)) for a in overload._schema.arguments if not a.is_out]
-        if len(outs) == 1 and ins == wanted:
+        if len(outs) == 1 and ins == wanted and torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), key):
             return overload, outs[0].name
     return None
 
@@ -651,17 +660,20 @@ class _Step:
 
         self.caller: dict[int, torch.Tensor] = dict(zip(program.inputs, inputs))
         self.slots = prepared.arena.slots if prepared.arena is not None else None
-        self.writes_into_slot = prepared.arena.writes_into_slot if prepared.arena is not None else {}
         self.arena_reused = False
+        self.writes_into_slot: dict[int, tuple[Any, str, _ViewMeta]] = {}
         if self.slots is not None:
             # Before taking donated inputs: a refusal loses nothing.
             key = id(prepared.arena)
             previous = arenas.get(key) if arenas is not None and donate else None
+            if arenas is not None:
+                arenas.clear()  # not kept alive by us while a new one is allocated, if it is not reused
             if previous is None or not self._reuse_arena(prepared.arena.layout, previous):
+                del previous
                 self._open_arena(prepared.arena.layout)
             if arenas is not None and donate:
-                arenas.clear()  # one arena at a time: the one the state will live in
-                arenas[key] = self.arena
+                arenas[key] = self.arena  # one arena at a time: the one the state will live in
+            self.writes_into_slot = prepared.arena.writes_into_slot.get(self.arena.device.type, {})
         if donate:
             del inputs[:]  # the executor holds the only references from here on
         for vid in program.constants:
