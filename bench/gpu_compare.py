@@ -284,7 +284,7 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
                 walls[name].append(wall)
                 issues[name].append(issue)
                 peaks[name] = max(peaks[name], peak)
-                memory[name] = max(memory[name], used)
+                memory[name] = (max(memory[name][0], used[0]), max(memory[name][1], used[1]))
 
     unplanned_wall = statistics.median(walls["none"])
     rows = []
@@ -344,6 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run the same code on the CPU: tiny-llama, emulated link (checks the script)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    for option in ("steps", "rounds", "repeats", "link_bytes"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
 
     def progress(message: str) -> None:
         print(f"gpu-compare: {message}", file=sys.stderr, flush=True)
