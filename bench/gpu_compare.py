@@ -223,6 +223,7 @@ def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Seq
         del run
     executor.synchronize()
     runner.synchronize()
+    executor.release_arena()  # with the state, below: nothing of this plan's stays on the device
     period = (time.perf_counter() - start) / steps
     max_allocated, max_reserved = runner.peak_memory()
     return period, issue / steps, peak, (max_allocated - allocated, max_reserved - reserved)

@@ -275,6 +275,22 @@ def test_donated_steps_live_in_their_arena_and_repeat_bit_identically(captured, 
     assert_identical([*run.outputs, *state], [*want_out, *want])
 
 
+def test_release_arena_frees_the_arena_once_the_state_is_dropped(captured, planned):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    with EmulatedLink(h2d_bw=1e12, d2h_bw=1e12) as link, AsyncExecutor(link) as executor:
+        run = executor.step(planned, [t.clone() for t in captured.inputs], arena=True)
+        executor.synchronize()
+        (kept,) = executor._arenas.values()  # the executor's own reference, for this test to follow
+        arena = StorageWeakRef(kept)
+        del run, kept
+        assert not arena.expired(), "kept for the next step"
+        executor.release_arena()
+        assert arena.expired()
+        run = executor.step(planned, [t.clone() for t in captured.inputs], arena=True)
+        assert not run.arena_reused
+
+
 def _state_moves(plan) -> int:
     """How many device-resident state storages the layout leaves somewhere other than their start slot."""
     program, layout = plan.program, plan.layout

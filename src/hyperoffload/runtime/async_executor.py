@@ -112,6 +112,11 @@ class AsyncExecutor:
             self._finish_carried()
             raise
 
+    def release_arena(self) -> None:
+        """Let go of the arena kept for the next donated step (``step(..., arena=True)``): once the caller drops
+        the state that lives in it, its memory is free. The next such step allocates a new one."""
+        self._arenas.clear()
+
     def synchronize(self) -> None:
         """Wait for the offloads carried over from the last step; raise ``TransferError`` if one failed."""
         carried, self._carried = self._carried, {}
