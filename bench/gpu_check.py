@@ -67,6 +67,10 @@ def matching_profile(name: str) -> str | None:
     return next((preset for key, preset in PROFILES if key in name), None)
 
 
+DRY_RUN_BW = 2e9
+"""Each way, bytes/s: the emulated link of ``--dry-run``, slow enough for host-memory copies to emulate."""
+
+
 class CudaDevice:
     """The GPU: CUDA side streams, pinned remote buffers, the caching allocator's statistics."""
 
@@ -89,6 +93,7 @@ class CudaDevice:
 
     synchronize = staticmethod(torch.cuda.synchronize)
     allocated = staticmethod(torch.cuda.memory_allocated)
+    reserved = staticmethod(torch.cuda.memory_reserved)
     max_allocated = staticmethod(torch.cuda.max_memory_allocated)
     max_reserved = staticmethod(torch.cuda.max_memory_reserved)
     reset_peaks = staticmethod(torch.cuda.reset_peak_memory_stats)
@@ -103,7 +108,7 @@ class DryRunDevice(CudaDevice):
     memory_stats = False
 
     def transfers(self):
-        return EmulatedLink(h2d_bw=2e9, d2h_bw=2e9, h2d_latency_s=20e-6, d2h_latency_s=20e-6)
+        return EmulatedLink(h2d_bw=DRY_RUN_BW, d2h_bw=DRY_RUN_BW, h2d_latency_s=20e-6, d2h_latency_s=20e-6)
 
     def place(self, plan, inputs) -> list[torch.Tensor]:
         return [t.clone() for t in inputs]
@@ -111,7 +116,8 @@ class DryRunDevice(CudaDevice):
     def name(self) -> str:
         return "cpu (dry run)"
 
-    synchronize = allocated = max_allocated = max_reserved = reset_peaks = empty_cache = staticmethod(lambda: 0)
+    synchronize = allocated = reserved = max_allocated = max_reserved = reset_peaks = empty_cache = staticmethod(
+        lambda: 0)
 
 
 def check(workload: Workload, hardware, budget: str, steps: int, warmup: int, dev: CudaDevice) -> dict:

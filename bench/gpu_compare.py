@@ -33,7 +33,6 @@ differs from the unplanned one by more than the noise floor.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import statistics
@@ -48,14 +47,14 @@ from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.plans import Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, PlannerConfig, get_policy, plan_hyperoffload, policies_for
-from hyperoffload.runtime import AsyncExecutor, EmulatedLink
+from hyperoffload.runtime import AsyncExecutor
 from hyperoffload.runtime.measure import max_abs_diff
 from hyperoffload.simulate import simulate
 from hyperoffload.units import format_bytes
 from hyperoffload.workloads import LlamaConfig, Workload, capture_workload, get_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_check import matching_profile  # the sibling script, found by the path above
+from gpu_check import DRY_RUN_BW, CudaDevice, DryRunDevice, matching_profile  # the sibling script, by the path above
 
 MEDIUM = Workload(name="medium-llama",
                   description="16-layer LLaMA-style decoder, hidden 2048, bf16 (GPU comparison: gigabytes cross the "
@@ -139,62 +138,34 @@ def measure_matmul(n: int, repeats: int) -> dict:
 
 def with_link(hardware: Hardware, link: dict) -> Hardware:
     """``hardware`` with the measured link's bandwidths and duplex share."""
-    return dataclasses.replace(hardware, name=f"{hardware.name}+measured-link", h2d_bw=link["h2d_bw"],
-                               d2h_bw=link["d2h_bw"], duplex_share=link["duplex_share"])
+    return hardware.replace(name=f"{hardware.name}+measured-link", h2d_bw=link["h2d_bw"], d2h_bw=link["d2h_bw"],
+                            duplex_share=link["duplex_share"])
 
 
-@dataclasses.dataclass(frozen=True)
-class Runner:
-    """Where steps run: a transfer backend's factory, how a plan's inputs are placed, and how to wait for the
-    device."""
-
-    transfers: Callable[[], object]
-    place: Callable[[Plan, Sequence[torch.Tensor]], list[torch.Tensor]]
-    synchronize: Callable[[], None]
-    device: str
-    """Where compute runs (a step's remote tensors are brought here to be compared)."""
-    start_memory: Callable[[], tuple[int, int]] = lambda: (0, 0)
-    """Empty the allocator's cache, reset its peaks and return (allocated, reserved) bytes now (zeros on the CPU,
-    which has no allocator statistics)."""
-    peak_memory: Callable[[], tuple[int, int]] = lambda: (0, 0)
-    """The allocator's (allocated, reserved) peaks since ``start_memory``."""
+def _start_memory(dev: CudaDevice) -> tuple[int, int]:
+    """Empty the allocator's cache, reset its peaks and return (allocated, reserved) bytes now."""
+    dev.synchronize()
+    dev.empty_cache()
+    dev.reset_peaks()
+    return dev.allocated(), dev.reserved()
 
 
-def _cuda_start_memory() -> tuple[int, int]:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+def _peak_memory(dev: CudaDevice) -> tuple[int, int]:
+    """The allocator's (allocated, reserved) peaks since ``_start_memory``."""
+    dev.synchronize()
+    return dev.max_allocated(), dev.max_reserved()
 
 
-def _cuda_peak_memory() -> tuple[int, int]:
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-
-
-def cuda_runner() -> Runner:
-    from hyperoffload.runtime.cuda_streams import CudaStreams, place_inputs
-
-    return Runner(transfers=CudaStreams, place=place_inputs, synchronize=torch.cuda.synchronize, device="cuda",
-                  start_memory=_cuda_start_memory, peak_memory=_cuda_peak_memory)
-
-
-def cpu_runner(hardware: Hardware) -> Runner:
-    return Runner(transfers=lambda: EmulatedLink.for_hardware(hardware),
-                  place=lambda plan, inputs: [t.clone() for t in inputs], synchronize=lambda: None,
-                  device="cpu")
-
-
-def first_step(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequence[torch.Tensor],
+def first_step(executor: AsyncExecutor, dev: CudaDevice, plan: Plan, inputs: Sequence[torch.Tensor],
                arena: bool = False) -> list:
     """The outputs and state after one step of ``plan`` from fresh copies of ``inputs``, on the compute device."""
-    run = executor.step(plan, runner.place(plan, inputs), arena=arena)
+    run = executor.step(plan, dev.place(plan, inputs), arena=arena)
     executor.synchronize()
-    runner.synchronize()
-    return [t.to(runner.device) for t in (*run.outputs, *run.state)]
+    dev.synchronize()
+    return [t.to(dev.type) for t in (*run.outputs, *run.state)]
 
 
-def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Sequence[torch.Tensor], steps: int,
+def timed_steps(executor: AsyncExecutor, dev: CudaDevice, plan: Plan, inputs: Sequence[torch.Tensor], steps: int,
                 warmup: int, arena: bool = False) -> tuple[float, float, int, tuple[int, int]]:
     """Mean step period (s) of ``steps`` donated steps after ``warmup`` (from a static arena with ``arena``); the
     mean time (s) the caller's thread spends issuing a step; the executor's largest measured device-tier peak
@@ -205,14 +176,14 @@ def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Seq
     the pace. One near the period says little by itself: the host also blocks when CUDA's launch queue is full
     (a step of thousands of kernels fills it whenever the GPU is the slower side) and when an allocation waits
     for an offload to free memory under the budget."""
-    allocated, reserved = runner.start_memory()
-    state = runner.place(plan, inputs)
+    allocated, reserved = _start_memory(dev)
+    state = dev.place(plan, inputs)
     peak = 0
     issue = 0.0
     for k in range(warmup + steps):
         if k == warmup:
             executor.synchronize()
-            runner.synchronize()
+            dev.synchronize()
             start = time.perf_counter()
         issued = time.perf_counter()
         run = executor.step(plan, state, arena=arena)
@@ -222,10 +193,10 @@ def timed_steps(executor: AsyncExecutor, runner: Runner, plan: Plan, inputs: Seq
         state = list(run.state)
         del run
     executor.synchronize()
-    runner.synchronize()
+    dev.synchronize()
     executor.release_arena()  # with the state, below: nothing of this plan's stays on the device
     period = (time.perf_counter() - start) / steps
-    max_allocated, max_reserved = runner.peak_memory()
+    max_allocated, max_reserved = _peak_memory(dev)
     return period, issue / steps, peak, (max_allocated - allocated, max_reserved - reserved)
 
 
@@ -246,9 +217,9 @@ def plan_policies(program, hardware: Hardware, budget_bytes: int, names: Sequenc
 
 
 def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: Hardware, budget: str,
-                     runner: Runner, steps: int, warmup: int, rounds: int, progress: Callable[[str], None]) -> dict:
+                     dev: CudaDevice, steps: int, warmup: int, rounds: int, progress: Callable[[str], None]) -> dict:
     """Every training policy's plan of the ``captured`` step (of workload ``workload_name``) at ``budget`` on
-    ``hardware``, run for real with ``runner`` and simulated on ``hardware`` and ``nominal``. Returns the figures
+    ``hardware``, run for real on ``dev`` and simulated on ``hardware`` and ``nominal``. Returns the figures
     (see the module docstring)."""
     program, inputs = captured.program, captured.inputs
     budget_bytes = parse_budget(budget, program, hardware)
@@ -269,19 +240,19 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
     issues: dict[str, list[float]] = {n: [] for n in runnable}
     peaks: dict[str, int] = dict.fromkeys(runnable, 0)
     memory: dict[str, tuple[int, int]] = dict.fromkeys(runnable, (0, 0))
-    with AsyncExecutor(runner.transfers()) as executor:
+    with AsyncExecutor(dev.transfers()) as executor:
         for name, plan in runnable.items():
             executor.prepare(plan, arena=name == ARENA)
         progress("first steps (exactness)")
-        want = first_step(executor, runner, runnable["none"], inputs)
-        noise = max_abs_diff(first_step(executor, runner, runnable["none"], inputs), want)
-        diffs = {n: max_abs_diff(first_step(executor, runner, p, inputs, arena=n == ARENA), want)
+        want = first_step(executor, dev, runnable["none"], inputs)
+        noise = max_abs_diff(first_step(executor, dev, runnable["none"], inputs), want)
+        diffs = {n: max_abs_diff(first_step(executor, dev, p, inputs, arena=n == ARENA), want)
                  for n, p in runnable.items() if n != "none"}
         del want
         for r in range(rounds):
             progress(f"timed round {r + 1} of {rounds}")
             for name, plan in runnable.items():
-                wall, issue, peak, used = timed_steps(executor, runner, plan, inputs, steps, warmup, name == ARENA)
+                wall, issue, peak, used = timed_steps(executor, dev, plan, inputs, steps, warmup, name == ARENA)
                 walls[name].append(wall)
                 issues[name].append(issue)
                 peaks[name] = max(peaks[name], peak)
@@ -356,11 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.dry_run:
         nominal = get_hardware(args.hardware or "h100-sxm")
-        # A link slow enough for host-memory copies to emulate (they run at a few GB/s).
-        link = {"h2d_bw": 2e9, "d2h_bw": 2e9, "duplex_share": nominal.duplex_share}
-        result = {"device": "cpu (dry run)", "link": link, "matmul_flops": {}}
-        hardware = with_link(nominal, link)
-        runner, workload, device = cpu_runner(hardware), get_workload("tiny-llama"), "cpu"
+        dev = DryRunDevice()
+        link = {"h2d_bw": DRY_RUN_BW, "d2h_bw": DRY_RUN_BW, "duplex_share": nominal.duplex_share}
+        result = {"device": dev.name(), "link": link, "matmul_flops": {}}
+        hardware, workload = with_link(nominal, link), get_workload("tiny-llama")
     elif not torch.cuda.is_available():
         print("gpu-compare: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to measure")
         return 0
@@ -372,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         link = measure_link(args.link_bytes, args.repeats)
         result = {"device": name, "link": link, "matmul_flops": measure_matmul(8192, args.repeats)}
         torch.cuda.empty_cache()
-        hardware, runner, workload, device = with_link(nominal, link), cuda_runner(), MEDIUM, "cuda"
+        hardware, workload, dev = with_link(nominal, link), MEDIUM, CudaDevice()
     if args.json:
         print(json.dumps(result), flush=True)
     else:
@@ -385,13 +355,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile = nominal.peak_flops.get(dtype, 0) / 1e12
             print(f"  8192^3 matmul {dtype}: {flops / 1e12:.0f} TFLOP/s (profile {profile:.0f})", flush=True)
     torch.manual_seed(0)
-    progress(f"capturing {workload.name} on {device}")
-    with torch.device(device):
+    progress(f"capturing {workload.name} on {dev.type}")
+    with torch.device(dev.type):
         captured = capture_workload(workload, "train", batch=args.batch, fake=False)
     ok = True
     # Each budget's table as soon as it is measured, so a run stopped early keeps what it finished.
     for budget in args.budgets.split(","):
-        figures = compare_policies(workload.name, captured, nominal, hardware, budget.strip(), runner, args.steps,
+        figures = compare_policies(workload.name, captured, nominal, hardware, budget.strip(), dev, args.steps,
                                    args.warmup, args.rounds, progress)
         if args.json:
             print(json.dumps(figures), flush=True)

@@ -281,7 +281,7 @@ def test_release_arena_frees_the_arena_once_the_state_is_dropped(captured, plann
     with EmulatedLink(h2d_bw=1e12, d2h_bw=1e12) as link, AsyncExecutor(link) as executor:
         run = executor.step(planned, [t.clone() for t in captured.inputs], arena=True)
         executor.synchronize()
-        (kept,) = executor._arenas.values()  # the executor's own reference, for this test to follow
+        (kept,) = executor._arena  # the executor's own reference, for this test to follow
         arena = StorageWeakRef(kept)
         del run, kept
         assert not arena.expired(), "kept for the next step"

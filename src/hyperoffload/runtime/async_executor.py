@@ -68,7 +68,7 @@ class AsyncExecutor:
     def __init__(self, link: Transfers | Hardware | str) -> None:
         self.transfers, self._owned = make_transfers(link)
         self._carried: dict[int, Any] = {}
-        self._arenas: dict[int, torch.UntypedStorage] = {}  # the last donated step's arena, for the next
+        self._arena: list[torch.UntypedStorage] = []  # the last donated step's arena (at most one), for the next
         self._prepared: dict[int, PreparedPlan] = {}
 
     def prepare(self, plan: Plan, arena: bool | Layout = False) -> PreparedPlan:
@@ -106,16 +106,16 @@ class AsyncExecutor:
         try:
             return execute_plan(self.prepare(plan, arena), state, self.transfers, donate=True, carry=overlap,
                                 carried=self._carried, on_instruction=on_instruction, arena=arena,
-                                arenas=self._arenas if arena is not False and arena is not None else None)
+                                kept_arena=self._arena if arena is not False and arena is not None else None)
         except BaseException:
-            self._arenas.clear()  # it held only the state the failed step lost
+            self._arena.clear()  # it held only the state the failed step lost
             self._finish_carried()
             raise
 
     def release_arena(self) -> None:
         """Let go of the arena kept for the next donated step (``step(..., arena=True)``): once the caller drops
         the state that lives in it, its memory is free. The next such step allocates a new one."""
-        self._arenas.clear()
+        self._arena.clear()
 
     def synchronize(self) -> None:
         """Wait for the offloads carried over from the last step; raise ``TransferError`` if one failed."""
@@ -139,7 +139,7 @@ class AsyncExecutor:
 
     def close(self) -> None:
         """Complete carried copies and stop a backend this executor made."""
-        self._arenas.clear()
+        self._arena.clear()
         try:
             self.synchronize()
         finally:

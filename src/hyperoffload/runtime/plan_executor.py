@@ -59,7 +59,7 @@ backend's ``prefetch`` contract), so the ops reading the previous occupant have 
 allocation the executor checks, from the slot tensors' addresses, that the live storages' byte ranges are
 inside the arena and pairwise disjoint, and raises ``ArenaOverlap`` naming both storages and the instruction
 otherwise. Outputs that do not alias an input are returned as copies, so the arena is freed when the
-step returns. With ``donate=True`` the state lives in the arena; given ``arenas`` (as ``AsyncExecutor.step``
+step returns. With ``donate=True`` the state lives in the arena; given ``kept_arena`` (as ``AsyncExecutor.step``
 does), the next donated step of the plan runs from that same arena, moving each state storage from where the
 step left it to its start slot (``move_order``), so a training loop holds one arena rather than two while
 the state is copied from one into the next.
@@ -112,7 +112,7 @@ import torch.fx
 
 from hyperoffload.layout import Layout, assign_offsets, residencies
 from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan
-from hyperoffload.runtime.reference import run_op
+from hyperoffload.runtime.reference import op_arguments, run_op
 
 
 class BudgetExceeded(RuntimeError):
@@ -160,7 +160,7 @@ class PlanRun:
     """Allocations into the arena that first waited for the offload still reading their slot's previous
     occupant (on CUDA the compute stream waited, not the host)."""
     arena_reused: bool = False
-    """Whether the step ran from the previous donated step's arena (``execute_plan``'s ``arenas``), moving the
+    """Whether the step ran from the previous donated step's arena (``execute_plan``'s ``kept_arena``), moving the
     state into its start slots there rather than copying it into a new arena."""
     arena_copied_bytes: int = 0
     """Bytes of op results allocated outside the arena and copied into their slots (ops without a usable
@@ -610,7 +610,7 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
                  transfers: Transfers, *, donate: bool = False, carry: bool = False,
                  carried: dict[int, Any] | None = None,
                  on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False,
-                 arenas: dict[int, torch.UntypedStorage] | None = None) -> PlanRun:
+                 kept_arena: list[torch.UntypedStorage] | None = None) -> PlanRun:
     """Run one step of ``plan`` on ``inputs`` with ``transfers`` doing the copies (see the module docstring).
 
     ``plan`` may be a ``PreparedPlan`` (``prepare_plan``), to check and analyse it once for many steps.
@@ -620,8 +620,8 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
     address -> handle) so that the next step (given the same dict) orders its prefetches after them; the
     caller completes them with the backend before reading that state. ``on_instruction(i)`` is called after
     each instruction (progress, or stopping a step from outside by raising). ``arena``: run from one arena
-    (``True``, or a ``Layout`` of the plan; see the module docstring). ``arenas``: where a donated step keeps its
-    arena for the next; a later donated step of the same plan whose state lives in that arena reuses it.
+    (``True``, or a ``Layout`` of the plan; see the module docstring). ``kept_arena``: where a donated step keeps
+    its arena for the next (a list of at most one); a later donated step whose state lives in it reuses it.
 
     If anything raises (a failed copy, an op, ``on_instruction``), every transfer of the step is stopped or
     finished before the exception propagates, so no copy thread or stream touches a buffer afterwards.
@@ -632,14 +632,14 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
     elif prepared.arena is not None:
         prepared = replace(prepared, arena=None)
     return _Step(prepared, inputs, transfers, donate=donate, carry=carry, carried=carried,
-                 arenas=arenas).run(on_instruction)
+                 kept_arena=kept_arena).run(on_instruction)
 
 
 class _Step:
     """Mutable state of one step; ``run`` is the interpreter loop."""
 
     def __init__(self, prepared: PreparedPlan, inputs, transfers: Transfers, *, donate: bool, carry: bool,
-                 carried: dict[int, Any] | None, arenas: dict[int, torch.UntypedStorage] | None = None) -> None:
+                 carried: dict[int, Any] | None, kept_arena: list[torch.UntypedStorage] | None = None) -> None:
         plan = prepared.plan
         program = plan.program
         if len(inputs) != len(program.inputs):
@@ -663,16 +663,14 @@ class _Step:
         self.arena_reused = False
         self.writes_into_slot: dict[int, tuple[Any, str, _ViewMeta]] = {}
         if self.slots is not None:
-            # Before taking donated inputs: a refusal loses nothing.
-            key = id(prepared.arena)
-            previous = arenas.get(key) if arenas is not None and donate else None
-            if arenas is not None:
-                arenas.clear()  # not kept alive by us while a new one is allocated, if it is not reused
+            # Before taking donated inputs: a refusal loses nothing. The kept arena is let go of first, so that it
+            # is not held while a new one is allocated if it cannot be reused.
+            previous = kept_arena.pop() if kept_arena and donate else None
             if previous is None or not self._reuse_arena(prepared.arena.layout, previous):
                 del previous
                 self._open_arena(prepared.arena.layout)
-            if arenas is not None and donate:
-                arenas[key] = self.arena  # one arena at a time: the one the state will live in
+            if kept_arena is not None and donate:
+                kept_arena.append(self.arena)  # one arena at a time: the one the state will live in
             self.writes_into_slot = prepared.arena.writes_into_slot.get(self.arena.device.type, {})
         if donate:
             del inputs[:]  # the executor holds the only references from here on
@@ -884,8 +882,7 @@ class _Step:
         o = op.outputs[0]
         slot = self._slot(o, i)
         out = meta.view_into(slot)
-        args = torch.fx.node.map_arg(node.args, self.lookup)
-        kwargs = torch.fx.node.map_arg(node.kwargs, self.lookup)
+        args, kwargs = op_arguments(node, self.lookup)
         try:
             overload(*args, **kwargs, **{out_name: out})
         except RuntimeError:

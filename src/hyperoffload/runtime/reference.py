@@ -32,11 +32,15 @@ class ReferenceRun:
     peak_bytes: int
 
 
+def op_arguments(node: torch.fx.Node, lookup) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of ``node``'s call, each fx node replaced by ``lookup(node)``."""
+    return torch.fx.node.map_arg(node.args, lookup), torch.fx.node.map_arg(node.kwargs, lookup)
+
+
 def run_op(program: Program, op, node: torch.fx.Node, lookup) -> list[torch.Tensor]:
     """Run one captured op on real tensors (``lookup`` maps an fx node to its tensor); return the
     tensors it produced, in the order of ``op.outputs``. Shared by every executor of captured graphs."""
-    args = torch.fx.node.map_arg(node.args, lookup)
-    kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
+    args, kwargs = op_arguments(node, lookup)
     result = node.target(*args, **kwargs)
     # Most ops return one tensor: skip flattening it (a few microseconds an op, which the executor pays on
     # every op of every step).
