@@ -11,8 +11,10 @@ each tensor right after its last use holds at that moment.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
+from weakref import WeakKeyDictionary
 
 from hyperoffload.ir import Program
 
@@ -42,8 +44,8 @@ class MemoryProfile:
     """First position where the peak is reached (-1 for a program with no ops)."""
     peak_storages: tuple[int, ...]
     """Ids of the storage-owning values live at the peak, largest first."""
-    storage_ranges: dict[int, LiveRange]
-    """Live range of each storage, keyed by the owning value's id."""
+    storage_ranges: Mapping[int, LiveRange]
+    """Live range of each storage, keyed by the owning value's id (read-only: profiles are shared)."""
 
 
 def _order(program: Program, order: Sequence[int] | None) -> tuple[int, ...]:
@@ -89,7 +91,22 @@ def storage_ranges(program: Program, order: Sequence[int] | None = None) -> dict
 
 
 def memory_profile(program: Program, order: Sequence[int] | None = None) -> MemoryProfile:
-    """Bytes live at every position of ``order``, the peak and the storages that make it up."""
+    """Bytes live at every position of ``order``, the peak and the storages that make it up.
+
+    The captured order's profile is computed once per program and shared: every simulation measures
+    its plan's excess against it, and a planner simulates many plans of one program."""
+    if order is None:
+        cached = _CAPTURED_PROFILES.get(program)
+        if cached is None:
+            cached = _CAPTURED_PROFILES[program] = _memory_profile(program, None)
+        return cached
+    return _memory_profile(program, order)
+
+
+_CAPTURED_PROFILES: WeakKeyDictionary[Program, MemoryProfile] = WeakKeyDictionary()
+
+
+def _memory_profile(program: Program, order: Sequence[int] | None) -> MemoryProfile:
     order = _order(program, order)
     n = len(order)
     ranges = storage_ranges(program, order)
@@ -111,4 +128,4 @@ def memory_profile(program: Program, order: Sequence[int] | None = None) -> Memo
     at_peak = [s for s, r in ranges.items() if peak_position in r] if n else []
     at_peak.sort(key=lambda s: (-program.values[s].alloc_bytes, s))
     return MemoryProfile(order=order, live_bytes=tuple(live), peak_bytes=peak, peak_position=peak_position,
-                         peak_storages=tuple(at_peak), storage_ranges=ranges)
+                         peak_storages=tuple(at_peak), storage_ranges=MappingProxyType(ranges))
