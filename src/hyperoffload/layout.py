@@ -25,6 +25,7 @@ against it.
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -179,20 +180,23 @@ def _first_fit(order: np.ndarray, start: np.ndarray, end: np.ndarray, size: np.n
     # those overlapping a block in time come out in offset order without a sort per block.
     placed = np.empty((4, n), np.int64)
     low, high, first, last = placed
+    lows: list[int] = []  # the placed offsets again, where bisect finds a new block's column without numpy
+    starts, ends, sizes = start.tolist(), end.tolist(), size.tolist()
     for m, i in enumerate(order.tolist()):  # m blocks placed so far
-        s, e, need = int(start[i]), int(end[i]), int(size[i])
+        s, e, need = starts[i], ends[i], sizes[i]
         offset = 0
         if m:
-            hit = (first[:m] < e) & (last[:m] > s)
-            lo = low[:m][hit]
-            if lo.size and lo[0] < need:
-                reach = np.maximum.accumulate(high[:m][hit])  # the highest byte used by blocks up to here
-                fits = np.flatnonzero(lo[1:] - reach[:-1] >= need)
-                offset = int(reach[fits[0]]) if fits.size else int(reach[-1])
+            hit = np.flatnonzero((first[:m] < e) & (last[:m] > s))
+            if hit.size and low[hit[0]] < need:
+                reach = np.maximum.accumulate(high[hit])  # the highest byte used by blocks up to here
+                fits = low[hit[1:]] - reach[:-1] >= need
+                k = int(fits.argmax()) if fits.size else 0
+                offset = int(reach[k] if fits.size and fits[k] else reach[-1])
         offsets[i] = offset
-        k = int(np.searchsorted(low[:m], offset, "right"))
+        k = bisect.bisect_right(lows, offset)
+        lows.insert(k, offset)
         placed[:, k + 1:m + 1] = placed[:, k:m]
-        placed[:, k] = (offset, offset + need, s, e)
+        low[k], high[k], first[k], last[k] = offset, offset + need, s, e
     return offsets
 
 
@@ -246,7 +250,11 @@ def _skyline(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.
 
     Blocks are stacked as they are live together rather than by size, which keeps blocks that come and
     go with the same neighbours (a layer's activations, its gradients) in one column. ``under``: blocks
-    already placed (first and last instruction, end byte) that the skyline starts on."""
+    already placed (first and last instruction, end byte) that the skyline starts on.
+
+    The skyline is kept as its runs of equal height (a run per stretch, neighbours always differ) with
+    a heap of (height, first span) over them, so finding the lowest stretch costs a heap look-up
+    rather than a scan of every span; a tie goes to the first block in start order, as a scan would."""
     placed_first, placed_last, placed_top = under if under is not None else (start[:0], end[:0], size[:0])
     times = np.unique(np.concatenate((start, end, placed_first, placed_last)))
     s = np.searchsorted(times, start)
@@ -256,27 +264,108 @@ def _skyline(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.
     height = np.zeros(spans + 1, np.int64)
     for lo, hi, top in zip(np.searchsorted(times, placed_first), np.searchsorted(times, placed_last), placed_top):
         np.maximum(height[lo:hi], top, out=height[lo:hi])
-    height[spans] = never  # a sentinel that ends every stretch
+    height[spans] = never  # a sentinel run that ends every stretch
+    run_end, run_height, run_before = _runs(height)
+    heap = [(run_height[a], a) for a in range(spans) if run_end[a]]
+    heapq.heapify(heap)
+    # Candidates in start order (ties by index, as a stable sort leaves them); a placed block's end
+    # becomes ``never`` so that it fits no stretch.
     by_start = np.argsort(s, kind="stable")
-    s_sorted = s[by_start]
-    placed = np.zeros(size.size, bool)
+    first_from = np.searchsorted(s[by_start], np.arange(spans + 1)).tolist()  # span -> first candidate starting there or later
+    ends = e[by_start]
+    ends_list = ends.tolist()
+    ranked = priority[by_start]
+    ranked_list = ranked.tolist()
+    block = by_start.tolist()
+    s_list, e_list, size_list = s.tolist(), e.tolist(), size.tolist()
     offsets = np.empty(size.size, np.int64)
     left = size.size
     while left:
-        lo = int(np.argmin(height[:spans]))  # the leftmost lowest span starts the stretch
-        level = height[lo]
-        hi = lo + int(np.argmax(height[lo:] != level))
-        window = by_start[np.searchsorted(s_sorted, lo):np.searchsorted(s_sorted, hi)]
-        fits = window[~placed[window] & (e[window] <= hi)]
-        if fits.size == 0:
-            height[lo:hi] = min(height[lo - 1] if lo else never, height[hi])
+        level, lo = heap[0]
+        if run_height[lo] != level or not run_end[lo]:  # a run since merged, split or raised
+            heapq.heappop(heap)
             continue
-        i = fits[np.argmax(priority[fits])]
+        hi = run_end[lo]
+        a, b = first_from[lo], first_from[hi]
+        pick = _best_fit(ends, ends_list, ranked, ranked_list, a, b, hi)
+        if pick < 0:  # nothing fits: raise the stretch to its lower neighbour, which it joins
+            before = run_before[lo]
+            raised = min(run_height[before] if before >= 0 else never, run_height[hi])
+            heapq.heappop(heap)
+            _set_run(run_end, run_height, run_before, lo, hi, raised, heap, spans)
+            continue
+        i = block[pick]
+        ends[pick] = never
+        ends_list[pick] = never
         offsets[i] = level
-        placed[i] = True
         left -= 1
-        height[s[i]:e[i]] = level + size[i]
+        si, ei = s_list[i], e_list[i]
+        if ei < hi:  # the stretch's right part stays at its level
+            run_end[ei], run_height[ei], run_before[ei] = hi, level, si
+            if hi <= spans:
+                run_before[hi] = ei
+            heapq.heappush(heap, (level, ei))
+            hi = ei
+        if si > lo:  # and its left part
+            run_end[lo] = si
+            run_end[si], run_height[si], run_before[si] = hi, level, lo
+            if hi <= spans:
+                run_before[hi] = si
+        _set_run(run_end, run_height, run_before, si, hi, level + size_list[i], heap, spans)
     return offsets
+
+
+def _runs(height: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+    """The runs of equal height of ``height`` (its last entry a run of its own): for each index, the end
+    (exclusive) of the run starting there, 0 where none starts; the run's height; the start of the run
+    before it (-1 for the first)."""
+    n = height.size
+    starts = np.flatnonzero(np.concatenate(([True], height[1:] != height[:-1])))
+    starts = np.union1d(starts, [n - 1])
+    run_end = [0] * n
+    run_height = [0] * n
+    run_before = [-1] * n
+    bounds = starts.tolist() + [n]
+    for k, a in enumerate(bounds[:-1]):
+        run_end[a] = bounds[k + 1]
+        run_height[a] = int(height[a])
+        run_before[a] = bounds[k - 1] if k else -1
+    return run_end, run_height, run_before
+
+
+def _set_run(run_end: list[int], run_height: list[int], run_before: list[int], lo: int, hi: int, level: int,
+             heap: list[tuple[int, int]], spans: int) -> None:
+    """Make spans [``lo``, ``hi``) one run at ``level``, joined to a neighbour run of the same height, and
+    queue it. The run starting at ``lo``'s left neighbour and the one starting at ``hi`` are as before."""
+    before = run_before[lo]
+    if hi < spans and run_height[hi] == level:  # join the run on the right
+        after = run_end[hi]
+        run_end[hi] = 0
+        hi = after
+    if before >= 0 and run_height[before] == level and lo:  # join the run on the left
+        run_end[lo] = 0
+        run_end[before] = hi
+        run_before[hi] = before
+        return
+    run_end[lo], run_height[lo], run_before[lo] = hi, level, before
+    run_before[hi] = lo
+    heapq.heappush(heap, (level, lo))
+
+
+def _best_fit(ends: np.ndarray, ends_list: list[int], ranked: np.ndarray, ranked_list: list, a: int, b: int,
+              hi: int) -> int:
+    """Of candidates ``a`` to ``b`` (in start order), the first of highest rank that ends by span ``hi``;
+    -1 if none does. A short range is scanned in Python, where numpy's per-call cost would dominate."""
+    if b - a <= 24:
+        pick, best = -1, None
+        for j in range(a, b):
+            if ends_list[j] <= hi and (best is None or ranked_list[j] > best):
+                pick, best = j, ranked_list[j]
+        return pick
+    fits = np.flatnonzero(ends[a:b] <= hi)
+    if fits.size == 0:
+        return -1
+    return a + int(fits[np.argmax(ranked[a:b][fits])])
 
 
 def _sweep(start: np.ndarray, end: np.ndarray, size: np.ndarray, ceiling: int) -> np.ndarray:
@@ -292,37 +381,71 @@ def _sweep(start: np.ndarray, end: np.ndarray, size: np.ndarray, ceiling: int) -
     n = size.size
     offsets = np.empty(n, np.int64)
     never = np.iinfo(np.int64).max
-    low = np.empty(n, np.int64)
-    high = np.empty(n, np.int64)
-    ends = np.empty(n, np.int64)
+    # The m live blocks in offset order, laid out so that gap k (from below[k] to above[k], k <= m) reads
+    # off without concatenation: above = low[:m + 1] (low[m]: the ceiling), below = high[:m + 1]
+    # (high[0]: the floor), and the ends of the blocks under and over gap k are ends[k] and ends[k + 1]
+    # (ends[0] and ends[m + 1]: the floor and ceiling, which never end).
+    low = np.empty(n + 1, np.int64)
+    high = np.zeros(n + 1, np.int64)
+    ends = np.full(n + 2, never, np.int64)
+    lows: list[int] = []  # low[:m] again, for bisect
+    live_ends: list[int] = []  # a heap of the live blocks' ends: says when some block has ended
+    starts, stops, sizes = start.tolist(), end.tolist(), size.tolist()
     m = 0
     for i in np.lexsort((-size, start)).tolist():
-        s, e, need = int(start[i]), int(end[i]), int(size[i])
-        live = ends[:m] > s
-        if not live.all():
-            m = int(live.sum())
-            low[:m], high[:m], ends[:m] = low[:len(live)][live], high[:len(live)][live], ends[:len(live)][live]
-        below = np.concatenate(([0], high[:m]))  # gap k runs from below[k] to above[k]
-        above = np.concatenate((low[:m], [max(ceiling, int(below[-1]))]))
-        gap = above - below
+        s, e, need = starts[i], stops[i], sizes[i]
+        if live_ends and live_ends[0] <= s:
+            while live_ends and live_ends[0] <= s:
+                heapq.heappop(live_ends)
+            live = np.flatnonzero(ends[1:m + 1] > s)
+            low[:live.size] = low[live]
+            high[1:live.size + 1] = high[live + 1]
+            ends[1:live.size + 1] = ends[live + 1]
+            m = live.size
+            ends[m + 1] = never
+            lows = low[:m].tolist()
+        top = int(high[m])
+        low[m] = max(ceiling, top)
+        gap = low[:m + 1] - high[:m + 1]
         fit = np.flatnonzero(gap >= need)
         if fit.size == 0:
-            offset = int(below[-1])
+            offset = top
         else:
-            below_ends = np.concatenate(([never], ends[:m]))[fit]  # bottom-aligned: the block under the gap
-            above_ends = np.concatenate((ends[:m], [never]))[fit]  # top-aligned: the block over it
-            neighbour = np.concatenate((below_ends, above_ends))
-            # Outliving the neighbour leaves a hole when it goes: worse than any neighbour that lasts.
-            cost = np.where(neighbour >= e, neighbour - e, never // 2 + (e - neighbour))
-            k = int(np.lexsort((np.concatenate((gap[fit], gap[fit])), cost))[0])
-            offset = int(below[fit[k]]) if k < fit.size else int(above[fit[k - fit.size]]) - need
+            offset = _sweep_choice(fit, gap, low, high, ends, e, need, never)
         offsets[i] = offset
-        k = int(np.searchsorted(low[:m], offset, "right"))
-        for column, value in ((low, offset), (high, offset + need), (ends, e)):
-            column[k + 1:m + 1] = column[k:m]
-            column[k] = value
+        k = bisect.bisect_right(lows, offset)
+        lows.insert(k, offset)
+        low[k + 1:m + 1] = low[k:m]
+        high[k + 2:m + 2] = high[k + 1:m + 1]
+        ends[k + 2:m + 2] = ends[k + 1:m + 1]
+        low[k], high[k + 1], ends[k + 1] = offset, offset + need, e
         m += 1
+        ends[m + 1] = never
+        heapq.heappush(live_ends, e)
     return offsets
+
+
+def _sweep_choice(fit: np.ndarray, gap: np.ndarray, low: np.ndarray, high: np.ndarray, ends: np.ndarray, e: int,
+                  need: int, never: int) -> int:
+    """``_sweep``'s offset among gaps ``fit`` (see there): the place whose neighbour ends soonest after
+    ``e``, then the smaller gap, then bottom-aligned places before top-aligned ones, lower gaps first."""
+    f = fit.size
+    if f <= 16:  # few places: cheaper in Python than in numpy calls
+        fits, gaps, under, over = fit.tolist(), gap[fit].tolist(), ends[fit].tolist(), ends[fit + 1].tolist()
+        best = None
+        for k, neighbour in enumerate(under + over):
+            cost = neighbour - e if neighbour >= e else never // 2 + (e - neighbour)
+            key = (cost, gaps[k % f], k)
+            if best is None or key < best:
+                best = key
+        k = best[2]
+        return int(high[fits[k]]) if k < f else int(low[fits[k - f]]) - need
+    neighbour = np.concatenate((ends[fit], ends[fit + 1]))  # bottom-aligned: the block under the gap; top: over it
+    # Outliving the neighbour leaves a hole when it goes: worse than any neighbour that lasts.
+    cost = np.where(neighbour >= e, neighbour - e, never // 2 + (e - neighbour))
+    gaps = gap[fit]
+    k = int(np.lexsort((np.concatenate((gaps, gaps)), cost))[0])
+    return int(high[fit[k]]) if k < f else int(low[fit[k - f]]) - need
 
 
 def _live_peak_arrays(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> int:
