@@ -203,6 +203,23 @@ def test_a_budget_above_the_device_memory_is_planned_with_a_note(capsys):
     assert "device memory" not in capsys.readouterr().err
 
 
+def test_hideable_says_when_the_smallest_feasible_budget_sets_it(capsys):
+    """On an H100 the link could hide moving far more than tiny-llama's step can ever give up, so "hideable"
+    is the smallest budget the planner meets; the user is told, not left to wonder at the slowdown."""
+    from hyperoffload.policies import minimum_budget
+    from hyperoffload.workloads import capture_workload, get_workload
+
+    assert main(["plan", *TINY, *H100, "--budget", "hideable", "--json"]) == 0
+    captured = capsys.readouterr()
+    least = minimum_budget(capture_workload(get_workload("tiny-llama"), "train").program)[0]
+    assert json.loads(captured.out)["budget_bytes"] == least
+    assert "'hideable' is the smallest budget this planner can meet" in captured.err
+    # where the link sets it (a slow one), no note
+    assert main(["plan", *TINY, *H100, "--h2d-bw", "1GB/s", "--d2h-bw", "1GB/s", "--budget", "hideable", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["budget_bytes"] > least and "smallest budget" not in captured.err
+
+
 @pytest.mark.parametrize("check, message", [
     ({"identical_to_eager": False, "max_abs_diff": 8.9e-8, "live_bytes_agree": True},
      "the results differ from eager by up to 8.9e-08 (the size of float rounding"),

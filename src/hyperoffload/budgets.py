@@ -6,20 +6,36 @@ from hyperoffload.analysis import memory_profile
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
-from hyperoffload.units import parse_bytes
+from hyperoffload.units import format_bytes, parse_bytes
 
 
 def hideable_budget(program: Program, hardware: Hardware | str) -> int:
     """The smallest budget whose ``bound_s`` equals ``compute_s`` (bytes): below it, moving the excess
     once each way at full link speed takes longer than the step's compute. When the link is so fast
-    that this would be below the smallest budget the planner can meet, that budget instead."""
+    that this would be below the smallest budget the planner can meet, that budget instead (``hideable_note``
+    says when)."""
+    return _hideable(program, as_hardware(hardware))[0]
+
+
+def hideable_note(program: Program, hardware: Hardware | str) -> str | None:
+    """Why ``hideable_budget`` is the smallest feasible budget rather than the one ``bound_s`` defines, or
+    None where it is the latter: a user who asked for "hideable" should know the link is not what sets it."""
+    budget, clamped = _hideable(program, as_hardware(hardware))
+    if not clamped:
+        return None
+    return (f"the link is fast enough to hide moving the excess of any feasible budget within the step's compute, "
+            f"so 'hideable' is the smallest budget this planner can meet, {format_bytes(budget)}")
+
+
+def _hideable(program: Program, hardware: Hardware) -> tuple[int, bool]:
+    """(the hideable budget, whether the smallest feasible budget set it), bytes."""
     from hyperoffload.policies import minimum_budget
 
-    hardware = as_hardware(hardware)
     peak = memory_profile(program).peak_bytes
     compute_s = sum(op_times(program, hardware))
     movable = int(compute_s * min(hardware.h2d_bw, hardware.d2h_bw))
-    return max(peak - movable, minimum_budget(program)[0])
+    least = minimum_budget(program)[0]
+    return max(peak - movable, least), peak - movable < least
 
 
 def parse_budget(text: str, program: Program, hardware: Hardware | str) -> int:

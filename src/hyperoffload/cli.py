@@ -392,9 +392,15 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
-def _note_budget_over_device(budget: int, hardware, err: Console) -> None:
-    """Say so (on stderr, so ``--json`` output stays one object) when the budget is more than the device has:
-    the figures are then a what-if (the tables of budgets as shares of the no-offload peak go there on purpose)."""
+def _note_budget(text: str, budget: int, program, hardware, err: Console) -> None:
+    """Notes on stderr (so ``--json`` output stays one object) about the budget ``text`` came to: when "hideable"
+    is the smallest feasible budget instead, and when the budget is more than the device has (the figures are
+    then a what-if: the tables of budgets as shares of the no-offload peak go there on purpose)."""
+    from hyperoffload.budgets import hideable_note
+
+    note = hideable_note(program, hardware) if text.strip().lower() == "hideable" else None
+    if note:
+        err.print(f"[yellow]note: {note}[/yellow]", highlight=False, soft_wrap=True)
     if budget > hardware.memory_bytes:
         err.print(f"[yellow]note: the budget, {format_bytes(budget)}, is more than {hardware.name}'s "
                   f"{format_bytes(hardware.memory_bytes)} of device memory: a plan for it does not fit that device. "
@@ -406,6 +412,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     import time
 
     from hyperoffload.allocator_model import fragmentation_figures
+    from hyperoffload.analysis.link_bound import link_bound
     from hyperoffload.analysis.window_bound import window_bound
     from hyperoffload.budgets import parse_budget
     from hyperoffload.units import format_seconds
@@ -418,7 +425,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     captured = _capture(args, err)
     program = captured.program
     budget = parse_budget(args.budget, program, hardware)
-    _note_budget_over_device(budget, hardware, err)
+    _note_budget(args.budget, budget, program, hardware, err)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name}..."):
         start = time.perf_counter()
         plan = policy(program, hardware, budget)
@@ -428,6 +435,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         memory = fragmentation_figures(plan)
         bound = window_bound(plan.program, hardware, budget, plan.compute_order())
         window, free_budget = bound.seconds, bound.free_budget_bytes
+        any_order = link_bound(plan.program, hardware, budget).seconds
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
     if figures.steady_state:
@@ -446,7 +454,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                           "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
                           "device_memory_bytes": hardware.memory_bytes,
                           "instructions": len(plan.instructions), "static_layout": plan.layout is not None,
-                          "window_bound_s": window, "free_budget_bytes": free_budget, **memory,
+                          "window_bound_s": window, "link_bound_s": any_order, "free_budget_bytes": free_budget,
+                          **memory,
                           **kv_placement(plan.program)}))
         return 0
     out.print(figures_table(figures, title=title, hardware=hardware))
@@ -474,7 +483,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                   f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}, step_s / window_bound_s "
                   f"= {figures.step_s / window:.3f} (no plan in this op order can beat window_bound_s "
                   f"{format_seconds(window)}); below {format_bytes(free_budget)} no plan in this order can "
-                  f"offload for free")
+                  f"offload for free; no plan in any order can beat link_bound_s {format_seconds(any_order)} "
+                  f"(step_s / link_bound_s = {figures.step_s / any_order:.3f})")
     return 0
 
 
@@ -487,7 +497,7 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     names = _policy_names(args)
     program = _capture(args, err).program
     budget = parse_budget(args.budget, program, hardware)
-    _note_budget_over_device(budget, hardware, err)
+    _note_budget(args.budget, budget, program, hardware, err)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name} with every "
                     f"policy..."):
         results = compare(program, hardware, budget, names)
@@ -654,6 +664,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         bare = hardware
         hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s(), inputs=captured.inputs)
     budget = parse_budget(args.budget, program, hardware)
+    _note_budget(args.budget, budget, program, hardware, err)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} with {args.policy}..."):
         plan = policy(program, hardware, budget)
         verify(plan, hardware)

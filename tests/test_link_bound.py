@@ -1,0 +1,91 @@
+"""The link bound: a lower bound on the step time of every plan, in every op order, under a budget."""
+
+import pytest
+from helpers import assert_no_plan_beats
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from programs import op, program, random_programs, simple_hardware, value
+
+from hyperoffload.analysis import link_bound, memory_profile
+from hyperoffload.analysis.link_bound import both_ways_s
+from hyperoffload.hardware import get_hardware
+from hyperoffload.ir import ValueKind
+from hyperoffload.workloads import capture_workload, get_workload
+
+
+def _hand_program():
+    """x (1000 B, made by op0 and read by op1, so every order makes it before the peak) idles until op4
+    reads it; op2 peaks with x + 200 + 4000 bytes live."""
+    values = [value(0, 0, ValueKind.INPUT), value(1, 1000), value(2, 200), value(3, 4000), value(4, 100),
+              value(5, 100)]
+    ops = [op(0, [0], [1], flops=1000), op(1, [0, 1], [2], flops=2000), op(2, [2], [3], flops=3000),
+           op(3, [3], [4], flops=4000), op(4, [1, 4], [5], flops=5000)]
+    return program(values, ops, [0], [5])
+
+
+@pytest.mark.parametrize(("duplex", "copies_s"), [(1.0, 1.0), (0.8, 1.25), (0.5, 2.0), (0.3, 2.0)])
+def test_hand_computed(duplex, copies_s):
+    """At a budget 1000 bytes under the peak, x must be away while op2 runs (op2's own input and output
+    must stay): 1000 bytes out and 1000 back at 1000 B/s, 1 s each alone. Both at once take 1 / share
+    seconds; at a share of one half or less, one after the other (2 s) is no slower."""
+    prog = _hand_program()
+    hardware = simple_hardware(bw=1000.0, duplex=duplex)
+    budget = memory_profile(prog).peak_bytes - 1000
+    bound = link_bound(prog, hardware, budget)
+    assert bound.peak_op == 2 and bound.forced_bytes == 5200 and bound.excess_bytes == 1000
+    assert bound.d2h_bytes == bound.h2d_bytes == 1000
+    assert bound.seconds == pytest.approx(copies_s)
+    assert_no_plan_beats(lambda order: bound.seconds, prog, hardware, budget)
+
+
+def test_bytes_that_need_no_copy_one_way_count_only_that_way():
+    """w (400 B) is an input nothing writes and op2 reads; y (600 B, a step output made by op0) is read by
+    nothing after the peak op, op1. At a budget 1000 bytes under the peak both are away while op1 runs:
+    w needs no offload (its remote copy stays current) and y need not come back, so 600 bytes must go
+    out (6 s at 100 B/s) and 400 come back (4 s), the two at once on a link that does not share."""
+    values = [value(0, 400, ValueKind.INPUT), value(1, 600), value(2, 2000), value(3, 0), value(4, 0)]
+    ops = [op(0, [0], [1, 4], flops=1000),  # y, and an empty u that makes op0 come before op1 in every order
+           op(1, [4], [2], flops=1000),  # the peak: w + y + a 2000-byte temporary
+           op(2, [0, 2], [3], flops=1000)]
+    prog = program(values, ops, [0], [1, 3])
+    hardware = simple_hardware(bw=100.0)
+    assert memory_profile(prog).peak_bytes == 3000
+    bound = link_bound(prog, hardware, 2000)
+    assert bound.peak_op == 1
+    assert (bound.excess_bytes, bound.d2h_bytes, bound.h2d_bytes) == (1000, 600, 400)
+    assert bound.seconds == pytest.approx(6.0)
+    assert_no_plan_beats(lambda order: bound.seconds, prog, hardware, 2000)
+
+
+def test_both_ways_is_the_faster_of_sharing_and_taking_turns():
+    assert both_ways_s(2.0, 1.0, 1.0) == pytest.approx(2.0)
+    assert both_ways_s(2.0, 1.0, 0.8) == pytest.approx(1.0 / 0.8 + 1.0)
+    assert both_ways_s(2.0, 1.0, 0.5) == pytest.approx(3.0)
+    assert both_ways_s(0.0, 1.0, 0.7) == pytest.approx(1.0)
+
+
+def test_nothing_to_move_gives_the_compute_time():
+    prog = capture_workload(get_workload("tiny-llama"), "train").program
+    bound = link_bound(prog, "h100-sxm", memory_profile(prog).peak_bytes)
+    assert bound.excess_bytes == 0 and bound.seconds == bound.compute_s
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_programs(), st.sampled_from([0.8, 0.6]), st.sampled_from([1e3, 1e6]), st.sampled_from([1.0, 0.6, 0.4]))
+def test_no_plan_of_any_policy_beats_the_bound(prog, share, bandwidth, duplex):
+    hardware = simple_hardware(bw=bandwidth, duplex=duplex)
+    budget = int(memory_profile(prog).peak_bytes * share)
+    seconds = link_bound(prog, hardware, budget).seconds
+    assert_no_plan_beats(lambda order: seconds, prog, hardware, budget)
+
+
+@pytest.mark.parametrize("share", [0.7, 0.5])
+def test_tiny_llama_training_on_a_slow_link_stays_above_the_bound(share):
+    """On a 500 MB/s link that shares 0.8 both ways the bound is set by the link, not by compute, and every
+    policy's plan that meets the budget (state kept remote between steps included) steps no faster."""
+    prog = capture_workload(get_workload("tiny-llama"), "train").program
+    hardware = get_hardware("h100-sxm").replace(h2d_bw=5e8, d2h_bw=5e8, duplex_share=0.8)
+    budget = int(memory_profile(prog).peak_bytes * share)
+    bound = link_bound(prog, hardware, budget)
+    assert bound.seconds > bound.compute_s  # the link sets it: the check below means something
+    assert_no_plan_beats(lambda order: bound.seconds, prog, hardware, budget)
