@@ -235,3 +235,36 @@ def test_a_failed_verify_says_what_differs(capsys, monkeypatch, check, message):
     err = capsys.readouterr().err
     assert "verification failed: " + message in " ".join(err.split())
     assert ("float rounding" in err) == (check["max_abs_diff"] == 8.9e-8)
+
+
+@pytest.mark.parametrize("args, flag", [(["run", *TINY, "--budget", "50%", "--link", "0GB/s"], "--link"),
+                                        (["plan", *TINY, *H100, "--budget", "50%", "--device-memory", "0"],
+                                         "--device-memory"),
+                                        (["simulate", *TINY, *H100, "--h2d-bw", "0GB/s"], "--h2d-bw")])
+def test_a_zero_rate_or_size_names_the_flag(capsys, args, flag):
+    err = usage_error(capsys, args)
+    assert f"argument {flag}: must be more than zero" in err
+
+
+def test_an_nsa_block_below_the_compression_block_names_the_flag(capsys):
+    err = user_error(capsys, ["inspect", "--workload", "tiny-deepseek", "--mode", "decode", "--nsa-block", "7"])
+    assert "--nsa-block 7" in err and "give 8 or more" in err
+
+
+def test_kv_policies_on_a_training_step_say_they_plan_as_none(capsys):
+    assert main(["compare", *TINY, *H100, "--budget", "50%", "--policies", "kv-naive,hyperoffload", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "kv-naive moves only a decode step's KV cache" in captured.err and "hyperoffload" not in captured.err
+    assert {row["policy"] for row in json.loads(captured.out)} == {"kv-naive", "hyperoffload"}
+
+
+def test_a_baseline_over_the_budget_is_not_told_to_use_a_hyperoffload_option(capsys):
+    """``plan --policy none`` at half the peak: the arena line says by how much it is over, the allocator model
+    replays at the budget asked for (it fails there), and --static-layout, which only hyperoffload takes, is
+    not suggested."""
+    assert main(["plan", *TINY, *H100, "--budget", "50%", "--policy", "none"]) == 0
+    out = capsys.readouterr().out
+    line = out[out.index("memory:"):]
+    assert "MiB over the budget" in line and "--static-layout" not in line
+    assert main(["plan", *TINY, *H100, "--budget", "50%", "--policy", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["allocator_failures"] > 0

@@ -58,21 +58,26 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _units_type(parse):
+def _units_type(parse, *, positive: bool = False):
     """``parse`` (a ``units`` parser) as an argparse type. argparse shows a ValueError only as "invalid
-    parse_bandwidth value: 'abc'"; an ArgumentTypeError's own text ("write it like 25GB/s") reaches the user."""
+    parse_bandwidth value: 'abc'"; an ArgumentTypeError's own text ("write it like 25GB/s") reaches the user.
+    With ``positive``, zero is refused here, where the message names the flag (a profile would say only that
+    its own field must be positive)."""
     def convert(text: str):
         try:
-            return parse(text)
+            value = parse(text)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
+        if positive and value <= 0:
+            raise argparse.ArgumentTypeError(f"must be more than zero, got {text!r}")
+        return value
 
     return convert
 
 
-_bandwidth = _units_type(parse_bandwidth)
+_bandwidth = _units_type(parse_bandwidth, positive=True)
 _duration = _units_type(parse_duration)
-_size = _units_type(parse_bytes)
+_size = _units_type(parse_bytes, positive=True)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -392,6 +397,18 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def _note_policies(names, program, err: Console) -> None:
+    """Say so (on stderr) when a policy named by the user does not apply to the step (``kv-naive`` and ``paged``
+    move only a decode step's KV cache): it then plans as ``none``, which a table alone would not explain."""
+    from hyperoffload.policies import policies_for
+
+    idle = [name for name in names if name not in policies_for(program)]
+    if idle:
+        err.print(f"[yellow]note: {', '.join(idle)} {'moves' if len(idle) == 1 else 'move'} only a decode step's KV "
+                  f"cache (paged: its remote-KV form); this {program.mode} step has none, so "
+                  f"{'it plans' if len(idle) == 1 else 'they plan'} as none[/yellow]", highlight=False, soft_wrap=True)
+
+
 def _note_budget(text: str, budget: int, program, hardware, err: Console) -> None:
     """Notes on stderr (so ``--json`` output stays one object) about the budget ``text`` came to: when "hideable"
     is the smallest feasible budget instead, and when the budget is more than the device has (the figures are
@@ -426,13 +443,15 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     program = captured.program
     budget = parse_budget(args.budget, program, hardware)
     _note_budget(args.budget, budget, program, hardware, err)
+    _note_policies([args.policy], program, err)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name}..."):
         start = time.perf_counter()
         plan = policy(program, hardware, budget)
         plan_s = time.perf_counter() - start
         timeline = verify(plan, hardware)
     with err.status("Laying out memory and replaying the caching allocator..."):
-        memory = fragmentation_figures(plan)
+        # At the budget asked for, whatever the policy's plan claims (``none`` claims none).
+        memory = fragmentation_figures(plan, budget)
         bound = window_bound(plan.program, hardware, budget, plan.compute_order())
         window, free_budget = bound.seconds, bound.free_budget_bytes
         any_order = link_bound(plan.program, hardware, budget).seconds
@@ -469,8 +488,11 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                   f"(stated reselection {kv['reselection']}); step_s / dependency_bound_s = "
                   f"{figures.step_s / figures.dependency_bound_s:.3f}", highlight=False)
     arena = "the plan's static arena" if plan.layout is not None else "a static arena would take"
-    over = " [yellow]over the budget: --static-layout plans for one that fits[/yellow]" \
-        if memory["arena_bytes"] > budget else ""
+    over = ""
+    if memory["arena_bytes"] > budget:
+        over = f", [yellow]{format_bytes(memory['arena_bytes'] - budget)} over the budget"
+        over += (": --static-layout plans for one that fits[/yellow]" if args.policy == "hyperoffload"
+                 else "[/yellow]")
     out.print(f"memory: {arena} {format_bytes(memory['arena_bytes'])} ({memory['arena_stalls']} stalls){over}; "
               f"the caching allocator model reserves {format_bytes(memory['allocator_reserved_bytes'])} with "
               f"{memory['allocator_stalls']} free-and-retry stalls and {memory['allocator_failures']} out-of-memory "
@@ -498,6 +520,8 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     program = _capture(args, err).program
     budget = parse_budget(args.budget, program, hardware)
     _note_budget(args.budget, budget, program, hardware, err)
+    if names is not None:
+        _note_policies(names, program, err)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name} with every "
                     f"policy..."):
         results = compare(program, hardware, budget, names)
@@ -516,6 +540,7 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.budgets import parse_budget
     from hyperoffload.compare import sweep
     from hyperoffload.report.compare import plot_sweep, sweep_table
 
@@ -524,6 +549,10 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     values = [v for v in args.values.split(",") if v.strip()]
     _check_sweep_values(args, values)
     program = _capture(args, err).program
+    if names is not None:
+        _note_policies(names, program, err)
+    if args.vary != "budget" and args.budget is not None:
+        _note_budget(args.budget, parse_budget(args.budget, program, hardware), program, hardware, err)
 
     def recapture(value: str):
         args.nsa_block = int(value)  # checked by _check_sweep_values
@@ -665,6 +694,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s(), inputs=captured.inputs)
     budget = parse_budget(args.budget, program, hardware)
     _note_budget(args.budget, budget, program, hardware, err)
+    _note_policies([args.policy], program, err)
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} with {args.policy}..."):
         plan = policy(program, hardware, budget)
         verify(plan, hardware)

@@ -83,7 +83,13 @@ def with_nsa_block(workload: Workload, block: int | None) -> Workload:
     if block is None:
         return workload
     if not isinstance(workload.config, DeepSeekConfig):
-        raise CaptureError(f"--nsa-block applies to DeepSeek-style workloads (NSA); {workload.name} has no NSA")
+        raise CaptureError(f"NSA block sizes (--nsa-block, --vary nsa-block) apply to DeepSeek-style workloads (NSA); "
+                           f"{workload.name} has no NSA")
+    if block < workload.config.nsa_cmp_block:
+        # The config's own check names its fields; the user gave a flag.
+        raise CaptureError(f"--nsa-block {block}: a selection block must hold at least one compression block, "
+                           f"{workload.config.nsa_cmp_block} tokens in {workload.name}; give "
+                           f"{workload.config.nsa_cmp_block} or more")
     try:
         config = dataclasses.replace(workload.config, nsa_sel_block=block)
     except ValueError as error:
