@@ -121,6 +121,34 @@ def test_decode_input_is_checked(kwargs: dict, match: str) -> None:
         capture_hf(build("llama"), batch=BATCH, **kwargs)
 
 
+def test_too_long_a_context_is_reported_as_the_context() -> None:
+    # The user sets the context; the step needs one position more, for the new token.
+    model = build("llama")  # max_position_embeddings 2048
+    with pytest.raises(CaptureError) as raised:
+        capture_hf(model, "decode", batch=BATCH, context=4096)
+    message = str(raised.value)
+    assert message.startswith("a decode step at context=4096 needs 4097 positions")
+    assert "max_position_embeddings=2048" in message and "at most 2047 (--context" in message
+    assert "seq" not in message
+    capture_hf(model, "decode", batch=1, context=2047, fake_inputs=True)  # the largest context it names fits
+
+
+def test_a_config_path_not_named_config_json_names_the_rule(tmp_path) -> None:
+    from hyperoffload.capture.hf import build_hf_model
+
+    transformers.LlamaConfig(**SIZES).save_pretrained(tmp_path)
+    other = tmp_path / "badcfg.json"
+    other.write_text((tmp_path / "config.json").read_text())
+    with pytest.raises(CaptureError, match=r"must be a file named config\.json or a folder that holds one; "
+                                           r".*badcfg\.json is named badcfg\.json: rename or copy it"):
+        build_hf_model(str(other))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CaptureError, match="no Hugging Face config at .*: the folder holds no config.json"):
+        build_hf_model(str(tmp_path / "empty"))
+    with pytest.raises(CaptureError, match="no Hugging Face config at .*: no such file or folder"):
+        build_hf_model(str(tmp_path / "missing"))
+
+
 def test_a_model_that_cannot_decode_against_a_static_cache_is_a_capture_error(monkeypatch) -> None:
     model = build("llama")
 

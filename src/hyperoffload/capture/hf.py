@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from hyperoffload.capture.fake import default_dtype, fake_build, is_fake
 from hyperoffload.capture.graph_to_program import CaptureError, DataDependentValue
@@ -73,7 +73,7 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
         if isinstance(context, bool) or not isinstance(context, int) or context < 0:
             raise CaptureError(f"decode needs context, the tokens already in the KV cache: an int >= 0, "
                                f"got {context!r}")
-        _check_positions(model, context + 1)
+        _check_positions(model, context + 1, context=context)
     else:
         if context is not None:
             raise CaptureError(f"context sets the KV cache of a decode step; a {mode} step has none: drop it")
@@ -125,13 +125,22 @@ def _capture_decode(model: nn.Module, batch: int, context: int, vocab: int, inpu
         try:
             return capture_decode_step(decoder, tokens, context, cache=cache, name=name or type(model).__name__,
                                        meta={**meta, "context": context})
-        except DataDependentValue as error:
+        except CaptureError as error:
+            # On real weights the read shows up in the traced graph (DataDependentValue). On fake tensors, as the
+            # command line captures, there is no value to read, so FakeTensor fails inside the trace instead
+            # (DataDependentOutputException, wrapped by trace_step): the same cause, so the same refusal.
+            if isinstance(error, DataDependentValue):
+                detail = str(error)
+            elif isinstance(error.__cause__, DataDependentOutputException):
+                detail = f"on fake tensors {error.__cause__.func} has no value to read"
+            else:
+                raise
             raise CaptureError(
                 f"{type(model).__name__}'s decode step reads a tensor's value as a Python number (for OPT, the cache "
                 f"length its learned positions start from), which a captured step cannot follow. Hugging Face decode "
                 f"capture works for models that place tokens by cache_position (checked: LLaMA, Mistral, Qwen2, "
                 f"Phi-3, Phi, Gemma, Gemma 2, Falcon, GPT-2, GPT-NeoX, Mixtral, Qwen2-MoE); capture mode='prefill' "
-                f"of this model instead ({error})") from None
+                f"of this model instead ({detail})") from None
 
 
 class StaticCacheDecoder(nn.Module):
@@ -259,14 +268,23 @@ def _check_count(label: str, value: Any, unit: str) -> None:
         raise CaptureError(f"{label} must be a positive int number of {unit}, got {value!r}")
 
 
-def _check_positions(model: nn.Module, seq: int) -> None:
+def _check_positions(model: nn.Module, seq: int, *, context: int | None = None) -> None:
+    """``seq`` positions must fit the model; ``context`` is given for a decode step (``seq`` is then
+    ``context + 1``), so that the message names what the caller set."""
     # Learned position tables (GPT-2's wpe) fail with an index error past their end; RoPE models
     # would run but outside what they were trained for. Either way the config states the limit.
     limit = getattr(_text_config(model), "max_position_embeddings", None)
-    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < seq:
+    if not (isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < seq):
+        return
+    raise_it = "raise max_position_embeddings in the config if the model really handles longer contexts"
+    if context is None:
         raise CaptureError(f"seq={seq} tokens is more than {type(model).__name__} supports "
-                           f"(config.max_position_embeddings={limit}); use seq <= {limit}, or raise "
-                           f"max_position_embeddings in the config if the model really handles longer contexts")
+                           f"(config.max_position_embeddings={limit}); use seq <= {limit}, or {raise_it}")
+    # The user set the context, not seq: the new token takes one position past it.
+    raise CaptureError(f"a decode step at context={context} needs {seq} positions (the cached tokens and the new "
+                       f"one), more than {type(model).__name__} supports (config.max_position_embeddings={limit}); "
+                       f"use a context of at most {limit - 1} (--context on the command line, context= in Python), "
+                       f"or {raise_it}")
 
 
 def _input_fake_mode(model: nn.Module, fake_inputs: bool | None) -> FakeTensorMode | None:
@@ -379,9 +397,18 @@ def build_hf_model(config_path: str, *, fake: bool = True, seed: int = 0) -> nn.
                            "pip install 'hyperoffload[hf]'") from error
     path = Path(config_path)
     folder = path.parent if path.is_file() else path
-    if not (folder / "config.json").is_file() or (path.is_file() and path.name != "config.json"):
-        raise CaptureError(f"no Hugging Face config at {config_path}: give a config.json file or a folder "
-                           f"that holds one (for example one written by config.save_pretrained(folder))")
+    # transformers reads a config from a folder, by the name config.json: a file of another name cannot be
+    # handed on, and its folder may hold some other config.json.
+    rule = ("give a config.json file or a folder that holds one (for example one written by "
+            "config.save_pretrained(folder))")
+    if path.is_file() and path.name != "config.json":
+        raise CaptureError(f"a Hugging Face config must be a file named config.json or a folder that holds one; "
+                           f"{config_path} is named {path.name}: rename or copy it to config.json and give that "
+                           f"file or its folder")
+    if path.is_dir() and not (folder / "config.json").is_file():
+        raise CaptureError(f"no Hugging Face config at {config_path}: the folder holds no config.json; {rule}")
+    if not path.exists():
+        raise CaptureError(f"no Hugging Face config at {config_path}: no such file or folder; {rule}")
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
