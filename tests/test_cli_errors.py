@@ -268,3 +268,21 @@ def test_a_baseline_over_the_budget_is_not_told_to_use_a_hyperoffload_option(cap
     assert "MiB over the budget" in line and "--static-layout" not in line
     assert main(["plan", *TINY, *H100, "--budget", "50%", "--policy", "none", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["allocator_failures"] > 0
+
+
+def test_a_bare_small_budget_asks_whether_a_percentage_was_meant(capsys):
+    err = user_error(capsys, ["plan", *TINY, *H100, "--budget", "50"])
+    assert "reads as 50 bytes" in err and "write 50%" in err
+
+
+def test_a_profile_file_names_itself_for_out_of_range_values_and_refuses_memory_without_a_unit(capsys, tmp_path):
+    text = (tmp_path / "x.toml")
+    base = ('name = "x"\nhbm_bw = "1TB/s"\nh2d_bw = "1GB/s"\nd2h_bw = "1GB/s"\nh2d_latency = "1us"\n'
+            'd2h_latency = "1us"\nlaunch = "1us"\ncompute_efficiency = 0.5\nmemory_efficiency = 0.5\n'
+            '[peak_flops]\nfloat32 = "1TFLOP/s"\n')
+    text.write_text('memory = 80\nduplex_share = 0.8\n' + base)
+    err = user_error(capsys, ["simulate", *TINY, "--hardware", str(text)])
+    assert str(text) in err and 'memory = "80GiB"' in err
+    text.write_text('memory = "80GiB"\nduplex_share = 1.7\n' + base)
+    err = user_error(capsys, ["simulate", *TINY, "--hardware", str(text)])
+    assert str(text) in err and "duplex_share must be in (0, 1]" in err

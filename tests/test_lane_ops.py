@@ -224,3 +224,14 @@ def test_plan_json_says_where_the_kv_cache_is(capsys):
     assert out["dependency_bound_s"] <= out["step_s"] * (1 + 1e-9)  # summed in another order
     assert main([*args[:-1], "--policy", "kv-naive", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv"] == "device"
+
+
+def test_plan_says_which_peak_the_excess_of_a_remote_kv_step_is_measured_from(capsys):
+    """The figures of a plan that runs the remote-KV form are that form's: its excess is measured from its own
+    peak (the cache is remote), which can leave excess_bytes at 0; the text says so and gives both peaks."""
+    args = ["plan", "--workload", "tiny-deepseek", "--mode", "decode", "--batch", "4", "--context", "20000",
+            "--hardware", "h200", "--budget", "40%"]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())  # as one line, whatever the console's wrapping
+    assert "excess_bytes and bound_s are measured from this form's no-offload peak" in out
+    assert "with the KV cache on the device the step peaks at" in out

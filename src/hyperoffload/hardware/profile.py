@@ -90,9 +90,20 @@ class Hardware:
         return dataclasses.replace(self, **changes, sources=MappingProxyType(sources))
 
 
+def _bare_memory(value: Any) -> int:
+    """A TOML number for ``memory``: bytes, but "memory = 80" surely meant 80 GiB, not 80 bytes; refuse
+    anything under a mebibyte rather than plan for a device with no room."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a size such as \"80GiB\", got {type(value).__name__}")
+    if value < 2**20:
+        raise ValueError(f"a bare number is bytes, so this device would have {value} bytes; write the size with a "
+                         f"unit, e.g. memory = \"{value}GiB\"")
+    return int(value)
+
+
 # How each TOML key is read: field name -> parser from a TOML value to the field's base unit.
 _READERS = {
-    "memory": ("memory_bytes", lambda v: parse_bytes(v) if isinstance(v, str) else int(v)),
+    "memory": ("memory_bytes", lambda v: parse_bytes(v) if isinstance(v, str) else _bare_memory(v)),
     "hbm_bw": ("hbm_bw", parse_bandwidth),
     "h2d_bw": ("h2d_bw", parse_bandwidth),
     "d2h_bw": ("d2h_bw", parse_bandwidth),
@@ -137,7 +148,10 @@ def hardware_from_dict(data: Mapping[str, Any], *, origin: str) -> Hardware:
     # Sources are keyed by TOML key in the file and by field name in the dataclass.
     keys = {**_READERS, **_OPTIONAL}
     fields["sources"] = MappingProxyType({keys.get(k, (k,))[0]: str(v) for k, v in sources.items()})
-    return Hardware(**fields)
+    try:
+        return Hardware(**fields)
+    except HardwareError as error:  # a value out of range: name the file, as for every other mistake in it
+        raise HardwareError(f"{origin}: {error}") from None
 
 
 def load_hardware_file(path: str | Path) -> Hardware:
