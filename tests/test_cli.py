@@ -1,5 +1,6 @@
 import json
 import subprocess
+from importlib.metadata import version
 import sys
 
 import pytest
@@ -149,3 +150,10 @@ def test_bad_hardware_input(capsys, tmp_path):
         main(["simulate", "--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm", "--h2d-bw", "25GB"])
     assert main(["hardware", str(tmp_path / "missing.toml")]) == 2
     assert "no hardware file" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"hyperoffload {version('hyperoffload')}\n"

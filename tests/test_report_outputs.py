@@ -15,8 +15,10 @@ from programs import op, program, value
 
 from hyperoffload.hardware import get_hardware
 from hyperoffload.ir import Op, ValueKind
+from hyperoffload.compare import sweep
 from hyperoffload.plans import Instr, Kind, Plan, plan_without_offload
-from hyperoffload.report.plot import plot_timeline
+from hyperoffload.report.compare import sweep_table
+from hyperoffload.report.plot import plot_timeline, timeline_figure
 from hyperoffload.report.trace import BUDGET_COUNTER, MEMORY_COUNTER, timeline_to_trace, write_trace
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.workloads import capture_workload, get_workload
@@ -188,3 +190,65 @@ def test_empty_timelines(h100, chain_timeline, tmp_path):
             _check_png(path)
     bare_trace = json.loads(json.dumps(timeline_to_trace(bare, name="bare")))
     assert {e["ph"] for e in bare_trace["traceEvents"]} == {"M"}
+
+
+def _memory_axes(timeline: Timeline, **kwargs):
+    return timeline_figure(timeline, title="t", **kwargs).axes[0]
+
+
+def _legend_texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def _drawn_levels(ax) -> set[float]:
+    """The heights of the dashed horizontal lines drawn across the panel (axhline gives x in axes units)."""
+    return {line.get_ydata()[0] for line in ax.get_lines()
+            if line.get_linestyle() == "--" and list(line.get_xdata()) == [0, 1]}
+
+
+def test_device_memory_far_above_the_curve_is_named_not_drawn(llama_timeline, h100):
+    """simulate's plot: a 16 MiB step under an 80 GiB device must not be squashed flat by the device line."""
+    peak = llama_timeline.figures.peak_bytes
+    assert h100.memory_bytes > 4 * peak and llama_timeline.figures.budget_bytes is None
+    ax = _memory_axes(llama_timeline, budget_bytes=h100.memory_bytes, budget_label="h100-sxm memory")
+    assert ax.get_ylabel() == "device memory (MiB)"
+    bottom, top = ax.get_ylim()
+    assert bottom == 0 and peak / MIB < top < 1.5 * peak / MIB
+    assert not _drawn_levels(ax)
+    assert any(t.startswith("h100-sxm memory 80.00 GiB") and "above this axis" in t for t in _legend_texts(ax))
+
+
+def test_device_memory_near_the_curve_is_drawn(llama_timeline):
+    limit = 2 * llama_timeline.figures.peak_bytes
+    ax = _memory_axes(llama_timeline, budget_bytes=limit, budget_label="device memory")
+    assert _drawn_levels(ax) == {limit / MIB}
+    assert ax.get_ylim()[1] > limit / MIB
+
+
+def test_a_plans_budget_is_drawn_however_far_above_the_curve(h100):
+    budget = 100 * 4 * 64 * MIB
+    timeline = simulate(offload_chain_plan(budget_bytes=budget), h100)
+    assert budget > 4 * timeline.figures.peak_bytes
+    ax = _memory_axes(timeline, budget_bytes=budget)
+    assert ax.get_ylabel() == "device memory (GiB)"
+    assert _drawn_levels(ax) == {budget / 2**30}
+    assert ax.get_ylim()[1] > budget / 2**30
+
+
+def test_long_title_is_wrapped_inside_the_figure(chain_timeline):
+    title = ("tiny-llama train on h100-sxm, hyperoffload, budget 8.08 MiB (two consecutive steps: state stays in "
+             "remote memory between them)")
+    fig = timeline_figure(chain_timeline, title=title)
+    fig.canvas.draw()
+    suptitle = fig.get_suptitle()
+    assert "\n" in suptitle and suptitle.replace("\n", " ") == title
+    box = fig._suptitle.get_window_extent()
+    assert box.x0 >= fig.bbox.x0 and box.x1 <= fig.bbox.x1
+
+
+def test_sweep_table_budget_columns_have_distinct_headers(h100):
+    points = sweep(offload_chain_plan().program, h100, vary="budget", values=["90%", "50%"], budget=None,
+                   policies=["none"])
+    headers = [str(column.header) for column in sweep_table(points, vary="budget", title="t").columns]
+    assert headers[:3] == ["budget", "budget_bytes", "compute_s"]
+    assert len(set(headers)) == len(headers)

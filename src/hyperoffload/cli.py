@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hyperoffload",
         description="Plan, simulate and run offloading of a training or inference step to remote memory.")
+    # The installed distribution's version; the package's own __version__ (pyproject's) from an uninstalled tree.
+    from importlib.metadata import distributions
+    from hyperoffload import __version__
+    parser.add_argument("--version", action="version", version="%(prog)s " + next(
+        (d.version for d in distributions(name="hyperoffload")), __version__))
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="capture a step and show its sizes and no-offload peak")
     _add_step_arguments(inspect)

@@ -57,8 +57,9 @@ def verdict(results: Sequence[PolicyResult], policy: str = "hyperoffload") -> st
 def sweep_table(points: Sequence[SweepPoint], *, vary: str, title: str) -> Table:
     """A row per value, a column per policy: simulated step_s, or what it needs when it misses the budget."""
     table = Table(title=title, title_justify="left")
+    # The value as typed (90%, 16GB/s); varying the budget, the next column is the bytes that comes to.
     table.add_column(vary)
-    table.add_column("budget", justify="right")
+    table.add_column("budget_bytes", justify="right")
     table.add_column("compute_s", justify="right")
     names = [r.policy for r in points[0].results] if points else []
     for name in names:

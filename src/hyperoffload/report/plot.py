@@ -6,6 +6,7 @@ changes the backend of a program that imports this module.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,30 +26,47 @@ _DPI = 120
 # Roughly the plot area's width in pixels: bars narrower than one pixel are widened to one, and
 # gaps narrower than one are closed, so a step of tens of thousands of ops draws a few thousand bars.
 _PLOT_WIDTH_PX = 1100
+# Characters per title line that fit the figure's width: about 0.6 em a character, so 11 in (792 pt) holds
+# about 100 bold 13 pt characters, and the memory panel (narrowed by the activity legend) about 140 at 9 pt.
+_TITLE_CHARS = 90
+_SUBTITLE_CHARS = 130
+# A reference line more than this many times the memory curve's peak is left off the memory panel (and
+# named in its legend): an axis reaching up to it would squash the curve into a flat line at zero.
+_OFF_SCALE_RATIO = 4.0
 
 
 def plot_timeline(timeline: Timeline, path: str | Path, *, title: str, budget_bytes: int | None = None,
                   budget_label: str = "budget") -> None:
     """Write a PNG of ``timeline`` to ``path``: memory (bytes shown in GiB or MiB) and stream activity over time."""
+    timeline_figure(timeline, title=title, budget_bytes=budget_bytes, budget_label=budget_label).savefig(
+        path, format="png")
+
+
+def timeline_figure(timeline: Timeline, *, title: str, budget_bytes: int | None = None,
+                    budget_label: str = "budget") -> Figure:
+    """The figure ``plot_timeline`` saves, drawn on an Agg canvas: its axes are the memory panel, then the
+    activity panel."""
     end_s = _end(timeline)
     scale, unit = (1.0, "s") if end_s >= 1.0 else (1e3, "ms")
     span = end_s * scale if end_s > 0 else 1.0
     fig = Figure(figsize=_FIGSIZE_IN, dpi=_DPI, layout="constrained")
     FigureCanvasAgg(fig)
     mem_ax, act_ax = fig.subplots(2, 1, sharex=True, height_ratios=(2.6, 1.0))
-    fig.suptitle(title, fontsize=13, fontweight="bold")
+    # A plan's title names the step, hardware, policy and budget, and can be longer than the figure is wide:
+    # suptitle neither wraps nor shrinks, so the ends would be cut off.
+    fig.suptitle(textwrap.fill(title, _TITLE_CHARS), fontsize=13, fontweight="bold")
 
     _draw_memory(mem_ax, timeline, budget_bytes, scale, span, budget_label)
     _draw_activity(act_ax, timeline, scale, span)
     act_ax.set_xlim(0.0, span)
     act_ax.set_xlabel(f"time from step start ({unit})")
     f = timeline.figures
-    mem_ax.set_title(
+    mem_ax.set_title(textwrap.fill(
         f"step {f.step_s * scale:.3g} {unit}, compute {f.compute_s * scale:.3g} {unit} "
         f"(slowdown {f.slowdown:.3f}x); peak {format_bytes(f.peak_bytes)}; "
         f"copied {format_bytes(f.h2d_bytes)} in, {format_bytes(f.d2h_bytes)} out; "
-        f"{f.stalls} stalls", fontsize=9, loc="left")
-    fig.savefig(path, format="png")
+        f"{f.stalls} stalls", _SUBTITLE_CHARS), fontsize=9, loc="left")
+    return fig
 
 
 def _end(timeline: Timeline) -> float:
@@ -60,8 +78,9 @@ def _draw_memory(ax, timeline: Timeline, budget_bytes: int | None, scale: float,
                  budget_label: str) -> None:
     memory = timeline.memory
     top = max((b for _, b in memory), default=0)
+    line = budget_bytes if budget_bytes is not None and _line_on_scale(timeline, budget_bytes, top) else None
     # GiB as asked for big steps; a step that never reaches 1 GiB would read as a flat line of zeros.
-    div, unit = (2**30, "GiB") if max(top, budget_bytes or 0) >= 2**30 else (2**20, "MiB")
+    div, unit = (2**30, "GiB") if max(top, line or 0) >= 2**30 else (2**20, "MiB")
     ax.set_ylabel(f"device memory ({unit})")
     ax.grid(True, axis="y", alpha=0.3)
     if memory:
@@ -75,15 +94,29 @@ def _draw_memory(ax, timeline: Timeline, budget_bytes: int | None, scale: float,
         ax.annotate(f"peak {format_bytes(peak_b)}", (peak_t * scale, peak_b / div), xytext=(0, 8),
                     textcoords="offset points", ha="left" if peak_t * scale < 0.8 * span else "right",
                     fontsize=9)
-    if budget_bytes is not None:
-        ax.axhline(budget_bytes / div, color="black", linestyle="--", linewidth=1.0,
-                   label=f"{budget_label} {format_bytes(budget_bytes)}")
-        ax.annotate(f"{budget_label} {format_bytes(budget_bytes)}", (span, budget_bytes / div), xytext=(-4, 3),
+    if line is not None:
+        ax.axhline(line / div, color="black", linestyle="--", linewidth=1.0,
+                   label=f"{budget_label} {format_bytes(line)}")
+        ax.annotate(f"{budget_label} {format_bytes(line)}", (span, line / div), xytext=(-4, 3),
                     textcoords="offset points", ha="right", va="bottom", fontsize=9)
-    ceiling = max(top, budget_bytes or 0) / div
+    elif budget_bytes is not None:
+        # Named, not drawn: an arrow pointing up, in the legend only, says the limit lies above the axis.
+        ax.plot([], [], marker="^", color="black", linestyle="none",
+                label=f"{budget_label} {format_bytes(budget_bytes)}, above this axis "
+                      f"({budget_bytes / top:,.0f}x the peak)")
+    ceiling = max(top, line or 0) / div
     ax.set_ylim(0.0, ceiling * 1.15 if ceiling > 0 else 1.0)
     if memory or budget_bytes is not None:
         ax.legend(loc="lower right", fontsize=9, framealpha=0.9)
+
+
+def _line_on_scale(timeline: Timeline, line_bytes: int, top: int) -> bool:
+    """Whether the memory panel draws the reference line at ``line_bytes`` (curve peak ``top``). The plan's
+    own budget always: the curve against it is what a plan's plot is for. Another limit (the device's memory
+    under a step simulated without a budget) only when it is within ``_OFF_SCALE_RATIO`` of the peak."""
+    if top <= 0 or line_bytes == timeline.figures.budget_bytes:
+        return True
+    return line_bytes <= _OFF_SCALE_RATIO * top
 
 
 def _draw_activity(ax, timeline: Timeline, scale: float, span: float) -> None:
