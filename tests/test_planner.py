@@ -155,3 +155,34 @@ def test_an_input_used_once_can_stay_remote_for_the_whole_step():
     least, _ = minimum_budget(prog, config)
     assert least == 4 == memory_profile(prog).peak_bytes  # op 0 reads it, so 4 bytes must be there then
     verify(plan_hyperoffload(prog, simple_hardware(), least, config), simple_hardware())
+
+
+@pytest.mark.parametrize("bandwidth", [1e3, 1e6])
+def test_a_budget_only_the_eager_order_meets_is_planned_in_it(bandwidth):
+    """A small training-like step (found by fuzzing) where, at 80% of its peak, only the eager refined order is
+    feasible and the link is too slow for it to offload for free: the planner skipped that order's pass and
+    was left with no order at all (``min()`` of nothing). It must plan in the eager order instead."""
+    import dataclasses
+
+    from programs import op, program, value
+
+    from hyperoffload.ir import Phase, ValueKind
+
+    state, act, grad = ValueKind.OPTIMIZER_STATE, ValueKind.ACTIVATION, ValueKind.GRADIENT
+    values = [value(0, 172, state), value(1, 172, state, 0), value(2, 172, state, 0), value(3, 124),
+              value(4, 72, act), value(5, 188, act), value(6, 72, act, 4), value(7, 172, state, 0),
+              value(8, 172, state, 0), value(9, 152, grad), value(10, 36, grad), value(11, 72, act, 4),
+              value(12, 160, grad), value(13, 172, state, 0)]
+    forward, backward, optimizer = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
+    shape = [((0,), (1, 2, 3), (0,), forward, 1000, False), ((1, 3), (4, 5), (), forward, 1, False),
+             ((0, 4), (6,), (4,), forward, 10, True), ((0, 2), (7, 8), (), forward, 100, False),
+             ((3,), (9,), (), backward, 10000, True), ((0, 6, 9), (10,), (), backward, 1, False),
+             ((6, 8), (11, 12), (), optimizer, 10000, False), ((1, 2, 10), (13,), (2,), optimizer, 10000, False)]
+    ops = [dataclasses.replace(op(i, ins, outs, mutates, flops), phase=phase, random=random)
+           for i, (ins, outs, mutates, phase, flops, random) in enumerate(shape)]
+    prog = program(values, ops, [0], [3, 9])
+    hardware = simple_hardware(bw=bandwidth)
+    budget = int(memory_profile(prog).peak_bytes * 0.8)
+    plan = plan_hyperoffload(prog, hardware, budget)
+    verify(plan, hardware)
+    assert check_plan(plan).peak_bytes <= budget

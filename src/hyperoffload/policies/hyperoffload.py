@@ -336,8 +336,9 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     quick_config = replace(config, bandwidth_margins=config.bandwidth_margins[:1], refinements=0)
     # The eager order moves the second moments twice per step; only a link that can make offloading free at
     # this budget hides that, and elsewhere its pass would only cost planning time.
+    # Where it is the only order that meets the budget, it gets its pass all the same.
     considered = [f for f in feasible if not (tuple(f.order) == eager != anchored and not _offload_can_be_free(
-        program, hardware, int(budget.min()), first, times_by_op))]
+        program, hardware, int(budget.min()), first, times_by_op))] or feasible
     if len(considered) > 2:
         # Where the eager order is worth a pass (links fast enough to offload for free), the stretched start
         # never won; it would cost a pass of its own.
