@@ -56,3 +56,41 @@ def simple_hardware(*, bw=1e9, latency=0.0, duplex=1.0) -> Hardware:
     return Hardware(name="test", description="", memory_bytes=10**15, peak_flops={"float32": 1e9}, hbm_bw=1e30,
                     h2d_bw=bw, d2h_bw=bw, h2d_latency_s=latency, d2h_latency_s=latency, duplex_share=duplex,
                     launch_s=0.0, compute_efficiency=1.0, memory_efficiency=1.0)
+
+
+@st.composite
+def random_training_programs(draw):
+    """Random steps shaped like training: state inputs (parameters, optimizer state) that ops update in place,
+    forward, backward and optimizer phases, views, ops that draw random numbers, and activations and gradients
+    that later ops read; so plans may keep state in remote memory between steps."""
+    state_kinds = [ValueKind.PARAMETER, ValueKind.OPTIMIZER_STATE, ValueKind.INPUT]
+    n_inputs = draw(st.integers(1, 4))
+    values = [value(i, draw(st.integers(1, 64)) * 4, draw(st.sampled_from(state_kinds))) for i in range(n_inputs)]
+    n_ops = draw(st.integers(2, 12))
+    ops = []
+    for oid in range(n_ops):
+        phase = Phase.FORWARD if oid < n_ops // 2 else Phase.BACKWARD if oid < n_ops - 2 else Phase.OPTIMIZER
+        reads = sorted(set(draw(st.lists(st.integers(0, len(values) - 1), min_size=1, max_size=3))))
+        outs, mutates = [], []
+        writable = [r for r in reads if values[values[r].storage].kind is not ValueKind.INPUT]
+        if writable and draw(st.booleans()) and draw(st.booleans()):  # an in-place update: its result is a view
+            target = draw(st.sampled_from(writable))
+            mutates.append(target)
+            vid = len(values)
+            values.append(value(vid, values[target].nbytes, values[target].kind, storage=values[target].storage))
+            outs.append(vid)
+        for _ in range(draw(st.integers(0 if outs else 1, 2))):
+            vid = len(values)
+            if draw(st.integers(0, 4)) == 0:
+                source = values[reads[0]]
+                values.append(value(vid, source.nbytes, source.kind, storage=source.storage))
+            else:
+                kind = draw(st.sampled_from([ValueKind.ACTIVATION, ValueKind.TEMPORARY, ValueKind.GRADIENT]))
+                values.append(value(vid, draw(st.integers(0, 64)) * 4, kind))
+            outs.append(vid)
+        ops.append(Op(id=oid, name=f"op{oid}", target="test.op", inputs=tuple(reads), outputs=tuple(outs),
+                      mutates=tuple(mutates), phase=phase, flops=draw(st.sampled_from([1, 10, 100, 1000, 10000])),
+                      bytes_read=1, bytes_written=1, random=draw(st.integers(0, 9)) == 0))
+    made = list(range(n_inputs, len(values)))
+    outputs = draw(st.lists(st.sampled_from(made), min_size=1, max_size=2, unique=True))
+    return program(values, ops, list(range(n_inputs)), sorted(outputs))

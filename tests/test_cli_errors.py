@@ -248,7 +248,7 @@ def test_a_zero_rate_or_size_names_the_flag(capsys, args, flag):
 
 def test_an_nsa_block_below_the_compression_block_names_the_flag(capsys):
     err = user_error(capsys, ["inspect", "--workload", "tiny-deepseek", "--mode", "decode", "--nsa-block", "7"])
-    assert "--nsa-block 7" in err and "give 8 or more" in err
+    assert "block of 7 tokens (--nsa-block" in err and "give 8 or more" in err
 
 
 def test_kv_policies_on_a_training_step_say_they_plan_as_none(capsys):
@@ -280,9 +280,10 @@ def test_a_profile_file_names_itself_for_out_of_range_values_and_refuses_memory_
     base = ('name = "x"\nhbm_bw = "1TB/s"\nh2d_bw = "1GB/s"\nd2h_bw = "1GB/s"\nh2d_latency = "1us"\n'
             'd2h_latency = "1us"\nlaunch = "1us"\ncompute_efficiency = 0.5\nmemory_efficiency = 0.5\n'
             '[peak_flops]\nfloat32 = "1TFLOP/s"\n')
-    text.write_text('memory = 80\nduplex_share = 0.8\n' + base)
-    err = user_error(capsys, ["simulate", *TINY, "--hardware", str(text)])
-    assert str(text) in err and 'memory = "80GiB"' in err
+    for memory in ('80', '"80"'):  # a TOML number, or a string with no unit
+        text.write_text(f'memory = {memory}\nduplex_share = 0.8\n' + base)
+        err = user_error(capsys, ["simulate", *TINY, "--hardware", str(text)])
+        assert str(text) in err and 'memory = "80GiB"' in err
     text.write_text('memory = "80GiB"\nduplex_share = 1.7\n' + base)
     err = user_error(capsys, ["simulate", *TINY, "--hardware", str(text)])
     assert str(text) in err and "duplex_share must be in (0, 1]" in err

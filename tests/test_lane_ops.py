@@ -235,3 +235,5 @@ def test_plan_says_which_peak_the_excess_of_a_remote_kv_step_is_measured_from(ca
     out = " ".join(capsys.readouterr().out.split())  # as one line, whatever the console's wrapping
     assert "excess_bytes and bound_s are measured from this form's no-offload peak" in out
     assert "with the KV cache on the device the step peaks at" in out
+    # the link bound is of the form the plan runs: another form of the step can be faster than another's bound
+    assert "no plan of this form of the step (its KV cache remote), in any order, can beat link_bound_s" in out

@@ -21,7 +21,7 @@ from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_har
 from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth, parse_bytes, parse_duration
-from hyperoffload.variants import find_captured, kv_placement
+from hyperoffload.variants import find_captured, has_remote_kv, kv_placement
 from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_workload, get_workload, with_nsa_block
 from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION
 
@@ -461,6 +461,9 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         bound = window_bound(plan.program, hardware, budget, plan.compute_order())
         window, free_budget = bound.seconds, bound.free_budget_bytes
         any_order = link_bound(plan.program, hardware, budget).seconds
+    # A decode step with a remote-KV form is two programs; the bound is of the one this plan runs.
+    scope = ("no plan of this form of the step (its KV cache " + ("remote" if kv_placement(plan.program).get("kv")
+             == "remote" else "on the device") + "), in any order," if has_remote_kv(program) else "no plan in any order")
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
     if figures.steady_state:
@@ -518,7 +521,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                   f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}, step_s / window_bound_s "
                   f"= {figures.step_s / window:.3f} (no plan in this op order can beat window_bound_s "
                   f"{format_seconds(window)}); below {format_bytes(free_budget)} no plan in this order can "
-                  f"offload for free; no plan in any order can beat link_bound_s {format_seconds(any_order)} "
+                  f"offload for free; {scope} can beat link_bound_s {format_seconds(any_order)} "
                   f"(step_s / link_bound_s = {figures.step_s / any_order:.3f})")
     return 0
 
@@ -564,8 +567,10 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     program = _capture(args, err).program
     if names is not None:
         _note_policies(names, program, err)
-    if args.vary != "budget" and args.budget is not None:
-        _note_budget(args.budget, parse_budget(args.budget, program, hardware), program, hardware, err)
+    if args.vary in ("h2d-bw", "d2h-bw") and args.budget is not None:
+        # Only the device-memory note: the hideable budget changes with the bandwidth swept, and over NSA
+        # block sizes the step itself changes.
+        _note_budget("", parse_budget(args.budget, program, hardware), program, hardware, err)
 
     def recapture(value: str):
         args.nsa_block = int(value)  # checked by _check_sweep_values

@@ -11,9 +11,8 @@ each tensor right after its last use holds at that moment.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from weakref import WeakKeyDictionary
 
 from hyperoffload.ir import Program
@@ -44,8 +43,8 @@ class MemoryProfile:
     """First position where the peak is reached (-1 for a program with no ops)."""
     peak_storages: tuple[int, ...]
     """Ids of the storage-owning values live at the peak, largest first."""
-    storage_ranges: Mapping[int, LiveRange]
-    """Live range of each storage, keyed by the owning value's id (read-only: profiles are shared)."""
+    storage_ranges: dict[int, LiveRange]
+    """Live range of each storage, keyed by the owning value's id."""
 
 
 def _order(program: Program, order: Sequence[int] | None) -> tuple[int, ...]:
@@ -99,7 +98,9 @@ def memory_profile(program: Program, order: Sequence[int] | None = None) -> Memo
         cached = _CAPTURED_PROFILES.get(program)
         if cached is None:
             cached = _CAPTURED_PROFILES[program] = _memory_profile(program, None)
-        return cached
+        # Every other field is immutable; the caller gets a dict of its own (a copy costs little next to the
+        # analysis), so nothing it does reaches the next caller's profile.
+        return replace(cached, storage_ranges=dict(cached.storage_ranges))
     return _memory_profile(program, order)
 
 
@@ -128,4 +129,4 @@ def _memory_profile(program: Program, order: Sequence[int] | None) -> MemoryProf
     at_peak = [s for s, r in ranges.items() if peak_position in r] if n else []
     at_peak.sort(key=lambda s: (-program.values[s].alloc_bytes, s))
     return MemoryProfile(order=order, live_bytes=tuple(live), peak_bytes=peak, peak_position=peak_position,
-                         peak_storages=tuple(at_peak), storage_ranges=MappingProxyType(ranges))
+                         peak_storages=tuple(at_peak), storage_ranges=ranges)

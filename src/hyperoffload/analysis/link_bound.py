@@ -44,7 +44,9 @@ class LinkBound:
     """The bound and what sets it (seconds, bytes)."""
 
     seconds: float
-    """No plan of the program, in any order, steps faster under the budget (simulator semantics)."""
+    """No plan of the program, in any order, steps faster under the budget (simulator semantics), of those that
+    end the step with every input where it started (every policy's plans; see the module docstring). A
+    decode step's remote-KV form (``variants``) is another program, with a bound of its own."""
     compute_s: float
     peak_op: int
     """Id of the op the forced bytes are live at (where the captured step peaks; -1: no ops)."""

@@ -8,6 +8,8 @@ where each number comes from.
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import sys
 from collections.abc import Mapping
@@ -90,20 +92,25 @@ class Hardware:
         return dataclasses.replace(self, **changes, sources=MappingProxyType(sources))
 
 
+def _is_number(value: Any) -> bool:
+    """A TOML number, or a string that is only a number ("80"): either way, no unit."""
+    if isinstance(value, str):
+        return re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value) is not None
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
 def _bare_memory(value: Any) -> int:
     """A TOML number for ``memory``: bytes, but "memory = 80" surely meant 80 GiB, not 80 bytes; refuse
     anything under a mebibyte rather than plan for a device with no room."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"expected a size such as \"80GiB\", got {type(value).__name__}")
     if value < 2**20:
-        raise ValueError(f"a bare number is bytes, so this device would have {value} bytes; write the size with a "
-                         f"unit, e.g. memory = \"{value}GiB\"")
+        raise ValueError(f"a bare number is bytes, so this device would have {value:g} bytes; write the size with a "
+                         f"unit, e.g. memory = \"{value:g}GiB\"")
     return int(value)
 
 
 # How each TOML key is read: field name -> parser from a TOML value to the field's base unit.
 _READERS = {
-    "memory": ("memory_bytes", lambda v: parse_bytes(v) if isinstance(v, str) else _bare_memory(v)),
+    "memory": ("memory_bytes", lambda v: _bare_memory(float(v)) if _is_number(v) else parse_bytes(v)),
     "hbm_bw": ("hbm_bw", parse_bandwidth),
     "h2d_bw": ("h2d_bw", parse_bandwidth),
     "d2h_bw": ("d2h_bw", parse_bandwidth),

@@ -87,9 +87,9 @@ def with_nsa_block(workload: Workload, block: int | None) -> Workload:
                            f"{workload.name} has no NSA")
     if block < workload.config.nsa_cmp_block:
         # The config's own check names its fields; the user gave a flag.
-        raise CaptureError(f"--nsa-block {block}: a selection block must hold at least one compression block, "
-                           f"{workload.config.nsa_cmp_block} tokens in {workload.name}; give "
-                           f"{workload.config.nsa_cmp_block} or more")
+        raise CaptureError(f"an NSA selection block of {block} tokens (--nsa-block, --vary nsa-block) must hold at "
+                           f"least one compression block, {workload.config.nsa_cmp_block} tokens in {workload.name}; "
+                           f"give {workload.config.nsa_cmp_block} or more")
     try:
         config = dataclasses.replace(workload.config, nsa_sel_block=block)
     except ValueError as error:
