@@ -74,7 +74,7 @@ class PlannerConfig:
     """Give the plan a static arena layout (``hyperoffload.layout``) and re-plan for fewer live bytes where
     the arena rises above the budget until it fits: the budget then bounds reserved memory. Off by default:
     the packing loses 3-8% to fragmentation on llama3-8b training plans, and making room for that costs
-    0-6% of step time (2% at half the peak on h100-sxm) and planning takes 3-5x as long: it plans twice,
+    0-6% of step time (2% at half the peak on h100-sxm) and planning takes 2.5-4.5x as long: it plans twice,
     with prefetches as early as the live bytes allow and just in time, and keeps the faster
     (``bench/fragmentation.py --cost``)."""
     layout_attempts: int = 4
@@ -237,13 +237,14 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
     # of the packed arena (prefetch_into_arena), the step is often faster: llama3-8b training on h100-sxm,
     # 0.756 s against 0.830 s at 80% of the peak, and 2.73 s against 2.93 s at 20%; at other budgets it is
     # slower. Both are planned and the faster kept.
-    # The just-in-time plan searches only the execution order the first search chose (every margin): the
-    # order is what takes the time, and the same one has won both on every budget measured.
+    # The just-in-time plan searches only the execution order and bandwidth margin the first search chose: the
+    # order is what takes the time, and the same one has won both on every budget measured; trying every
+    # margin again changed no step time on llama3-8b training from 90% to 10% and cost 15-20% of planning.
     variants = [config, replace(config, early_prefetch=False)] if config.early_prefetch else [config]
-    found, failure, order = [], None, None
+    found, failure, hint = [], None, None
     for variant in variants:
         try:
-            plan, order, step_s = _plan_in_arena(program, hardware, budget_bytes, variant, order)
+            plan, hint, step_s = _plan_in_arena(program, hardware, budget_bytes, variant, hint)
             found.append((step_s, plan))
         except InfeasibleBudget as error:
             failure = failure or error
@@ -253,10 +254,12 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
 
 
 def _plan_in_arena(program: Program, hardware: Hardware, budget_bytes: int, config: PlannerConfig,
-                   order: tuple[int, ...] | None = None) -> tuple[Plan, tuple[int, ...], float]:
+                   given: tuple[tuple[int, ...], float | None] | None = None
+                   ) -> tuple[Plan, tuple[tuple[int, ...], float | None], float]:
     """The fastest plan found whose static arena fits ``budget_bytes`` (see ``_plan_program``), searched in
-    ``order`` only if given; the execution order it runs in, and its simulated step time (seconds)."""
-    plan, hint = _search(program, hardware, budget_bytes, config, None if order is None else (order, None))
+    the order and margin ``given`` only if given; the order and margin it was made with, and its simulated
+    step time (seconds)."""
+    plan, hint = _search(program, hardware, budget_bytes, config, given)
     first = _orders(program)[0]
     target: np.ndarray | None = None  # live bytes each position of the hint's order may hold
     floor: np.ndarray | None = None  # the least the planner can hold there (the hint's order never changes)
@@ -267,7 +270,7 @@ def _plan_in_arena(program: Program, hardware: Hardware, budget_bytes: int, conf
             # The arena may have room the live-byte schedule left unused: prefetch into it where that
             # simulates faster (earlier is not always faster: the H2D lane may be busy with more urgent work).
             moved, _ = prefetch_into_arena(plan, layout)
-            chosen = tuple(hint[0]) if hint else first
+            chosen = (tuple(hint[0]), hint[1]) if hint else (first, None)
             step_s = simulate(plan, hardware).figures.step_s
             moved_s = simulate(moved, hardware).figures.step_s if moved is not plan else step_s
             return (moved, chosen, moved_s) if moved_s < step_s else (plan, chosen, step_s)
