@@ -108,3 +108,23 @@ def test_roofline_takes_the_slower_of_compute_and_memory_plus_launch():
 
 def test_transfer_time_is_latency_plus_bytes_over_bandwidth():
     assert transfer_time(10**9, 50e9, 8e-6) == pytest.approx(0.02 + 8e-6)
+
+
+def test_the_detail_table_shows_profile_file_keys_whose_values_read_back():
+    """A row of ``hardware NAME`` can be copied into a profile file: its key is one the file takes and its
+    value, units and all, reads back to the profile's figure (to the table's rounding)."""
+    import pytest
+
+    from hyperoffload.hardware.profile import _OPTIONAL, _READERS
+    from hyperoffload.report.hardware import hardware_detail
+
+    h = get_hardware("h100-sxm").replace(issue_s=2e-6)  # issue is optional: shown where set
+    table = hardware_detail(h)
+    keys, values = table.columns[0]._cells, table.columns[1]._cells
+    readers = {**_READERS, **_OPTIONAL}
+    assert "issue" in keys and set(keys) - {"peak_flops"} <= set(readers)
+    for key, text in zip(keys, values):
+        if key == "peak_flops":
+            continue
+        field, read = readers[key]
+        assert read(text) == pytest.approx(getattr(h, field), rel=1e-2), key

@@ -20,25 +20,29 @@ def hardware_list(profiles: list[Hardware]) -> Table:
 
 
 def hardware_detail(h: Hardware) -> Table:
+    """Every figure of ``h`` under the key a profile file gives it, in the units a file may write, so a row
+    can be copied into a file of one's own (``--json`` gives the dataclass fields in base units instead)."""
     table = Table(title=f"{h.name}: {h.description}", title_justify="left")
-    table.add_column("field")
+    table.add_column("key")
     table.add_column("value", justify="right")
     table.add_column("source")
     src = lambda f: h.sources.get(f, "")  # noqa: E731
     flops = ", ".join(f"{dtype} {rate / 1e12:.4g} TFLOP/s" for dtype, rate in h.peak_flops.items())
     rows = [
-        ("memory_bytes", format_bytes(h.memory_bytes)),
-        ("peak_flops", flops),
-        ("hbm_bw", format_bandwidth(h.hbm_bw)),
-        ("h2d_bw", format_bandwidth(h.h2d_bw)),
-        ("d2h_bw", format_bandwidth(h.d2h_bw)),
-        ("h2d_latency_s", format_seconds(h.h2d_latency_s)),
-        ("d2h_latency_s", format_seconds(h.d2h_latency_s)),
-        ("duplex_share", f"{h.duplex_share:g}"),
-        ("launch_s", format_seconds(h.launch_s)),
-        ("compute_efficiency", f"{h.compute_efficiency:g}"),
-        ("memory_efficiency", f"{h.memory_efficiency:g}"),
+        ("memory", "memory_bytes", format_bytes(h.memory_bytes)),
+        ("peak_flops", "peak_flops", flops),
+        ("hbm_bw", "hbm_bw", format_bandwidth(h.hbm_bw)),
+        ("h2d_bw", "h2d_bw", format_bandwidth(h.h2d_bw)),
+        ("d2h_bw", "d2h_bw", format_bandwidth(h.d2h_bw)),
+        ("h2d_latency", "h2d_latency_s", format_seconds(h.h2d_latency_s)),
+        ("d2h_latency", "d2h_latency_s", format_seconds(h.d2h_latency_s)),
+        ("duplex_share", "duplex_share", f"{h.duplex_share:g}"),
+        ("launch", "launch_s", format_seconds(h.launch_s)),
+        ("compute_efficiency", "compute_efficiency", f"{h.compute_efficiency:g}"),
+        ("memory_efficiency", "memory_efficiency", f"{h.memory_efficiency:g}"),
     ]
-    for field, value in rows:
-        table.add_row(field, value, src(field))
+    if h.issue_s:  # optional in a file; shown where it is set
+        rows.append(("issue", "issue_s", format_seconds(h.issue_s)))
+    for key, field, value in rows:
+        table.add_row(key, value, src(field))
     return table
