@@ -36,7 +36,7 @@ from hyperoffload.policies import get_policy
 from hyperoffload.runtime import EmulatedLink
 from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor, measure_run
 from hyperoffload.simulate import simulate
-from hyperoffload.units import parse_bandwidth
+from hyperoffload.units import parse_bandwidth, parse_duration
 from hyperoffload.workloads import capture_workload, get_workload
 
 
@@ -45,8 +45,10 @@ def main(argv=None) -> int:
     parser.add_argument("--workload", default="tiny-llama")
     parser.add_argument("--budget", default="50%")
     parser.add_argument("--policy", default="hyperoffload")
-    parser.add_argument("--links", default="4GB/s,2GB/s,1GB/s,500MB/s,250MB/s,100MB/s")
-    parser.add_argument("--latency", type=float, default=50e-6, help="seconds per copy (default 50e-6)")
+    parser.add_argument("--links", default="4GB/s,2GB/s,1GB/s,500MB/s,250MB/s,100MB/s",
+                        help="comma-separated link speeds, as run's --link takes one")
+    parser.add_argument("--copy-latency", type=parse_duration, default="50us",
+                        help="per copy, as run's --copy-latency (default 50us)")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     errors = []
     # What ops cost through the executor does not depend on the link: measured once, for every speed (measured
     # costs stay with a profile through Hardware.replace, which keeps its name).
-    base = base.replace(h2d_latency_s=args.latency, d2h_latency_s=args.latency)
+    base = base.replace(h2d_latency_s=args.copy_latency, d2h_latency_s=args.copy_latency)
     calibrated = for_executor(base, program, dispatch, issue, inputs=captured.inputs)
     for text in args.links.split(","):
         bw = parse_bandwidth(text)
