@@ -166,3 +166,14 @@ def test_impossible_sizes_are_rejected():
         capture_workload(TINY, "train", batch=2.5)
     with pytest.raises(CaptureError, match="unknown mode"):
         capture_workload(TINY, "serve")
+
+
+def test_sizes_a_step_would_not_use_are_refused_not_ignored():
+    """From Python as from the command line: seq= on a decode step (or context= on a training step) would
+    otherwise leave the size the user meant at the preset's without a word."""
+    with pytest.raises(CaptureError, match="give context=100 instead"):
+        capture_workload(TINY, "decode", seq=100)
+    with pytest.raises(CaptureError, match="give seq=100 instead"):
+        capture_workload(TINY, "prefill", context=100)
+    with pytest.raises(CaptureError, match="has no optimizer"):
+        capture_workload(TINY, "decode", master_weights=True)

@@ -37,6 +37,17 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
         raise CaptureError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if remote_kv and mode != "decode":
         raise CaptureError(f"a remote KV cache is captured for decode only, not {mode}")
+    # A size the step would not use is refused, not ignored: seq= on a decode step would otherwise leave the
+    # context at the preset's and say nothing.
+    if mode == "decode" and seq is not None:
+        raise CaptureError(f"seq (--seq) sizes train and prefill steps; a decode step feeds one token per sequence "
+                           f"after context (--context) cached tokens: give context={seq} instead")
+    if mode != "decode" and context is not None:
+        raise CaptureError(f"context (--context) sizes decode steps; a {mode} step takes seq (--seq) tokens per "
+                           f"sequence: give seq={context} instead")
+    if master_weights and mode != "train":
+        raise CaptureError(f"master_weights (--master-weights) adds an fp32 copy of the weights to a training step's "
+                           f"optimizer; a {mode} step has no optimizer: drop it")
     batch = workload.batch if batch is None else batch
     seq = workload.seq if seq is None else seq
     context = workload.context if context is None else context
