@@ -1,7 +1,7 @@
 import json
 import subprocess
-from importlib.metadata import version
 import sys
+from importlib.metadata import version
 
 import pytest
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from programs import op, program, value
 
+from hyperoffload.compare import sweep
 from hyperoffload.hardware import get_hardware
 from hyperoffload.ir import Op, ValueKind
-from hyperoffload.compare import sweep
 from hyperoffload.plans import Instr, Kind, Plan, plan_without_offload
 from hyperoffload.report.compare import sweep_table
 from hyperoffload.report.plot import plot_timeline, timeline_figure

@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan, simulate and run offloading of a training or inference step to remote memory.")
     # The installed distribution's version; the package's own __version__ (pyproject's) from an uninstalled tree.
     from importlib.metadata import distributions
+
     from hyperoffload import __version__
     parser.add_argument("--version", action="version", version="%(prog)s " + next(
         (d.version for d in distributions(name="hyperoffload")), __version__))
@@ -438,8 +439,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.analysis.link_bound import link_bound
     from hyperoffload.analysis.window_bound import window_bound
     from hyperoffload.budgets import parse_budget
-    from hyperoffload.units import format_seconds
     from hyperoffload.report.figures import figures_table
+    from hyperoffload.units import format_seconds
     from hyperoffload.verify import verify
 
     hardware = hardware_from_args(args)
@@ -462,8 +463,9 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         window, free_budget = bound.seconds, bound.free_budget_bytes
         any_order = link_bound(plan.program, hardware, budget).seconds
     # A decode step with a remote-KV form is two programs; the bound is of the one this plan runs.
-    scope = ("no plan of this form of the step (its KV cache " + ("remote" if kv_placement(plan.program).get("kv")
-             == "remote" else "on the device") + "), in any order," if has_remote_kv(program) else "no plan in any order")
+    kv_where = "remote" if kv_placement(plan.program).get("kv") == "remote" else "on the device"
+    scope = (f"no plan of this form of the step (its KV cache {kv_where}), in any order," if has_remote_kv(program)
+             else "no plan in any order")
     figures = timeline.figures
     title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
     if figures.steady_state:
@@ -684,8 +686,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.analysis import memory_profile
     from hyperoffload.budgets import parse_budget
     from hyperoffload.runtime import BudgetExceeded, EmulatedLink, TransferError
-    from hyperoffload.runtime.measure import (RunConfig, executor_dispatch_s, executor_issue_s, for_executor,
-                                              measure_run)
+    from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor, measure_run
     from hyperoffload.simulate import simulate
     from hyperoffload.units import format_bandwidth, format_seconds
     from hyperoffload.verify import verify

@@ -8,23 +8,26 @@ and whatever order it runs the ops in:
   (in training, the first op of the backward pass). Every order runs the ops it depends on before it
   and the ops that depend on it after it, so a storage made by one of the first and used by one of
   the second (or by the peak op itself), a step output made by one of the first, and every input and
-  constant (the caller holds them across the step), is live while it runs. Of those *forced* bytes, all above the budget must be off the device there.
-* **Those bytes cross the link both ways.** A storage off the device at the peak op was sent out after
-  it was last written, in this step or, for state kept remote, the previous one (a storage the step
-  never writes needs no offload: its remote copy stays current), and comes back if anything after the
-  peak op reads it. Per step, that is: the bound is for plans that end the step with every input where
-  it started, so that they can run step after step (every policy's plans do, and the simulator times
-  those that keep state remote in steady state); a plan that starts state remote and leaves it on the
-  device has sent it out in no step at all. While both directions copy, each gets ``duplex_share`` of its bandwidth
-  (``Hardware.duplex_share``), so moving ``d`` seconds of D2H and ``h`` seconds of H2D (each at full
-  speed alone) takes at least ``min(d, h) / share + |d - h|`` seconds, or ``d + h`` where the share is at
-  most one half and copying one direction at a time is faster.
+  constant (the caller holds them across the step), is live while it runs. Of those *forced* bytes,
+  all above the budget must be off the device there (and none of what the peak op itself touches).
+* **Those bytes cross the link both ways.** A storage off the device at the peak op was sent out
+  after it was last written, in this step or, for state kept remote, the previous one (a storage the
+  step never writes needs no offload: its remote copy stays current), and comes back if anything
+  after the peak op reads it. Per step, that is: the bound is for plans that end the step with every
+  input where it started, so that they can run step after step (every policy's plans do, and the
+  simulator times those that keep state remote in steady state); a plan that starts state remote and
+  leaves it on the device has sent it out in no step at all. While both directions copy, each gets
+  ``duplex_share`` of its bandwidth (``Hardware.duplex_share``), so moving ``d`` seconds of D2H and
+  ``h`` seconds of H2D (each at full speed alone) takes at least ``min(d, h) / share + |d - h|``
+  seconds, or ``d + h`` where the share is at most one half and copying one direction at a time is
+  faster.
 
-The bound is the larger of the step's compute time and that copy time. It holds for every plan of the
-program (every op on the device, each storage moved whole) because it depends on neither the order nor
-the schedule; the window bound (``window_bound``) is tighter for one order, since it also knows when
-the copies can run. It is what rules out ``step_s <= 1.05 x bound_s`` on a link-bound step wherever the
-link shares both ways: there it is ``bound_s x forced_excess / excess / duplex_share`` or more.
+The bound is the larger of the step's compute time and that copy time. It holds for every plan of
+the program (every op on the device, each storage moved whole) because it depends on neither the
+order nor the schedule; the window bound (``window_bound``) is usually tighter for one order, since it
+also knows when the copies can run. It is what rules out ``step_s <= 1.05 x bound_s`` on a link-bound
+step wherever the link shares both ways: where the forced bytes are the whole peak and all of them
+cross both ways, it is ``bound_s / duplex_share``.
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ where each number comes from.
 
 from __future__ import annotations
 
-import re
-
 import dataclasses
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
