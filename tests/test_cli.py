@@ -157,3 +157,17 @@ def test_version_prints_the_installed_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out == f"hyperoffload {version('hyperoffload')}\n"
+
+
+def test_version_falls_back_to_the_package_version_from_an_uninstalled_tree(capsys, monkeypatch):
+    """Run from a source tree that was never installed (``PYTHONPATH=src``, as on a GPU machine), no
+    distribution is found and the package's own version is printed."""
+    import importlib.metadata
+
+    import hyperoffload
+
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **_: iter(()))
+    monkeypatch.setattr(hyperoffload, "__version__", "9.9.9")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == "hyperoffload 9.9.9\n"
