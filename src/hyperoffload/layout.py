@@ -271,11 +271,10 @@ def _skyline(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.
     # Candidates in start order (ties by index, as a stable sort leaves them); a placed block's end
     # becomes ``never`` so that it fits no stretch.
     by_start = np.argsort(s, kind="stable")
-    first_from = np.searchsorted(s[by_start], np.arange(spans + 1)).tolist()  # span -> first candidate starting there or later
+    # span -> the first candidate starting there or later
+    first_from = np.searchsorted(s[by_start], np.arange(spans + 1)).tolist()
     ends = e[by_start]
-    ends_list = ends.tolist()
     ranked = priority[by_start]
-    ranked_list = ranked.tolist()
     block = by_start.tolist()
     s_list, e_list, size_list = s.tolist(), e.tolist(), size.tolist()
     offsets = np.empty(size.size, np.int64)
@@ -287,7 +286,7 @@ def _skyline(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.
             continue
         hi = run_end[lo]
         a, b = first_from[lo], first_from[hi]
-        pick = _best_fit(ends, ends_list, ranked, ranked_list, a, b, hi)
+        pick = _best_fit(ends, ranked, a, b, hi)
         if pick < 0:  # nothing fits: raise the stretch to its lower neighbour, which it joins
             before = run_before[lo]
             raised = min(run_height[before] if before >= 0 else never, run_height[hi])
@@ -296,7 +295,6 @@ def _skyline(start: np.ndarray, end: np.ndarray, size: np.ndarray, priority: np.
             continue
         i = block[pick]
         ends[pick] = never
-        ends_list[pick] = never
         offsets[i] = level
         left -= 1
         si, ei = s_list[i], e_list[i]
@@ -352,16 +350,9 @@ def _set_run(run_end: list[int], run_height: list[int], run_before: list[int], l
     heapq.heappush(heap, (level, lo))
 
 
-def _best_fit(ends: np.ndarray, ends_list: list[int], ranked: np.ndarray, ranked_list: list, a: int, b: int,
-              hi: int) -> int:
+def _best_fit(ends: np.ndarray, ranked: np.ndarray, a: int, b: int, hi: int) -> int:
     """Of candidates ``a`` to ``b`` (in start order), the first of highest rank that ends by span ``hi``;
-    -1 if none does. A short range is scanned in Python, where numpy's per-call cost would dominate."""
-    if b - a <= 24:
-        pick, best = -1, None
-        for j in range(a, b):
-            if ends_list[j] <= hi and (best is None or ranked_list[j] > best):
-                pick, best = j, ranked_list[j]
-        return pick
+    -1 if none does."""
     fits = np.flatnonzero(ends[a:b] <= hi)
     if fits.size == 0:
         return -1
@@ -428,24 +419,18 @@ def _sweep(start: np.ndarray, end: np.ndarray, size: np.ndarray, ceiling: int) -
 def _sweep_choice(fit: np.ndarray, gap: np.ndarray, low: np.ndarray, high: np.ndarray, ends: np.ndarray, e: int,
                   need: int, never: int) -> int:
     """``_sweep``'s offset among gaps ``fit`` (see there): the place whose neighbour ends soonest after
-    ``e``, then the smaller gap, then bottom-aligned places before top-aligned ones, lower gaps first."""
+    ``e``, then the smaller gap, then bottom-aligned places before top-aligned ones, lower gaps first.
+    Outliving the neighbour leaves a hole when it goes: worse than any neighbour that lasts."""
     f = fit.size
-    if f <= 16:  # few places: cheaper in Python than in numpy calls
-        fits, gaps, under, over = fit.tolist(), gap[fit].tolist(), ends[fit].tolist(), ends[fit + 1].tolist()
-        best = None
-        for k, neighbour in enumerate(under + over):
-            cost = neighbour - e if neighbour >= e else never // 2 + (e - neighbour)
-            key = (cost, gaps[k % f], k)
-            if best is None or key < best:
-                best = key
-        k = best[2]
-        return int(high[fits[k]]) if k < f else int(low[fits[k - f]]) - need
-    neighbour = np.concatenate((ends[fit], ends[fit + 1]))  # bottom-aligned: the block under the gap; top: over it
-    # Outliving the neighbour leaves a hole when it goes: worse than any neighbour that lasts.
-    cost = np.where(neighbour >= e, neighbour - e, never // 2 + (e - neighbour))
-    gaps = gap[fit]
-    k = int(np.lexsort((np.concatenate((gaps, gaps)), cost))[0])
-    return int(high[fit[k]]) if k < f else int(low[fit[k - f]]) - need
+    fits, gaps, under, over = fit.tolist(), gap[fit].tolist(), ends[fit].tolist(), ends[fit + 1].tolist()
+    best = None
+    for k, neighbour in enumerate(under + over):  # bottom-aligned: the block under the gap; top: over it
+        cost = neighbour - e if neighbour >= e else never // 2 + (e - neighbour)
+        key = (cost, gaps[k % f], k)
+        if best is None or key < best:
+            best = key
+    k = best[2]
+    return int(high[fits[k]]) if k < f else int(low[fits[k - f]]) - need
 
 
 def _live_peak_arrays(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> int:
