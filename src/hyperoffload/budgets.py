@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 from hyperoffload.analysis import memory_profile
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
-from hyperoffload.units import format_bytes, parse_bytes
+from hyperoffload.units import format_bytes, parse_bytes, unitless
 
 
 def hideable_budget(program: Program, hardware: Hardware | str) -> int:
@@ -53,7 +51,8 @@ def parse_budget(text: str, program: Program, hardware: Hardware | str) -> int:
         if not 0 < share <= 100:
             raise ValueError(f"a budget percentage must be in (0, 100], got {text}")
         return int(memory_profile(program).peak_bytes * share / 100)
-    if re.fullmatch(r"[0-9]*\.?[0-9]+", text) and 0 < float(text) <= 100:
+    bare = unitless(text)
+    if bare is not None and 0 < bare <= 100:
         # A bare number is bytes, and no step fits in 100 bytes: a share of the peak was almost surely meant.
         raise ValueError(f"a budget of {text} reads as {text} bytes; for a share of the no-offload peak write {text}%, "
                          f"for a size add a unit (40GiB, 60GB)")

@@ -417,13 +417,18 @@ def _note_policies(names, program, err: Console) -> None:
 
 def _note_budget(text: str, budget: int, program, hardware, err: Console) -> None:
     """Notes on stderr (so ``--json`` output stays one object) about the budget ``text`` came to: when "hideable"
-    is the smallest feasible budget instead, and when the budget is more than the device has (the figures are
-    then a what-if: the tables of budgets as shares of the no-offload peak go there on purpose)."""
+    is the smallest feasible budget instead, and when the budget is more than the device has."""
     from hyperoffload.budgets import hideable_note
 
     note = hideable_note(program, hardware) if text.strip().lower() == "hideable" else None
     if note:
         err.print(f"[yellow]note: {note}[/yellow]", highlight=False, soft_wrap=True)
+    _note_over_device(budget, hardware, err)
+
+
+def _note_over_device(budget: int, hardware, err: Console) -> None:
+    """Say so when the budget is more than the device has: the figures are then a what-if (the tables of
+    budgets as shares of the no-offload peak go there on purpose)."""
     if budget > hardware.memory_bytes:
         err.print(f"[yellow]note: the budget, {format_bytes(budget)}, is more than {hardware.name}'s "
                   f"{format_bytes(hardware.memory_bytes)} of device memory: a plan for it does not fit that device. "
@@ -572,7 +577,7 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.vary in ("h2d-bw", "d2h-bw") and args.budget is not None:
         # Only the device-memory note: the hideable budget changes with the bandwidth swept, and over NSA
         # block sizes the step itself changes.
-        _note_budget("", parse_budget(args.budget, program, hardware), program, hardware, err)
+        _note_over_device(parse_budget(args.budget, program, hardware), hardware, err)
 
     def recapture(value: str):
         args.nsa_block = int(value)  # checked by _check_sweep_values

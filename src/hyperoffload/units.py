@@ -30,6 +30,13 @@ def _size(text: str) -> float | None:
     return float(match.group(1)) * _UNITS[unit]
 
 
+def unitless(text: str) -> float | None:
+    """The number ``text`` is, if it is a bare number with no unit ("80", "1e3"); else None. A bare number
+    reads as bytes, which is rarely what a short one meant: callers that can tell say so."""
+    match = _SIZE.match(text)
+    return float(match.group(1)) if match and not match.group(2) else None
+
+
 def parse_bytes(text: str) -> int:
     """``"40GiB"`` -> 42949672960, ``"60GB"`` -> 60000000000, ``"1024"`` -> 1024 (bytes)."""
     value = _size(text)

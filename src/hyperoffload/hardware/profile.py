@@ -9,7 +9,6 @@ where each number comes from.
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from hyperoffload.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
+from hyperoffload.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops, unitless
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,25 +90,22 @@ class Hardware:
         return dataclasses.replace(self, **changes, sources=MappingProxyType(sources))
 
 
-def _is_number(value: Any) -> bool:
-    """A TOML number, or a string that is only a number ("80"): either way, no unit."""
-    if isinstance(value, str):
-        return re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value) is not None
-    return not isinstance(value, bool) and isinstance(value, (int, float))
-
-
-def _bare_memory(value: Any) -> int:
-    """A TOML number for ``memory``: bytes, but "memory = 80" surely meant 80 GiB, not 80 bytes; refuse
-    anything under a mebibyte rather than plan for a device with no room."""
-    if value < 2**20:
-        raise ValueError(f"a bare number is bytes, so this device would have {value:g} bytes; write the size with a "
-                         f"unit, e.g. memory = \"{value:g}GiB\"")
-    return int(value)
+def _read_memory(value: Any) -> int:
+    """``memory``: a size with a unit, or a bare number (a TOML number or "80"), which is bytes; but
+    "memory = 80" surely meant 80 GiB, not 80 bytes: a bare number under a mebibyte is refused rather than
+    planned for a device with no room."""
+    bare = unitless(value) if isinstance(value, str) else float(value)
+    if bare is None:
+        return parse_bytes(value)
+    if bare < 2**20:
+        raise ValueError(f"a bare number is bytes, so this device would have {bare:g} bytes; write the size with a "
+                         f"unit, e.g. memory = \"{bare:g}GiB\"")
+    return int(bare)
 
 
 # How each TOML key is read: field name -> parser from a TOML value to the field's base unit.
 _READERS = {
-    "memory": ("memory_bytes", lambda v: _bare_memory(float(v)) if _is_number(v) else parse_bytes(v)),
+    "memory": ("memory_bytes", _read_memory),
     "hbm_bw": ("hbm_bw", parse_bandwidth),
     "h2d_bw": ("h2d_bw", parse_bandwidth),
     "d2h_bw": ("d2h_bw", parse_bandwidth),

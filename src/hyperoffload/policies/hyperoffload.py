@@ -136,8 +136,18 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
     """The smallest budget (bytes) this planner can meet with the ops in ``order`` (default: the
     order the planner would try first and last, captured and refined; the smaller), and what sets it."""
     if order is None:
-        return min((minimum_budget(program, config, o) for o in candidate_orders(program)), key=lambda r: r[0])
+        # Asked again for the same program (the hideable budget, and then why it is what it is; every row of a
+        # table of budgets): the default question is answered once per program.
+        cached = _MINIMUM.get(program) if config == PlannerConfig() else None
+        if cached is None:
+            cached = min((minimum_budget(program, config, o) for o in candidate_orders(program)), key=lambda r: r[0])
+            if config == PlannerConfig():
+                _MINIMUM[program] = cached
+        return cached
     return _minimum(program, _order_facts(program, order, config))
+
+
+_MINIMUM: WeakKeyDictionary[Program, tuple[int, str]] = WeakKeyDictionary()
 
 
 def _unavoidable(facts: _OrderFacts) -> np.ndarray:
