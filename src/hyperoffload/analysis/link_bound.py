@@ -86,18 +86,21 @@ def _closure(start: int, edges) -> set[int]:
 
 
 def _forced(program: Program) -> _Forced:
+    """What the bound needs of ``program`` whatever the budget and hardware, computed once per program."""
     cached = _FORCED.get(program)
-    if cached is not None:
-        return cached
+    if cached is None:
+        cached = _FORCED[program] = _forced_of(program)
+    return cached
+
+
+def _forced_of(program: Program) -> _Forced:
     values = program.values
     # Inputs and constants are held by the caller for the whole step; outputs only once they are made.
     state = {values[v].storage for v in (*program.inputs, *program.constants)}
     outputs = {values[v].storage for v in program.outputs}
     profile = memory_profile(program)
     if profile.peak_position < 0:
-        found = _Forced(-1, sum(values[s].alloc_bytes for s in state), 0, 0)
-        _FORCED[program] = found
-        return found
+        return _Forced(-1, sum(values[s].alloc_bytes for s in state), 0, 0)
     peak_op = profile.order[profile.peak_position]
     before = _closure(peak_op, program.dependencies())
     after = _closure(peak_op, program.dependents())
@@ -109,11 +112,9 @@ def _forced(program: Program) -> _Forced:
     movable = forced - touched[peak_op]
     read_after = set().union(*(read[a] for a in after))
     ever_written = set().union(*written) | made_before  # made: written as it is made
-    found = _Forced(peak_op=peak_op, forced=sum(values[s].alloc_bytes for s in forced),
-                    never_written=sum(values[s].alloc_bytes for s in movable if s not in ever_written),
-                    not_read_after=sum(values[s].alloc_bytes for s in movable if s not in read_after))
-    _FORCED[program] = found
-    return found
+    return _Forced(peak_op=peak_op, forced=sum(values[s].alloc_bytes for s in forced),
+                   never_written=sum(values[s].alloc_bytes for s in movable if s not in ever_written),
+                   not_read_after=sum(values[s].alloc_bytes for s in movable if s not in read_after))
 
 
 _FORCED: WeakKeyDictionary[Program, _Forced] = WeakKeyDictionary()

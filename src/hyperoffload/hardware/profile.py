@@ -118,6 +118,8 @@ _READERS = {
 }
 # Keys a profile may leave out (the field's default applies).
 _OPTIONAL = {"issue": ("issue_s", parse_duration)}
+FILE_KEYS = {name: key for key, (name, _) in {**_READERS, **_OPTIONAL}.items()}
+"""Field name -> the key a profile file gives it (``memory_bytes`` -> ``memory``)."""
 
 
 def hardware_from_dict(data: Mapping[str, Any], *, origin: str) -> Hardware:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from hyperoffload.hardware import Hardware
+from hyperoffload.hardware.profile import FILE_KEYS
 from hyperoffload.units import format_bandwidth, format_bytes, format_seconds
 
 
@@ -29,20 +30,20 @@ def hardware_detail(h: Hardware) -> Table:
     src = lambda f: h.sources.get(f, "")  # noqa: E731
     flops = ", ".join(f"{dtype} {rate / 1e12:.4g} TFLOP/s" for dtype, rate in h.peak_flops.items())
     rows = [
-        ("memory", "memory_bytes", format_bytes(h.memory_bytes)),
-        ("peak_flops", "peak_flops", flops),
-        ("hbm_bw", "hbm_bw", format_bandwidth(h.hbm_bw)),
-        ("h2d_bw", "h2d_bw", format_bandwidth(h.h2d_bw)),
-        ("d2h_bw", "d2h_bw", format_bandwidth(h.d2h_bw)),
-        ("h2d_latency", "h2d_latency_s", format_seconds(h.h2d_latency_s)),
-        ("d2h_latency", "d2h_latency_s", format_seconds(h.d2h_latency_s)),
-        ("duplex_share", "duplex_share", f"{h.duplex_share:g}"),
-        ("launch", "launch_s", format_seconds(h.launch_s)),
-        ("compute_efficiency", "compute_efficiency", f"{h.compute_efficiency:g}"),
-        ("memory_efficiency", "memory_efficiency", f"{h.memory_efficiency:g}"),
+        ("memory_bytes", format_bytes(h.memory_bytes)),
+        ("peak_flops", flops),
+        ("hbm_bw", format_bandwidth(h.hbm_bw)),
+        ("h2d_bw", format_bandwidth(h.h2d_bw)),
+        ("d2h_bw", format_bandwidth(h.d2h_bw)),
+        ("h2d_latency_s", format_seconds(h.h2d_latency_s)),
+        ("d2h_latency_s", format_seconds(h.d2h_latency_s)),
+        ("duplex_share", f"{h.duplex_share:g}"),
+        ("launch_s", format_seconds(h.launch_s)),
+        ("compute_efficiency", f"{h.compute_efficiency:g}"),
+        ("memory_efficiency", f"{h.memory_efficiency:g}"),
     ]
     if h.issue_s:  # optional in a file; shown where it is set
-        rows.append(("issue", "issue_s", format_seconds(h.issue_s)))
-    for key, field, value in rows:
-        table.add_row(key, value, src(field))
+        rows.append(("issue_s", format_seconds(h.issue_s)))
+    for field, value in rows:
+        table.add_row(FILE_KEYS.get(field, field), value, src(field))
     return table
