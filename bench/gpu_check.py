@@ -78,7 +78,8 @@ class CudaDevice:
     memory_stats = True
     """Whether the allocator's statistics are real (the memory figures are None where they are not)."""
 
-    def transfers(self):
+    def transfers(self, hardware):
+        """The copy engines the steps run on; ``hardware`` is the profile they are simulated on."""
         from hyperoffload.runtime.cuda_streams import CudaStreams
 
         return CudaStreams()
@@ -107,8 +108,8 @@ class DryRunDevice(CudaDevice):
     type = "cpu"
     memory_stats = False
 
-    def transfers(self):
-        return EmulatedLink(h2d_bw=DRY_RUN_BW, d2h_bw=DRY_RUN_BW, h2d_latency_s=20e-6, d2h_latency_s=20e-6)
+    def transfers(self, hardware):
+        return EmulatedLink.for_hardware(hardware)  # the link the steps are simulated on
 
     def place(self, plan, inputs) -> list[torch.Tensor]:
         return [t.clone() for t in inputs]
@@ -129,7 +130,7 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int, de
     sim = simulate(plan, hardware).figures
     unplanned = plan_without_offload(program)
 
-    with AsyncExecutor(dev.transfers()) as executor:
+    with AsyncExecutor(dev.transfers(hardware)) as executor:
         # Reference and noise floor: the unplanned step twice, in place, on the GPU.
         ref_inputs = [t.clone() for t in captured.inputs]
         ref = executor.run(unplanned, ref_inputs)
@@ -267,9 +268,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="the same checks on the CPU with an emulated link, tiny-llama only (checks the script)")
     args = parser.parse_args(argv)
+    link = {}
     if args.dry_run:
         dev, workloads = DryRunDevice(), (get_workload("tiny-llama"),)
         preset = args.hardware or "h200"
+        link = {"h2d_bw": DRY_RUN_BW, "d2h_bw": DRY_RUN_BW}  # the emulated link, which is what the steps run on
     elif not torch.cuda.is_available():
         print("gpu-check: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to check")
         return 0
@@ -280,7 +283,7 @@ def main(argv=None) -> int:
         if preset is None:
             preset = "h100-sxm"
             print(f"gpu-check: no profile matches {name!r}; simulating on {preset} (pass --hardware to choose)")
-    hardware = get_hardware(preset)
+    hardware = get_hardware(preset).replace(**link)
     results = []
     for workload in workloads:
         r = check(workload, hardware, args.budget, args.steps, args.warmup, dev)

@@ -240,7 +240,7 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
     issues: dict[str, list[float]] = {n: [] for n in runnable}
     peaks: dict[str, int] = dict.fromkeys(runnable, 0)
     memory: dict[str, tuple[int, int]] = dict.fromkeys(runnable, (0, 0))
-    with AsyncExecutor(dev.transfers()) as executor:
+    with AsyncExecutor(dev.transfers(hardware)) as executor:
         for name, plan in runnable.items():
             executor.prepare(plan, arena=name == ARENA)
         progress("first steps (exactness)")

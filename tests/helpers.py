@@ -62,3 +62,17 @@ def assert_no_plan_beats(bound_s, prog, hardware, budget: int) -> None:
         assert not plan.initial_remote or _keeps_state_remote(plan), name
         seconds = bound_s(plan.compute_order())
         assert seconds <= figures.step_s * (1 + 1e-9) + 1e-12, (name, seconds, figures.step_s)
+
+
+def load_bench_script(name: str):
+    """``bench/<name>.py`` as a module (the bench folder is not a package), registered under ``name`` in
+    ``sys.modules``: dataclasses, and a script importing its sibling, look their module up there."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

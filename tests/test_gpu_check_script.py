@@ -4,23 +4,13 @@ figures) on the CPU with an emulated link, and every one must pass."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-
-def _script():
-    path = Path(__file__).parent.parent / "bench" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and the sibling script look their module up there
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_bench_script
 
 
 def test_dry_run_passes_every_check(capsys, one_compute_thread):
-    status = _script().main(["--dry-run", "--steps", "2", "--warmup", "1", "--json"])
+    status = load_bench_script("gpu_check").main(["--dry-run", "--steps", "2", "--warmup", "1", "--json"])
     (result,) = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert status == 0 and result["ok"]
     assert result["device"] == "cpu (dry run)" and result["workload"] == "tiny-llama"

@@ -4,23 +4,14 @@ one and within its budget."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-
-def _script():
-    path = Path(__file__).parent.parent / "bench" / "gpu_compare.py"
-    spec = importlib.util.spec_from_file_location("gpu_compare", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_bench_script
 
 
 def test_dry_run_runs_every_feasible_policy_exactly_and_within_its_budget(capsys, one_compute_thread):
-    status = _script().main(["--dry-run", "--budgets", "80%", "--rounds", "1", "--steps", "1", "--json"])
+    args = ["--dry-run", "--budgets", "80%", "--rounds", "1", "--steps", "1", "--json"]
+    status = load_bench_script("gpu_compare").main(args)
     device, figures = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert status == 0
     assert device["device"] == "cpu (dry run)" and device["link"]["h2d_bw"] == 2e9

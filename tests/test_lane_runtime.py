@@ -172,14 +172,18 @@ def test_the_fetch_overlaps_independent_compute(remote_steps):
             last[0] = i
             finished.notify_all()
 
+    held_fetches: list[str] = []
+
     def hold_until_before_reader(transfer) -> None:
         if transfer.label in overlap:
+            held_fetches.append(transfer.label)
             with finished:
                 assert finished.wait_for(lambda: last[0] >= overlap[transfer.label][1] - 1, timeout=20), \
                     f"the step waited for {transfer.label} before the compute ahead of its reader"
 
     with EmulatedLink(**SLOW, fault=hold_until_before_reader) as held:
         run = run_async(plans["overlap"], _clones(captured), link=held, on_instruction=after)
+    assert sorted(held_fetches) == sorted(overlap)  # every fetch was held: the check above ran for each
     outputs, _ = _eager(captured)
     assert all(torch.equal(a, b) for a, b in zip(run.outputs, outputs, strict=True))
 
