@@ -84,11 +84,6 @@ class CudaDevice:
 
         return CudaStreams()
 
-    def place(self, plan, inputs) -> list[torch.Tensor]:
-        from hyperoffload.runtime.cuda_streams import place_inputs
-
-        return place_inputs(plan, inputs)
-
     def name(self) -> str:
         return torch.cuda.get_device_name()
 
@@ -110,9 +105,6 @@ class DryRunDevice(CudaDevice):
 
     def transfers(self, hardware):
         return EmulatedLink.for_hardware(hardware)  # the link the steps are simulated on
-
-    def place(self, plan, inputs) -> list[torch.Tensor]:
-        return [t.clone() for t in inputs]
 
     def name(self) -> str:
         return "cpu (dry run)"
@@ -141,7 +133,7 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int, de
         del ref, again, ref_inputs, again_inputs
 
         # The planned step in place, inputs where the plan expects them.
-        inputs = dev.place(plan, captured.inputs)
+        inputs = executor.place(plan, captured.inputs)
         run = executor.run(plan, inputs)
         diff = max_abs_diff([t.cpu() for t in (*run.outputs, *inputs)], want)
         del run, inputs
@@ -150,7 +142,7 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int, de
         del want
 
         # Timed steps on donated state; nothing else of ours stays on the GPU meanwhile.
-        state = dev.place(plan, captured.inputs)
+        state = executor.place(plan, captured.inputs)
         del captured
         executor.synchronize()
         dev.synchronize()
@@ -238,7 +230,7 @@ def arena_check(executor, program, inputs, hardware, budget: str, want, noise: f
     plan = plan_hyperoffload(program, hardware, budget_bytes, config=PlannerConfig(static_layout=True))
     layout_bytes = plan.layout.arena_bytes
     try:
-        placed = dev.place(plan, inputs)
+        placed = executor.place(plan, inputs)
         executor.synchronize()
         dev.synchronize()
         outside = dev.allocated()  # the caller's tensors (updated in place) and everything else

@@ -16,7 +16,8 @@ Where CUDA exists:
   simulator's ``step_s`` and slowdown on the measured-link profile and on the nominal one, ``sim_error``,
   the executor's measured peak against the budget, the caching allocator's peak allocated and reserved bytes
   over the timed steps from an empty cache (beyond what the script held before placing the state:
-  ``allocated_bytes``, ``reserved_bytes``), and ``max_abs_diff`` of the first step's state against the
+  ``allocated_bytes``, ``reserved_bytes``; ``model_reserved_bytes``: what ``allocator_model`` predicts the
+  allocator reserves for the plan, with the device's memory as its limit), and ``max_abs_diff`` of the first step's state against the
   unplanned first step (``noise``: the unplanned step against itself). One more row, ``hyperoffload+arena``,
   is the planner with a static layout run from its arena (``arena_bytes``): what the budget promises about
   reserved memory. The allocator figures and that row had not yet run on a GPU when they were added.
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from hyperoffload.allocator_model import replay_caching_allocator
 from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.plans import Plan, check_plan, plan_without_offload
@@ -159,9 +161,10 @@ def _peak_memory(dev: CudaDevice) -> tuple[int, int]:
 def first_step(executor: AsyncExecutor, dev: CudaDevice, plan: Plan, inputs: Sequence[torch.Tensor],
                arena: bool = False) -> list:
     """The outputs and state after one step of ``plan`` from fresh copies of ``inputs``, on the compute device."""
-    run = executor.step(plan, dev.place(plan, inputs), arena=arena)
+    run = executor.step(plan, executor.place(plan, inputs, arena=arena), arena=arena)
     executor.synchronize()
     dev.synchronize()
+    executor.release_arena()  # the caller's copy below holds the arena until compared, the executor no longer
     return [t.to(dev.type) for t in (*run.outputs, *run.state)]
 
 
@@ -177,7 +180,7 @@ def timed_steps(executor: AsyncExecutor, dev: CudaDevice, plan: Plan, inputs: Se
     (a step of thousands of kernels fills it whenever the GPU is the slower side) and when an allocation waits
     for an offload to free memory under the budget."""
     allocated, reserved = _start_memory(dev)
-    state = dev.place(plan, inputs)
+    state = executor.place(plan, inputs, arena=arena)  # the state in its arena slots: one arena, not two
     peak = 0
     issue = 0.0
     for k in range(warmup + steps):
@@ -276,6 +279,10 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
                      "sim_peak_bytes": sim.peak_bytes, "h2d_bytes": sim.h2d_bytes, "d2h_bytes": sim.d2h_bytes,
                      "max_abs_diff": diffs.get(name, noise), "allocated_bytes": memory[name][0],
                      "reserved_bytes": memory[name][1],
+                     # What the caching allocator model predicts it reserves for the plan (not for the arena row,
+                     # which allocates one block): the figure the static layout's bench stands on.
+                     "model_reserved_bytes": None if name == ARENA else replay_caching_allocator(
+                         plan, limit_bytes=nominal.memory_bytes).reserved_peak_bytes,
                      "arena_bytes": plan.layout.arena_bytes if name == ARENA else 0,
                      "within_budget": name == "none" or peaks[name] <= budget_bytes})
     return {"workload": workload_name, "batch": captured.program.meta.get("batch"), "hardware": hardware.name,
@@ -289,7 +296,7 @@ def print_table(result: dict) -> None:
           f"{result['peak_bytes'] / 2**30:.2f} GiB peak), planned and simulated on {result['hardware']} "
           f"(nominal: {result['nominal']}); planning {result['plan_s']:.1f} s; unplanned noise {result['noise']:g}")
     print(f"  {'policy':18s} {'wall ms':>9s} {'slowdown':>9s} {'sim ms':>9s} {'sim slow':>9s} {'sim_err':>8s} "
-          f"{'nominal ms':>10s} {'peak GiB':>9s} {'alloc GiB':>9s} {'resv GiB':>9s} {'moved GiB':>10s} "
+          f"{'nominal ms':>10s} {'peak GiB':>9s} {'alloc GiB':>9s} {'resv GiB':>9s} {'model GiB':>9s} {'moved GiB':>10s} "
           f"{'max diff':>9s}")
     for row in result["rows"]:
         if not row["feasible"]:
@@ -299,7 +306,12 @@ def print_table(result: dict) -> None:
         print(f"  {row['policy']:18s} {row['wall_s'] * 1e3:9.1f} {row['slowdown']:9.3f} {row['sim_step_s'] * 1e3:9.1f} "
               f"{row['sim_slowdown']:9.3f} {row['sim_error']:8.3f} {row['sim_nominal_step_s'] * 1e3:10.1f} "
               f"{row['measured_peak_bytes'] / 2**30:9.2f} {row['allocated_bytes'] / 2**30:9.2f} "
-              f"{row['reserved_bytes'] / 2**30:9.2f} {moved:10.2f} {row['max_abs_diff']:9.2g}")
+              f"{row['reserved_bytes'] / 2**30:9.2f} {_gib(row['model_reserved_bytes']):>9s} {moved:10.2f} "
+              f"{row['max_abs_diff']:9.2g}")
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.2f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -275,6 +275,71 @@ def test_donated_steps_live_in_their_arena_and_repeat_bit_identically(captured, 
     assert_identical([*run.outputs, *state], [*want_out, *want])
 
 
+class CountingArenas(EmulatedLink):
+    """The emulated link, counting the arenas it allocates."""
+
+    arenas = 0
+
+    def arena_storage(self, nbytes, like):
+        self.arenas += 1
+        return self.device_storage(nbytes, like)
+
+
+def test_state_placed_in_an_arena_is_run_from_it_without_a_second_arena(captured, planned):
+    """``AsyncExecutor.place(..., arena=True)`` puts the device-resident state in its start slots of one arena,
+    so the first donated step runs from that arena (nothing moved, no second arena while the state is copied);
+    three steps match three unplanned steps, and the caller's tensors are left as they were."""
+    program = captured.program
+    before = [t.clone() for t in captured.inputs]
+    want = [t.clone() for t in captured.inputs]
+    unplanned = plan_without_offload(program)
+    for _ in range(3):
+        want_out = run_plan(unplanned, want).outputs
+    slots = executor_module.arena_slots(planned, planned.layout).slots
+    with CountingArenas(**SLOW) as link, AsyncExecutor(link) as executor:
+        state = executor.place(planned, captured.inputs, arena=True)
+        (arena,) = executor._arena
+        assert link.arenas == 1 and arena.nbytes() == planned.layout.arena_bytes
+        for vid, tensor in zip(program.inputs, state, strict=True):
+            s = program.values[vid].storage
+            if s in planned.initial_remote:
+                assert not arena.data_ptr() <= tensor.data_ptr() < arena.data_ptr() + arena.nbytes()
+            else:
+                assert tensor.untyped_storage().data_ptr() - arena.data_ptr() == slots[(s, -1)][0]
+        for _ in range(3):
+            run = executor.step(planned, state, arena=True)
+            assert run.arena_reused
+            state = list(run.state)
+        executor.synchronize()
+        assert link.arenas == 1
+    assert_identical([*run.outputs, *state], [*want_out, *want])
+    assert_identical(captured.inputs, before)
+
+
+def test_placed_state_without_an_arena_is_a_copy_the_steps_run_on(captured, planned):
+    """Without an arena, ``place`` copies every input (same values and strides, new storages) and the plan's
+    step on the copies matches the unplanned one."""
+    program = captured.program
+    with EmulatedLink(**SLOW) as link, AsyncExecutor(link) as executor:
+        state = executor.place(planned, captured.inputs)
+        assert executor._arena == []
+        for given, placed in zip(captured.inputs, state, strict=True):
+            assert placed.untyped_storage().data_ptr() != given.untyped_storage().data_ptr()
+            assert torch.equal(placed, given) and placed.stride() == given.stride()
+        run = executor.step(planned, state)
+        executor.synchronize()
+    want = [t.clone() for t in captured.inputs]
+    want_out = run_plan(plan_without_offload(program), want).outputs
+    assert_identical([*run.outputs, *run.state], [*want_out, *want])
+
+
+def test_placing_an_arena_over_the_budget_is_refused(captured, planned):
+    tight = dataclasses.replace(planned, budget_bytes=planned.layout.arena_bytes - 1)
+    with AsyncExecutor(EmulatedLink(**SLOW)) as executor, pytest.raises(BudgetExceeded, match="over its budget"):
+        executor.place(tight, captured.inputs, arena=True)
+    assert executor._arena == []
+
+
 def test_release_arena_frees_the_arena_once_the_state_is_dropped(captured, planned):
     from torch.multiprocessing.reductions import StorageWeakRef
 

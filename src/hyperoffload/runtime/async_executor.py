@@ -35,7 +35,8 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.layout import Layout
 from hyperoffload.plans import Plan
 from hyperoffload.runtime.emulated_link import EmulatedLink
-from hyperoffload.runtime.plan_executor import PlanRun, PreparedPlan, Transfers, execute_plan, prepare_plan, with_arena
+from hyperoffload.runtime.plan_executor import (PlanRun, PreparedPlan, Transfers, execute_plan, place_state, prepare_plan,
+                                                with_arena)
 
 CUDA = "cuda"
 
@@ -80,6 +81,20 @@ class AsyncExecutor:
         if arena is not False and arena is not None:
             prepared = self._prepared[id(plan)] = with_arena(prepared, arena)
         return prepared
+
+    def place(self, plan: Plan, inputs: Sequence[torch.Tensor], *, arena: bool | Layout = False) -> list[torch.Tensor]:
+        """Copies of ``inputs`` where ``plan`` starts them on this executor's backend, as the state to donate to
+        ``step`` (``place_state``: remote inputs in its remote buffers, pinned on CUDA). With ``arena``, the
+        device-resident ones in their start slots of a new arena, which the first ``step(plan, state,
+        arena=...)`` then runs from: without this, that step copies the state into a new arena while the
+        caller's copies are still alive, holding the state twice. Any arena kept from an earlier step is let
+        go of first."""
+        if arena is not False and arena is not None:
+            self._arena.clear()
+        state, buffer = place_state(self.prepare(plan, arena), inputs, self.transfers, arena=arena)
+        if buffer is not None:
+            self._arena.append(buffer)
+        return state
 
     def run(self, plan: Plan, inputs: Sequence[torch.Tensor], *,
             on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False) -> PlanRun:

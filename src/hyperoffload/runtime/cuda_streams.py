@@ -50,7 +50,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hyperoffload.runtime.plan_executor import TransferError, run_lane_inline
+from hyperoffload.runtime.plan_executor import TransferError, place_state, run_lane_inline
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -108,6 +108,11 @@ class CudaStreams:
         whole.record_stream(self.h2d)
         whole.record_stream(self.d2h)
         return arena
+
+    def input_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        """Pinned host memory for a step input that starts in remote memory (``place_state``): offloads and
+        prefetches of it then run as asynchronous DMA."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
 
     def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         buffer = self._pinned.get((key, nbytes))
@@ -179,15 +184,9 @@ class CudaStreams:
 
 def place_inputs(plan, inputs, device: torch.device | str = "cuda") -> list[torch.Tensor]:
     """Copies of a step's ``inputs`` where ``plan`` expects them: on ``device``, or, for inputs that start the
-    step in remote memory (``plan.initial_remote``), in pinned host memory, which is then their remote copy."""
-    program = plan.program
-    placed = []
-    for vid, tensor in zip(program.inputs, inputs):
-        if program.values[vid].storage in plan.initial_remote:
-            placed.append(tensor.detach().to("cpu", copy=True).pin_memory())
-        else:
-            placed.append(tensor.detach().to(device, copy=True))
-    return placed
+    step in remote memory (``plan.initial_remote``), in pinned host memory, which is then their remote copy.
+    (``AsyncExecutor.place`` does the same on its own backend, and can place the state in an arena.)"""
+    return place_state(plan, inputs, CudaStreams(device))[0]
 
 
 __all__ = ["CudaStreams", "CudaTransfer", "place_inputs"]

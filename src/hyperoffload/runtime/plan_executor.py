@@ -187,6 +187,10 @@ class Transfers(Protocol):
     def wait(self, handle: Any) -> None:
         """Make later compute wait for the transfer; raise ``TransferError`` if it failed."""
 
+    def input_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        """Optional: a remote buffer of ``nbytes`` for a step input that starts in remote memory, filled by
+        ``place_state`` and owned by the caller (default: a new storage where ``like`` lives)."""
+
     def arena_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         """Optional: the step's arena, a device storage of ``nbytes`` allocated where ``like``'s tier lives, that
         may be freed while copies into or out of byte ranges of it are still queued (without it, the executor
@@ -635,6 +639,72 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
                  kept_arena=kept_arena).run(on_instruction)
 
 
+def _check_arena_budget(plan: Plan, layout: Layout) -> None:
+    budget = plan.budget_bytes
+    if budget is not None and layout.arena_bytes > budget:
+        raise BudgetExceeded(
+            f"the arena of plan {plan.program.name} takes {layout.arena_bytes} bytes, over its budget of "
+            f"{budget}: plan with PlannerConfig(static_layout=True) (plan/run --static-layout), which re-plans "
+            f"until the arena fits, or run without the arena")
+
+
+def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], transfers: Transfers, *,
+                arena: bool | Layout = False) -> tuple[list[torch.Tensor], torch.UntypedStorage | None]:
+    """Copies of a step's ``inputs`` where ``plan`` starts them, to donate to its first step: inputs that start
+    in remote memory (``plan.initial_remote``) in the backend's remote buffers (``Transfers.input_storage``:
+    pinned host memory on CUDA), the others in device storages of the backend, or, with ``arena`` (as
+    ``execute_plan``'s), each in its start slot of one new arena. Returns the copies and the arena (None
+    without one). Inputs that share a storage share its copy; the caller's tensors are left as they are.
+
+    Why the arena: a donated step that finds its state outside an arena copies it into a new one, so the
+    device holds the state twice while it does (the arena and the caller's copies). Placed here, the state
+    is already in its slots, and a step given this arena (``kept_arena``) moves nothing."""
+    prepared = plan if isinstance(plan, PreparedPlan) else prepare_plan(plan)
+    plan, program = prepared.plan, prepared.plan.program
+    if len(inputs) != len(program.inputs):
+        raise ValueError(f"program {program.name} takes {len(program.inputs)} inputs, got {len(inputs)}")
+    slots = None
+    buffer = None
+    if arena is not False and arena is not None:
+        prepared = with_arena(prepared, arena)
+        _check_arena_budget(plan, prepared.arena.layout)
+        slots = prepared.arena.slots
+        resident = [t for v, t in zip(program.inputs, inputs) if prepared.storage_of[v] not in plan.initial_remote]
+        like = (resident or list(inputs) or [torch.empty(0)])[0].untyped_storage()
+        allocate = getattr(transfers, "arena_storage", None) or transfers.device_storage
+        buffer = allocate(prepared.arena.layout.arena_bytes, like)
+    copies: dict[int, torch.UntypedStorage] = {}
+    placed = []
+    for vid, tensor in zip(program.inputs, inputs):
+        s = prepared.storage_of[vid]
+        copy = copies.get(s)
+        if copy is None:
+            source = tensor.detach().untyped_storage()
+            if s in plan.initial_remote:
+                allocate = getattr(transfers, "input_storage", None) or _input_storage
+                copy = allocate(source.nbytes(), source)
+            elif buffer is not None:
+                offset, nbytes = slots[(s, -1)]
+                if nbytes != source.nbytes():
+                    raise ArenaOverlap(f"input {program.values[vid].name} has {source.nbytes()} bytes but its slot "
+                                       f"in the layout {nbytes}; the program's sizes do not match the tensors "
+                                       f"(capture the step again)")
+                copy = buffer[offset:offset + nbytes]
+            else:
+                copy = transfers.device_storage(source.nbytes(), source)
+            copy.copy_(source)
+            copies[s] = copy
+        placed.append(_ViewMeta.of(tensor).view_into(copy))
+    return placed, buffer
+
+
+def _input_storage(nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A remote buffer for an input that starts a step in remote memory, where the backend has no
+    ``input_storage`` of its own: a new storage on ``like``'s device (the reference backends keep both tiers
+    there)."""
+    return torch.UntypedStorage(nbytes, device=like.device)
+
+
 class _Step:
     """Mutable state of one step; ``run`` is the interpreter loop."""
 
@@ -744,12 +814,7 @@ class _Step:
 
     # --- the arena --------------------------------------------------------------------------------
     def _check_arena_budget(self, layout: Layout) -> None:
-        budget = self.plan.budget_bytes
-        if budget is not None and layout.arena_bytes > budget:
-            raise BudgetExceeded(
-                f"the arena of plan {self.program.name} takes {layout.arena_bytes} bytes, over its budget of "
-                f"{budget}: plan with PlannerConfig(static_layout=True) (plan/run --static-layout), which re-plans "
-                f"until the arena fits, or run without the arena")
+        _check_arena_budget(self.plan, layout)
 
     def _reuse_arena(self, layout: Layout, arena: torch.UntypedStorage) -> bool:
         """Run from ``arena``, the previous donated step's, if the donated state lives in it: move each state
