@@ -16,10 +16,12 @@ from test_plan_executor import assert_identical
 
 from hyperoffload.budgets import parse_budget
 from hyperoffload.cli import main
+from hyperoffload.hardware import get_hardware
 from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
 from hyperoffload.layout import LayoutError, assign_offsets, check_layout
 from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import PlannerConfig, plan_hyperoffload
+from hyperoffload.workloads import capture_workload, get_workload
 from hyperoffload.runtime import ArenaOverlap, AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
 from hyperoffload.runtime import plan_executor as executor_module
 from hyperoffload.runtime.plan_executor import SyncTransfers, move_order, out_variant
@@ -439,14 +441,59 @@ def test_out_overloads_match_the_captured_ops_arguments():
     aten = torch.ops.aten
     assert out_variant(aten.mm.default) == (aten.mm.out, "out")
     assert out_variant(aten.mul.Tensor) == (aten.mul.out, "out")
-    # mul.Scalar_out has only a composite kernel (it allocates and copies), and mul.out takes a Tensor.
-    assert out_variant(aten.mul.Scalar) is None
-    assert out_variant(aten.clone.default) is None  # clone.out: composite too
+    # mul.Scalar_out has only a composite kernel (it allocates and copies): mul.Scalar writes through mul.out, with
+    # the scalar wrapped as mul.Scalar wraps it; _to_copy and clone (clone.out: composite too) through copy_.
+    assert out_variant(aten.mul.Scalar) == (aten.mul.out, "out")
+    assert out_variant(aten.div.Scalar) == (aten.div.out, "out")
+    assert out_variant(aten.clone.default) == (executor_module._copy_into, "out")
+    assert out_variant(aten._to_copy.default) == (executor_module._copy_into, "out")
+    assert out_variant(aten.add.Scalar) is None
     assert out_variant(aten.silu_backward.default) == (aten.silu_backward.grad_input, "grad_input")
     assert out_variant(aten.sum.dim_IntList) == (aten.sum.IntList_out, "out")
     assert out_variant(aten.view.default) is None  # a view: no out= form
     assert out_variant(aten._scaled_dot_product_flash_attention_for_cpu.default) is None  # two outputs
     assert out_variant(torch.add) is None  # not an overload
+
+
+def test_copies_write_into_their_slot_only_as_strided_copies_on_the_same_device():
+    x = torch.arange(6.0).reshape(2, 3).t()
+    out = torch.empty(3, 2, dtype=torch.bfloat16)
+    assert executor_module._copy_into(x, out=out, dtype=torch.bfloat16) is out
+    assert torch.equal(out, torch.ops.aten._to_copy.default(x, dtype=torch.bfloat16))
+    for refused in ({"device": "meta"}, {"layout": torch.sparse_coo}, {"pin_memory": True}):
+        with pytest.raises(RuntimeError, match="strided copy"):
+            executor_module._copy_into(x, out=out, **refused)
+
+
+def test_dtype_casts_and_scalar_ops_write_into_their_slots_bit_identically():
+    """A bf16 step (casts to float32 around the norms and the loss, scalar multiplies and divides) from its
+    arena: the casts, clones and scalar ops write into their slots instead of being allocated outside the
+    arena and copied in, and the step is bit-identical to the unplanned one."""
+    workload = dataclasses.replace(get_workload("tiny-llama"), dtype=torch.bfloat16)
+    captured = capture_workload(workload, "train", fake=False)
+    program = captured.program
+    written = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default, torch.ops.aten.mul.Scalar,
+               torch.ops.aten.div.Scalar}
+    nodes = {n.name: n for n in program.graph.graph.nodes}
+    cast_bytes = sum(program.values[o].alloc_bytes for op in program.ops if nodes[op.name].target in written
+                     for o in op.outputs if program.values[o].owns_storage)
+    assert cast_bytes > 0
+    plan = plan_hyperoffload(program, get_hardware("h200"), parse_budget("60%", program, get_hardware("h200")),
+                             config=PlannerConfig(static_layout=True))
+    want = [t.clone() for t in captured.inputs]
+    want_out = run_plan(plan_without_offload(program), want).outputs
+    inputs = [t.clone() for t in captured.inputs]
+    run = run_plan(plan, inputs, arena=True)
+    assert_identical([*run.outputs, *inputs], [*want_out, *want])
+    original = dict(executor_module._WRITTEN_INTO_OUT)
+    try:
+        executor_module._WRITTEN_INTO_OUT.clear()
+        executor_module.out_variant.cache_clear()
+        copied_before = run_plan(plan, [t.clone() for t in captured.inputs], arena=True).arena_copied_bytes
+    finally:
+        executor_module._WRITTEN_INTO_OUT.update(original)
+        executor_module.out_variant.cache_clear()
+    assert copied_before - run.arena_copied_bytes == cast_bytes
 
 
 def test_op_results_are_written_into_their_slots_not_copied_there(captured, reference, planned):
