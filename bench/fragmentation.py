@@ -35,6 +35,7 @@ from hyperoffload.hardware import get_hardware
 from hyperoffload.layout import assign_offsets
 from hyperoffload.plans import check_plan
 from hyperoffload.policies import POLICIES, PlannerConfig, plan_hyperoffload, policies_for
+from hyperoffload.simulate import simulate
 from hyperoffload.workloads import capture_workload, get_workload
 
 SCENARIOS = (("llama3-8b", "train", {}, 0.5), ("llama3-8b", "decode", {"batch": 8, "context": 32768}, 0.5))
@@ -60,7 +61,7 @@ def rows_for(workload: str, mode: str, sizes: dict, share: float, hardware, cons
             packed = time.perf_counter()
             plan = replace(plan, layout=assign_offsets(plan))
             packing = time.perf_counter() - packed
-        figures = fragmentation_figures(plan, budget)
+        figures = fragmentation_figures(plan, budget, simulate(plan, hardware))  # stream-ordered frees
         rows.append({"policy": name, "live": check_plan(plan).peak_bytes, "budget": budget, **figures,
                      "seconds": time.perf_counter() - start, "layout_seconds": packing})
     return rows
@@ -68,7 +69,6 @@ def rows_for(workload: str, mode: str, sizes: dict, share: float, hardware, cons
 
 def layout_cost(hardware, console: Console) -> None:
     """Step time and planning time with the live bytes and with the static arena within each budget."""
-    from hyperoffload.simulate import simulate
 
     program = capture_workload(get_workload("llama3-8b"), "train").program
     peak = memory_profile(program).peak_bytes

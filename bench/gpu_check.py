@@ -157,7 +157,8 @@ def check(workload: Workload, hardware, budget: str, steps: int, warmup: int, de
         executor.synchronize()
         dev.synchronize()
         fragmentation = dev.max_reserved() - dev.max_allocated()
-        model = replay_caching_allocator(plan, limit_bytes=hardware.memory_bytes)  # the device, not the budget
+        # The device, not the budget, limits it; frees ordered by the simulated copies.
+        model = replay_caching_allocator(plan, limit_bytes=hardware.memory_bytes, timeline=simulate(plan, hardware))
         untracked, step_allocated, state = allocator_beside_count(executor, plan, state, outside, dev)
         executor.synchronize()
         dev.synchronize()

@@ -16,8 +16,9 @@ Where CUDA exists:
   simulator's ``step_s`` and slowdown on the measured-link profile and on the nominal one, ``sim_error``,
   the executor's measured peak against the budget, the caching allocator's peak allocated and reserved bytes
   over the timed steps from an empty cache (beyond what the script held before placing the state:
-  ``allocated_bytes``, ``reserved_bytes``; ``model_reserved_bytes``: what ``allocator_model`` predicts the
-  allocator reserves for the plan, with the device's memory as its limit), and ``max_abs_diff`` of the first step's state against the
+  ``allocated_bytes``, ``reserved_bytes``; ``model_reserved_bytes`` and ``model_stream_reserved_bytes``: what
+  ``allocator_model`` predicts the allocator reserves for the plan, with the device's memory as its limit, frees
+  in instruction order and ordered by the simulated copies), and ``max_abs_diff`` of the first step's state against the
   unplanned first step (``noise``: the unplanned step against itself). One more row, ``hyperoffload+arena``,
   is the planner with a static layout run from its arena (``arena_bytes``): what the budget promises about
   reserved memory. The allocator figures and that row had not yet run on a GPU when they were added.
@@ -268,7 +269,8 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
         if plan is None:
             rows.append({"policy": name, "feasible": False, "why": plans[name]})
             continue
-        sim = simulate(plan, hardware).figures
+        timeline = simulate(plan, hardware)
+        sim = timeline.figures
         sim_nominal = simulate(plan, nominal).figures
         wall = statistics.median(walls[name])
         rows.append({"policy": name, "feasible": True, "wall_s": wall, "wall_rounds_s": walls[name],
@@ -280,9 +282,11 @@ def compare_policies(workload_name: str, captured, nominal: Hardware, hardware: 
                      "max_abs_diff": diffs.get(name, noise), "allocated_bytes": memory[name][0],
                      "reserved_bytes": memory[name][1],
                      # What the caching allocator model predicts it reserves for the plan (not for the arena row,
-                     # which allocates one block): the figure the static layout's bench stands on.
+                     # which allocates one block), frees in instruction order and ordered by the simulated copies.
                      "model_reserved_bytes": None if name == ARENA else replay_caching_allocator(
                          plan, limit_bytes=nominal.memory_bytes).reserved_peak_bytes,
+                     "model_stream_reserved_bytes": None if name == ARENA else replay_caching_allocator(
+                         plan, limit_bytes=nominal.memory_bytes, timeline=timeline).reserved_peak_bytes,
                      "arena_bytes": plan.layout.arena_bytes if name == ARENA else 0,
                      "within_budget": name == "none" or peaks[name] <= budget_bytes})
     return {"workload": workload_name, "batch": captured.program.meta.get("batch"), "hardware": hardware.name,
@@ -296,8 +300,8 @@ def print_table(result: dict) -> None:
           f"{result['peak_bytes'] / 2**30:.2f} GiB peak), planned and simulated on {result['hardware']} "
           f"(nominal: {result['nominal']}); planning {result['plan_s']:.1f} s; unplanned noise {result['noise']:g}")
     print(f"  {'policy':18s} {'wall ms':>9s} {'slowdown':>9s} {'sim ms':>9s} {'sim slow':>9s} {'sim_err':>8s} "
-          f"{'nominal ms':>10s} {'peak GiB':>9s} {'alloc GiB':>9s} {'resv GiB':>9s} {'model GiB':>9s} {'moved GiB':>10s} "
-          f"{'max diff':>9s}")
+          f"{'nominal ms':>10s} {'peak GiB':>9s} {'alloc GiB':>9s} {'resv GiB':>9s} {'model GiB':>9s} "
+          f"{'stream GiB':>10s} {'moved GiB':>10s} {'max diff':>9s}")
     for row in result["rows"]:
         if not row["feasible"]:
             print(f"  {row['policy']:18s} infeasible: {row['why']}")
@@ -306,7 +310,8 @@ def print_table(result: dict) -> None:
         print(f"  {row['policy']:18s} {row['wall_s'] * 1e3:9.1f} {row['slowdown']:9.3f} {row['sim_step_s'] * 1e3:9.1f} "
               f"{row['sim_slowdown']:9.3f} {row['sim_error']:8.3f} {row['sim_nominal_step_s'] * 1e3:10.1f} "
               f"{row['measured_peak_bytes'] / 2**30:9.2f} {row['allocated_bytes'] / 2**30:9.2f} "
-              f"{row['reserved_bytes'] / 2**30:9.2f} {_gib(row['model_reserved_bytes']):>9s} {moved:10.2f} "
+              f"{row['reserved_bytes'] / 2**30:9.2f} {_gib(row['model_reserved_bytes']):>9s} "
+              f"{_gib(row['model_stream_reserved_bytes']):>10s} {moved:10.2f} "
               f"{row['max_abs_diff']:9.2g}")
 
 

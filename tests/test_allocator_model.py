@@ -97,3 +97,61 @@ def test_replaying_plans_counts_what_fragmentation_costs():
     assert figures["arena_bytes"] >= replay_caching_allocator(plan).live_peak_bytes
     # At a budget the live bytes just fit, the caching allocator's 2 and 20 MiB segments do not.
     assert figures["allocator_stalls"] >= 1 and figures["allocator_failures"] >= 1
+
+
+def test_a_block_an_offload_still_reads_is_reused_only_once_the_copy_has_landed():
+    """A 12 MiB storage offloaded and released, then a 12 MiB result made while the offload is still copying
+    (it lands at 5 s): in instruction order the allocator would reuse the released block, but the copy stream
+    still reads it, so the request gets a second segment."""
+    from types import SimpleNamespace
+
+    from hyperoffload.allocator_model import _replay, stream_ordered_frees
+    from hyperoffload.layout import Residency
+    from hyperoffload.plans import Kind
+    from hyperoffload.simulate import Interval, Timeline
+
+    kinds = [Kind.COMPUTE, Kind.OFFLOAD, Kind.RELEASE, Kind.COMPUTE, Kind.COMPUTE]
+    plan = SimpleNamespace(instructions=[SimpleNamespace(kind=k, target=0) for k in kinds])
+    intervals = (Interval("compute", 0.0, 1.0, 0, "make a"), Interval("d2h", 1.0, 5.0, 1, "offload a"),
+                 Interval("compute", 1.0, 2.0, 3, "make b"), Interval("compute", 2.0, 3.0, 4, "use b"))
+    timeline = Timeline(intervals=intervals, memory=(), stalls=(), figures=None, plan=plan)
+    found = [Residency(0, 0, 3, 12 * MiB), Residency(1, 3, 5, 12 * MiB)]
+    times = stream_ordered_frees(timeline, found)
+    assert times[0] == (0.0, 5.0)  # reusable when the offload lands, not when released (1 s)
+    assert times[1][0] == 1.0 and times[1][1] == float("inf")  # held past the step
+    in_order, stream_ordered = _replay(found, None), _replay(found, None, times)
+    assert (in_order.segments, in_order.reserved_peak_bytes) == (1, 12 * MiB)
+    assert (stream_ordered.segments, stream_ordered.reserved_peak_bytes) == (2, 24 * MiB)
+    assert stream_ordered.live_peak_bytes == 24 * MiB
+
+
+def test_stream_ordered_frees_of_a_plan_wait_for_every_offload_to_land():
+    """On a slow link, every storage ``layerwise`` offloads and releases is reusable no earlier than its
+    offload lands in the simulation, and the live bytes the allocator sees are never fewer than in
+    instruction order."""
+    from hyperoffload.allocator_model import stream_ordered_frees
+    from hyperoffload.layout import residencies
+    from hyperoffload.plans import Kind
+    from hyperoffload.policies import get_policy
+    from hyperoffload.simulate import simulate
+
+    prog = capture_workload(get_workload("tiny-llama"), "train").program
+    hardware = simple_hardware(bw=1e8)
+    plan = get_policy("layerwise")(prog, hardware, memory_profile(prog).peak_bytes)
+    timeline = simulate(plan, hardware)
+    found = residencies(plan)
+    times = stream_ordered_frees(timeline, found)
+    landed = {iv.instruction: iv.end for iv in timeline.intervals if iv.stream == "d2h"}
+    offload = {}
+    delayed = 0
+    for i, ins in enumerate(plan.instructions):
+        if ins.kind is Kind.OFFLOAD:
+            offload[ins.target] = i
+        elif ins.kind is Kind.RELEASE:
+            (k,) = [k for k, r in enumerate(found) if r.storage == ins.target and r.end == i + 1]
+            assert times[k][1] >= landed[offload[ins.target]]
+            delayed += times[k][1] == landed[offload[ins.target]]
+    assert delayed > 0
+    ordered = replay_caching_allocator(plan)
+    streamed = replay_caching_allocator(plan, timeline=timeline)
+    assert streamed.live_peak_bytes >= ordered.live_peak_bytes

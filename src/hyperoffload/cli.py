@@ -463,7 +463,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         timeline = verify(plan, hardware)
     with err.status("Laying out memory and replaying the caching allocator..."):
         # At the budget asked for, whatever the policy's plan claims (``none`` claims none).
-        memory = fragmentation_figures(plan, budget)
+        memory = fragmentation_figures(plan, budget, timeline)  # frees ordered by the simulated copies
         bound = window_bound(plan.program, hardware, budget, plan.compute_order())
         window, free_budget = bound.seconds, bound.free_budget_bytes
         any_order = link_bound(plan.program, hardware, budget).seconds
