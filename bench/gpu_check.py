@@ -17,11 +17,11 @@ Where CUDA exists, for ``tiny-llama`` and a small LLaMA (8 layers, hidden 1024),
   measured peak, ``max_abs_diff`` against the unplanned step, the slot waits (reuses of a slot an offload
   was still reading, waited for on the compute stream), and the step's ``max_memory_allocated`` beyond what
   was allocated before it (the arena, op results made outside it, kernels' workspaces: what the budget
-  promises about reserved memory, not yet measured on a GPU). A failure there is reported as FAILED with its error,
+  promises about reserved memory). A failure there is reported as FAILED with its error,
   after the other figures;
 * reads the caching allocator over the warm-up steps, from an empty cache: what it reserved beyond what was
   allocated at its fullest (``fragmentation_bytes``) next to what ``allocator_model`` predicts for the plan
-  (``model_fragmentation_bytes``; not yet run on a GPU);
+  (``model_fragmentation_bytes``, frees ordered by the simulated copies);
 * reads the caching allocator over one donated step: its ``max_memory_allocated`` less what this script holds
   on the GPU besides the step (``step_max_allocated_bytes``, against the budget), and the most it held beyond
   the executor's own count at an instruction (``untracked_bytes``).

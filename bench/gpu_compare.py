@@ -21,7 +21,7 @@ Where CUDA exists:
   in instruction order and ordered by the simulated copies), and ``max_abs_diff`` of the first step's state against the
   unplanned first step (``noise``: the unplanned step against itself). One more row, ``hyperoffload+arena``,
   is the planner with a static layout run from its arena (``arena_bytes``): what the budget promises about
-  reserved memory. The allocator figures and that row had not yet run on a GPU when they were added.
+  reserved memory (its state placed in the arena first: ``AsyncExecutor.place``).
 
 With ``--json`` it prints one JSON object for the link and matmul figures, then one per budget as each is
 measured. ``--dry-run`` runs the same code on the CPU: tiny-llama with an emulated link, no link or matmul
