@@ -537,14 +537,18 @@ def _moves(draw):
     return {i: (sources[i][0], destinations[i][0], min(sources[i][1], destinations[i][1])) for i in range(k)}
 
 
-@pytest.mark.parametrize("moves", [
-    {"a": (0, 10, 2), "b": (10, 20, 4), "c": (20, 12, 4)},  # a waits on the cycle b <-> c: spill b or c, not a
-    {"a": (0, 2, 4)},  # shifted onto itself
-    {"a": (0, 4, 4), "b": (4, 0, 4)},  # a swap
+@pytest.mark.parametrize(("moves", "spills"), [
+    ({"a": (0, 10, 2), "b": (10, 20, 4), "c": (20, 12, 4)}, 1),  # a waits on the cycle b <-> c: spill b or c
+    ({"a": (0, 2, 4)}, 1),  # shifted onto itself
+    ({"a": (0, 4, 4), "b": (4, 0, 4)}, 1),  # a swap
+    ({"a": (0, 4, 4), "b": (4, 8, 4), "c": (8, 0, 4), "d": (12, 16, 4)}, 1),  # a three-cycle and a free move
+    ({"a": (0, 8, 4), "b": (8, 0, 4), "c": (16, 24, 4), "d": (24, 16, 4)}, 2),  # two swaps
 ])
-def test_move_order_of_known_overlaps(moves):
+def test_move_order_of_known_overlaps(moves, spills):
+    """Each cycle of moves costs one spill (a copy outside the arena), and a move only waiting on a cycle none."""
     steps = move_order(moves)
-    assert len(steps) <= 2 * len(moves)
+    assert [kind for kind, _ in steps].count("spill") == spills
+    assert sum(kind == "copy" for kind, _ in steps) == len(moves)
     _check_moves(moves, steps, seed=0)
 
 

@@ -410,6 +410,13 @@ def move_order(moves: dict[Any, tuple[int, int, int]]) -> list[tuple[str, Any]]:
         src, _, n = pending[key]
         return None if key in spilled else (src, src + n)
 
+    def blocked_by(key):
+        """A pending move that still reads from the buffer where ``key`` writes (spilled sources are read from
+        elsewhere); one exists whenever no move is ready."""
+        _, dst, n = pending[key]
+        return next(other for other in pending if other != key and (span := reads(other)) is not None
+                    and span[0] < dst + n and dst < span[1])
+
     while pending:
         ready = []
         for key, (_, dst, n) in pending.items():
@@ -421,9 +428,14 @@ def move_order(moves: dict[Any, tuple[int, int, int]]) -> list[tuple[str, Any]]:
                     break
             if not blocked:
                 ready.append(key)
-        if not ready:  # every pending move writes where another reads: take one source out of the buffer
-            # (one still read from the buffer: there is one, since spilled sources block nothing)
-            key = next(k for k in pending if k not in spilled)
+        if not ready:  # every pending move writes where another reads: take one source out of the buffer,
+            # one on a cycle of such waits (a move outside every cycle would still wait after the spill). Following
+            # each move to one it waits for must come back to a move seen before: that one is on a cycle.
+            seen: list[Any] = []
+            key = next(iter(pending))
+            while key not in seen:
+                seen.append(key)
+                key = blocked_by(key)
             steps.append(("spill", key))
             spilled.add(key)
             continue
@@ -844,9 +856,6 @@ class _Step:
             self.ranges.remove(storage.data_ptr() - self.arena_base)
 
     # --- the arena --------------------------------------------------------------------------------
-    def _check_arena_budget(self, layout: Layout) -> None:
-        _check_arena_budget(self.plan, layout)
-
     def _reuse_arena(self, layout: Layout, arena: torch.UntypedStorage) -> bool:
         """Run from ``arena``, the previous donated step's, if the donated state lives in it: move each state
         storage from where that step left it to its slot at this step's start (``move_order``; a storage in a
@@ -854,7 +863,7 @@ class _Step:
 
         Reusing keeps one arena per training loop: a new one per step would hold two while the state is copied
         from the old into the new."""
-        self._check_arena_budget(layout)
+        _check_arena_budget(self.plan, layout)
         base, end = arena.data_ptr(), arena.data_ptr() + arena.nbytes()
         resident = {self.storage_of[v]: t.untyped_storage() for v, t in self.caller.items()
                     if self.storage_of[v] not in self.plan.initial_remote}
@@ -885,7 +894,7 @@ class _Step:
 
     def _open_arena(self, layout: Layout) -> None:
         """Allocate the step's arena on the device tier, after checking it fits the plan's budget."""
-        self._check_arena_budget(layout)
+        _check_arena_budget(self.plan, layout)
         resident = [t for v, t in self.caller.items() if self.storage_of[v] not in self.plan.initial_remote]
         # The backend decides where device storages live (as for a prefetch without an arena); ``like`` tells
         # backends that follow their inputs (``SyncTransfers``) which device that is.
