@@ -335,6 +335,22 @@ def test_placed_state_without_an_arena_is_a_copy_the_steps_run_on(captured, plan
     assert_identical([*run.outputs, *run.state], [*want_out, *want])
 
 
+def test_placing_the_state_an_overlapped_step_returned_waits_for_its_offloads(captured, planned):
+    """The state a step returns with ``overlap`` may still be written by that step's last offloads (its remote
+    inputs): ``place`` copies it only once they have landed."""
+    assert planned.initial_remote
+    want = [t.clone() for t in captured.inputs]
+    unplanned = plan_without_offload(captured.program)
+    for _ in range(2):
+        want_out = run_plan(unplanned, want).outputs
+    with AsyncExecutor(DeferredOffloads()) as executor:
+        run = executor.step(planned, executor.place(planned, captured.inputs), overlap=True)
+        state = executor.place(planned, list(run.state), arena=True)
+        run = executor.step(planned, state, arena=True)
+        executor.synchronize()
+    assert_identical([*run.outputs, *run.state], [*want_out, *want])
+
+
 def test_placing_an_arena_over_the_budget_is_refused(captured, planned):
     tight = dataclasses.replace(planned, budget_bytes=planned.layout.arena_bytes - 1)
     with AsyncExecutor(EmulatedLink(**SLOW)) as executor, pytest.raises(BudgetExceeded, match="over its budget"):

@@ -88,7 +88,9 @@ class AsyncExecutor:
         device-resident ones in their start slots of a new arena, which the first ``step(plan, state,
         arena=...)`` then runs from: without this, that step copies the state into a new arena while the
         caller's copies are still alive, holding the state twice. Any arena kept from an earlier step is let
-        go of first."""
+        go of first. The offloads carried over from the last step are completed first (``synchronize``): they
+        may still be writing the remote state that ``inputs`` hold when those are the state it returned."""
+        self.synchronize()
         if arena is not False and arena is not None:
             self._arena.clear()
         state, buffer = place_state(self.prepare(plan, arena), inputs, self.transfers, arena=arena)
