@@ -275,3 +275,23 @@ def test_planned_copies_share_the_lanes_with_lane_ops_within_the_budget(remote_s
     arena_run = run_plan(plan_without_offload(program, order=overlap_lane_ops(program)), inputs, arena=True)
     _assert_identical(arena_run.outputs, want_outputs)
     _assert_identical(inputs, want_inputs)
+
+
+def test_a_remote_cache_is_placed_in_remote_memory_beside_an_arena(remote_steps):
+    """``AsyncExecutor.place(..., arena=True)`` of a step whose KV cache lives in remote memory for the whole step:
+    the cache has no slot, so it goes to a remote buffer, the rest into the arena, and the step runs from that
+    arena, bit-identical to the captured step."""
+    captured = remote_steps[None]
+    program = captured.program
+    plan = plan_without_offload(program, order=overlap_lane_ops(program))
+    want_outputs, want_inputs = _eager(captured)
+    with AsyncExecutor(EmulatedLink(**SLOW)) as executor:
+        state = executor.place(plan, captured.inputs, arena=True)
+        (arena,) = executor._arena
+        for vid, tensor in zip(program.inputs, state, strict=True):
+            inside = arena.data_ptr() <= tensor.untyped_storage().data_ptr() < arena.data_ptr() + arena.nbytes()
+            assert inside != program.values[vid].remote
+        run = executor.step(plan, state, arena=True)
+        executor.synchronize()
+    assert run.arena_reused
+    _assert_identical([*run.outputs, *run.state], [*want_outputs, *want_inputs])

@@ -694,9 +694,10 @@ def _check_arena_budget(plan: Plan, layout: Layout) -> None:
 def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], transfers: Transfers, *,
                 arena: bool | Layout = False) -> tuple[list[torch.Tensor], torch.UntypedStorage | None]:
     """Copies of a step's ``inputs`` where ``plan`` starts them, to donate to its first step: inputs that start
-    in remote memory (``plan.initial_remote``) in the backend's remote buffers (``Transfers.input_storage``:
-    pinned host memory on CUDA), the others in device storages of the backend, or, with ``arena`` (as
-    ``execute_plan``'s), each in its start slot of one new arena. Returns the copies and the arena (None
+    in remote memory (``plan.initial_remote``) and those that live there for the whole step (a remote KV cache,
+    which only lane ops touch) in the backend's remote buffers (``Transfers.input_storage``: pinned host memory
+    on CUDA), the others in device storages of the backend, or, with ``arena`` (as ``execute_plan``'s), each in
+    its start slot of one new arena (an empty input, which has none, in a device storage of its own). Returns the copies and the arena (None
     without one). Inputs that share a storage share its copy; the caller's tensors are left as they are.
 
     Why the arena: a donated step that finds its state outside an arena copies it into a new one, so the
@@ -706,13 +707,14 @@ def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], trans
     plan, program = prepared.plan, prepared.plan.program
     if len(inputs) != len(program.inputs):
         raise ValueError(f"program {program.name} takes {len(program.inputs)} inputs, got {len(inputs)}")
+    remote = plan.initial_remote | {s for s in prepared.storage_of if program.values[s].remote}
     slots = None
     buffer = None
     if arena is not False and arena is not None:
         prepared = with_arena(prepared, arena)
         _check_arena_budget(plan, prepared.arena.layout)
         slots = prepared.arena.slots
-        resident = [t for v, t in zip(program.inputs, inputs) if prepared.storage_of[v] not in plan.initial_remote]
+        resident = [t for v, t in zip(program.inputs, inputs) if prepared.storage_of[v] not in remote]
         like = (resident or list(inputs) or [torch.empty(0)])[0].untyped_storage()
         allocate = getattr(transfers, "arena_storage", None) or transfers.device_storage
         buffer = allocate(prepared.arena.layout.arena_bytes, like)
@@ -723,10 +725,10 @@ def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], trans
         copy = copies.get(s)
         if copy is None:
             source = tensor.detach().untyped_storage()
-            if s in plan.initial_remote:
+            if s in remote:
                 allocate = getattr(transfers, "input_storage", None) or _input_storage
                 copy = allocate(source.nbytes(), source)
-            elif buffer is not None:
+            elif buffer is not None and (s, -1) in slots:
                 offset, nbytes = slots[(s, -1)]
                 if nbytes != source.nbytes():
                     raise ArenaOverlap(f"input {program.values[vid].name} has {source.nbytes()} bytes but its slot "
@@ -865,8 +867,11 @@ class _Step:
         from the old into the new."""
         _check_arena_budget(self.plan, layout)
         base, end = arena.data_ptr(), arena.data_ptr() + arena.nbytes()
+        # Not the inputs in remote memory: at the step's start (``initial_remote``), or for all of it (a remote KV
+        # cache, which has no slot).
+        values = self.program.values
         resident = {self.storage_of[v]: t.untyped_storage() for v, t in self.caller.items()
-                    if self.storage_of[v] not in self.plan.initial_remote}
+                    if self.storage_of[v] not in self.plan.initial_remote and not values[self.storage_of[v]].remote}
         if arena.nbytes() != layout.arena_bytes or not resident or any(
                 not base <= st.data_ptr() < end or (s, -1) not in self.slots
                 or st.nbytes() != self.slots[(s, -1)][1] for s, st in resident.items()):
@@ -895,7 +900,9 @@ class _Step:
     def _open_arena(self, layout: Layout) -> None:
         """Allocate the step's arena on the device tier, after checking it fits the plan's budget."""
         _check_arena_budget(self.plan, layout)
-        resident = [t for v, t in self.caller.items() if self.storage_of[v] not in self.plan.initial_remote]
+        values = self.program.values
+        resident = [t for v, t in self.caller.items()
+                    if self.storage_of[v] not in self.plan.initial_remote and not values[self.storage_of[v]].remote]
         # The backend decides where device storages live (as for a prefetch without an arena); ``like`` tells
         # backends that follow their inputs (``SyncTransfers``) which device that is.
         like = (resident or list(self.caller.values()) or [torch.empty(0)])[0].untyped_storage()
