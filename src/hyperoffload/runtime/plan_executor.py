@@ -697,8 +697,8 @@ def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], trans
     in remote memory (``plan.initial_remote``) and those that live there for the whole step (a remote KV cache,
     which only lane ops touch) in the backend's remote buffers (``Transfers.input_storage``: pinned host memory
     on CUDA), the others in device storages of the backend, or, with ``arena`` (as ``execute_plan``'s), each in
-    its start slot of one new arena (an empty input, which has none, in a device storage of its own). Returns the copies and the arena (None
-    without one). Inputs that share a storage share its copy; the caller's tensors are left as they are.
+    its start slot of one new arena (an empty input, which has none, in a device storage of its own). Returns
+    the copies and the arena (None without one). Inputs that share a storage share its copy; the caller's tensors are left as they are.
 
     Why the arena: a donated step that finds its state outside an arena copies it into a new one, so the
     device holds the state twice while it does (the arena and the caller's copies). Placed here, the state
