@@ -2,6 +2,8 @@
 
 from itertools import pairwise
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -99,10 +101,11 @@ def test_replaying_plans_counts_what_fragmentation_costs():
     assert figures["allocator_stalls"] >= 1 and figures["allocator_failures"] >= 1
 
 
-def test_a_block_an_offload_still_reads_is_reused_only_once_the_copy_has_landed():
-    """A 12 MiB storage offloaded and released, then a 12 MiB result made while the offload is still copying
-    (it lands at 5 s): in instruction order the allocator would reuse the released block, but the copy stream
-    still reads it, so the request gets a second segment."""
+@pytest.mark.parametrize("freed_by", ["RELEASE", "COMPUTE"])
+def test_a_block_an_offload_still_reads_is_reused_only_once_the_copy_has_landed(freed_by):
+    """A 12 MiB storage offloaded and then released (or freed after its last use), then a 12 MiB result made
+    while the offload is still copying (it lands at 5 s): in instruction order the allocator would reuse the
+    freed block, but the copy stream still reads it, so the request gets a second segment."""
     from types import SimpleNamespace
 
     from hyperoffload.allocator_model import _replay, stream_ordered_frees
@@ -110,7 +113,7 @@ def test_a_block_an_offload_still_reads_is_reused_only_once_the_copy_has_landed(
     from hyperoffload.plans import Kind
     from hyperoffload.simulate import Interval, Timeline
 
-    kinds = [Kind.COMPUTE, Kind.OFFLOAD, Kind.RELEASE, Kind.COMPUTE, Kind.COMPUTE]
+    kinds = [Kind.COMPUTE, Kind.OFFLOAD, Kind[freed_by], Kind.COMPUTE, Kind.COMPUTE]
     plan = SimpleNamespace(instructions=[SimpleNamespace(kind=k, target=0) for k in kinds])
     intervals = (Interval("compute", 0.0, 1.0, 0, "make a"), Interval("d2h", 1.0, 5.0, 1, "offload a"),
                  Interval("compute", 1.0, 2.0, 3, "make b"), Interval("compute", 2.0, 3.0, 4, "use b"))

@@ -187,16 +187,16 @@ def stream_ordered_frees(timeline: Timeline, found: Sequence[Residency]) -> list
     """When each residency of ``timeline.plan`` is allocated and when its block can serve another request
     (seconds of the simulated step), for the allocator model.
 
-    A storage released while its offload still reads it goes back to the allocator at once, but the
-    allocator holds its block until the copy stream's work on it is done (``record_stream``: the block is
-    reusable from the first request after the copy's event completes), so requests in between get new
-    segments. Measured on an H200 (``bench/gpu_compare.py``), the instruction-order model (a released block
+    A storage released (or freed after its last use) while its offload still reads it goes back to the
+    allocator at once, but the allocator holds its block until the copy stream's work on it is done
+    (``record_stream``: the block is reusable from the first request after the copy's event completes), so
+    requests in between get new segments. Measured on an H200 (``bench/gpu_compare.py``), the instruction-order model (a released block
     reusable at once) predicted 18.3 GiB reserved for ``layerwise`` where the allocator reserved 57.8 GiB,
     and 24 GiB for ``hyperoffload`` at 50% where it reserved 37.8 GiB.
 
     An instruction's time is when the compute stream starts the last compute op issued up to it (its host
-    issue, were the host in step with the device); a block is free from its residency's end, or from its
-    offload's landing if later. The host running ahead of the device delays reuse further, which this
+    issue, were the host in step with the device); a block is free from its residency's end, or from the
+    landing of its last offload within the residency if later. The host running ahead of the device delays reuse further, which this
     does not model: it is a lower bound on what the stream-ordered allocator reserves."""
     plan = timeline.plan
     n = len(plan.instructions)
@@ -212,17 +212,19 @@ def stream_ordered_frees(timeline: Timeline, found: Sequence[Residency]) -> list
     for i in range(n):
         now = at[i] = compute_start.get(i, now)
     at[n] = math.inf
-    offloading: dict[int, int] = {}  # storage -> its offload not yet followed by a release
-    reusable_from: dict[tuple[int, int], float] = {}  # (storage, residency end) -> its offload's landing
+    offloads: dict[int, list[int]] = {}  # storage -> its offloads' instruction indices, in order
     for i, ins in enumerate(plan.instructions):
-        if ins.kind is Kind.OFFLOAD:
-            offloading[ins.target] = i
-        elif ins.kind is Kind.RELEASE:
-            j = offloading.pop(ins.target, None)
-            if j is not None and j in landed:
-                reusable_from[(ins.target, i + 1)] = landed[j]
-    return [(-math.inf if r.start < 0 else at[r.start],
-             max(at[min(r.end, n)], reusable_from.get((r.storage, r.end), -math.inf))) for r in found]
+        if ins.kind is Kind.OFFLOAD and i in landed:
+            offloads.setdefault(ins.target, []).append(i)
+
+    def reusable(r: Residency) -> float:
+        """From the residency's end, or its last offload's landing if later (released or freed after it)."""
+        free = at[min(r.end, n)]
+        mine = offloads.get(r.storage, ())
+        k = bisect.bisect_left(mine, r.end) - 1
+        return max(free, landed[mine[k]]) if k >= 0 and mine[k] >= r.start else free
+
+    return [(-math.inf if r.start < 0 else at[r.start], reusable(r)) for r in found]
 
 
 def _replay(found: Sequence[Residency], limit: int | None,
