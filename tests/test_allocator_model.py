@@ -3,16 +3,15 @@
 from itertools import pairwise
 
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from programs import simple_hardware
 
 from hyperoffload.allocator_model import CachingAllocatorModel, fragmentation_figures, replay_caching_allocator
 from hyperoffload.analysis import memory_profile
 from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import plan_hyperoffload
 from hyperoffload.workloads import capture_workload, get_workload
-from programs import simple_hardware
 
 MiB = 1 << 20
 

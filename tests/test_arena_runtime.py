@@ -21,10 +21,10 @@ from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
 from hyperoffload.layout import LayoutError, assign_offsets, check_layout
 from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import PlannerConfig, plan_hyperoffload
-from hyperoffload.workloads import capture_workload, get_workload
 from hyperoffload.runtime import ArenaOverlap, AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
 from hyperoffload.runtime import plan_executor as executor_module
 from hyperoffload.runtime.plan_executor import SyncTransfers, move_order, out_variant
+from hyperoffload.workloads import capture_workload, get_workload
 
 pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
 

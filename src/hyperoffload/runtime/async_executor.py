@@ -35,8 +35,15 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.layout import Layout
 from hyperoffload.plans import Plan
 from hyperoffload.runtime.emulated_link import EmulatedLink
-from hyperoffload.runtime.plan_executor import (PlanRun, PreparedPlan, Transfers, execute_plan, place_state, prepare_plan,
-                                                with_arena)
+from hyperoffload.runtime.plan_executor import (
+    PlanRun,
+    PreparedPlan,
+    Transfers,
+    execute_plan,
+    place_state,
+    prepare_plan,
+    with_arena,
+)
 
 CUDA = "cuda"
 
