@@ -152,3 +152,37 @@ def test_tiny_llama_plans_with_reordering_stay_valid(share):
     plan = plan_hyperoffload(prog, hardware, budget)
     verify(plan, hardware)
     assert check_plan(plan).peak_bytes <= budget
+
+
+def test_a_partly_hoisted_order_moves_only_the_first_small_updates_and_runs_bit_identically():
+    """``hoist_updates(share=...)``: only updates whose gradients are final in the first share of the backward
+    pass move (with the shared scalars they need), never one reading a state tensor over ``BIG_STATE_SHARE``
+    of the step's input bytes (tiny-llama's embedding and output projection and their moments); the order is
+    valid and the step bit-identical; ``share`` 0 hoists no update, 1 every small one."""
+    from hyperoffload.policies.reorder import BIG_STATE_SHARE, early_updates
+
+    captured = capture_workload(get_workload("tiny-llama"), "train", fake=False)
+    prog = captured.program
+    optimizer = {o.id for o in prog.ops if o.phase is Phase.OPTIMIZER}
+    inputs = set(prog.inputs)
+    big = sum(prog.values[v].alloc_bytes for v in inputs) * BIG_STATE_SHARE
+    reads_big = {o.id for o in prog.ops if o.id in optimizer and any(
+        prog.values[v].storage in inputs and prog.values[prog.values[v].storage].alloc_bytes > big for v in o.inputs)}
+    assert reads_big, "tiny-llama's large state goes unexercised"
+    early = {o.id for o, e in zip(prog.ops, early_updates(prog, 0.15)) if e}
+    everything = {o.id for o, e in zip(prog.ops, early_updates(prog, 1.0)) if e}
+    assert early <= everything <= optimizer and not early & reads_big and not everything & reads_big
+    hoisted_updates = [op_id for op_id in early if any(
+        prog.ops[d].phase is Phase.BACKWARD for d in prog.dependencies()[op_id])]
+    assert hoisted_updates and len(early) < len(everything)
+    assert not any(any(prog.ops[d].phase is Phase.BACKWARD for d in prog.dependencies()[op_id])
+                   for op_id, e in enumerate(early_updates(prog, 0.0)) if e)
+    order = hoist_updates(prog, share=0.15)
+    prog.check_order(order)
+    assert order not in (tuple(range(len(prog.ops))), hoist_updates(prog))
+    planned_inputs = [t.clone() for t in captured.inputs]
+    reference_inputs = [t.clone() for t in captured.inputs]
+    planned = run_plan(plan_without_offload(prog, order), planned_inputs)
+    reference = run_reference(prog, reference_inputs)
+    assert all(torch.equal(a, b) for a, b in zip(planned.outputs, reference.outputs))
+    assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))
