@@ -199,9 +199,10 @@ backward pass (``reorder.early_updates``). On ``llama3-8b`` training at 80% of t
 shares from 0.10 to 0.19 all gave 1.017-1.040 x ``bound_s``, where the other orders gave 1.065."""
 
 
-PARTLY_HOISTED_MIN_SHARE = 0.75
-"""The partly hoisted order gets a pass only at budgets of at least this share of the captured order's peak:
-on ``llama3-8b`` it won only at 80%, and at the smallest budget its pass doubled the planning time."""
+PARTLY_HOISTED_MIN_SHARE = 0.6
+"""The partly hoisted order gets a pass only at budgets of at least this share of the captured order's peak.
+On ``llama3-8b`` it won at 80% and at the hideable budget (66%), tied from 70% to 10%, and at the smallest
+budget (6%) it won by 3.5% but doubled the planning time (15.4 s, over the 10 s target)."""
 
 
 def _orders(program: Program) -> tuple[tuple[int, ...], ...]:
