@@ -127,17 +127,24 @@ def test_planner_keeps_the_refined_order_when_it_is_faster():
     assert simulate(refined, hardware).figures.step_s < simulate(captured, hardware).figures.step_s
 
 
+def _run_in_order_and_as_captured(captured, order):
+    """The captured step run unplanned in ``order`` and by the reference executor, on clones of its inputs:
+    asserts outputs and updated inputs are bit-identical, and returns both runs."""
+    planned_inputs = [t.clone() for t in captured.inputs]
+    reference_inputs = [t.clone() for t in captured.inputs]
+    planned = run_plan(plan_without_offload(captured.program, order), planned_inputs)
+    reference = run_reference(captured.program, reference_inputs)
+    assert all(torch.equal(a, b) for a, b in zip(planned.outputs, reference.outputs))
+    assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))
+    return planned, reference
+
+
 def test_refined_order_runs_bit_identically_on_tiny_llama():
     captured = capture_workload(get_workload("tiny-llama"), "train", fake=False)
     prog = captured.program
     order = hoist_updates(prog)
     assert order != tuple(range(len(prog.ops)))
-    planned_inputs = [t.clone() for t in captured.inputs]
-    reference_inputs = [t.clone() for t in captured.inputs]
-    planned = run_plan(plan_without_offload(prog, order), planned_inputs)
-    reference = run_reference(prog, reference_inputs)
-    assert all(torch.equal(a, b) for a, b in zip(planned.outputs, reference.outputs))
-    assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))
+    planned, reference = _run_in_order_and_as_captured(captured, order)
     # the measured bytes follow the plan's accounting in the new order, and with gradients freed as
     # soon as they are used, fewer bytes are live over the step than in the captured order
     assert planned.peak_bytes == check_plan(plan_without_offload(prog, order)).peak_bytes
@@ -180,9 +187,4 @@ def test_a_partly_hoisted_order_moves_only_the_first_small_updates_and_runs_bit_
     order = hoist_updates(prog, share=0.15)
     prog.check_order(order)
     assert order not in (tuple(range(len(prog.ops))), hoist_updates(prog))
-    planned_inputs = [t.clone() for t in captured.inputs]
-    reference_inputs = [t.clone() for t in captured.inputs]
-    planned = run_plan(plan_without_offload(prog, order), planned_inputs)
-    reference = run_reference(prog, reference_inputs)
-    assert all(torch.equal(a, b) for a, b in zip(planned.outputs, reference.outputs))
-    assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs))
+    _run_in_order_and_as_captured(captured, order)

@@ -339,7 +339,7 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     """The fastest plan found whose live bytes never exceed ``budget_bytes``, and the order and margin
     it was made with. With a ``hint`` from an earlier search, plans only in that order, and in that margin
     unless it is None. ``budget_bytes`` may be an array: the bytes each position of the hint's order may hold."""
-    first, anchored, eager, _ = _orders(program)
+    first, anchored, eager, partly = _orders(program)
     orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [first]
     budget = np.asarray(budget_bytes, dtype=np.int64)
     facts = [_order_facts(program, orders[0], config)]
@@ -371,7 +371,6 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     # The partly hoisted order is for budgets near the captured order's peak; below, the fully refined order
     # wins and its pass would only cost planning time. Where it is the only order that meets the budget, it
     # gets its pass all the same.
-    partly = _orders(program)[3]
     near_peak = budget.min() >= PARTLY_HOISTED_MIN_SHARE * facts[0].live.max()
     considered = [f for f in feasible if not (tuple(f.order) == eager != anchored and not _offload_can_be_free(
         program, hardware, int(budget.min()), first, times_by_op)) and not (

@@ -707,14 +707,13 @@ def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], trans
     plan, program = prepared.plan, prepared.plan.program
     if len(inputs) != len(program.inputs):
         raise ValueError(f"program {program.name} takes {len(program.inputs)} inputs, got {len(inputs)}")
-    remote = plan.initial_remote | {s for s in prepared.storage_of if program.values[s].remote}
     slots = None
     buffer = None
     if arena is not False and arena is not None:
         prepared = with_arena(prepared, arena)
         _check_arena_budget(plan, prepared.arena.layout)
         slots = prepared.arena.slots
-        resident = [t for v, t in zip(program.inputs, inputs) if prepared.storage_of[v] not in remote]
+        resident = [t for v, t in zip(program.inputs, inputs) if _starts_on_device(plan, prepared.storage_of[v])]
         like = (resident or list(inputs) or [torch.empty(0)])[0].untyped_storage()
         allocate = getattr(transfers, "arena_storage", None) or transfers.device_storage
         buffer = allocate(prepared.arena.layout.arena_bytes, like)
@@ -725,7 +724,7 @@ def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], trans
         copy = copies.get(s)
         if copy is None:
             source = tensor.detach().untyped_storage()
-            if s in remote:
+            if not _starts_on_device(plan, s):
                 allocate = getattr(transfers, "input_storage", None) or _input_storage
                 copy = allocate(source.nbytes(), source)
             elif buffer is not None and (s, -1) in slots:
@@ -741,6 +740,12 @@ def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], trans
             copies[s] = copy
         placed.append(_ViewMeta.of(tensor).view_into(copy))
     return placed, buffer
+
+
+def _starts_on_device(plan: Plan, s: int) -> bool:
+    """Whether storage ``s`` is on the device tier when a step of ``plan`` starts: not an input that starts in
+    remote memory (``initial_remote``) nor one that stays there for the whole step (a remote KV cache)."""
+    return s not in plan.initial_remote and not plan.program.values[s].remote
 
 
 def _input_storage(nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
@@ -867,11 +872,8 @@ class _Step:
         from the old into the new."""
         _check_arena_budget(self.plan, layout)
         base, end = arena.data_ptr(), arena.data_ptr() + arena.nbytes()
-        # Not the inputs in remote memory: at the step's start (``initial_remote``), or for all of it (a remote KV
-        # cache, which has no slot).
-        values = self.program.values
         resident = {self.storage_of[v]: t.untyped_storage() for v, t in self.caller.items()
-                    if self.storage_of[v] not in self.plan.initial_remote and not values[self.storage_of[v]].remote}
+                    if _starts_on_device(self.plan, self.storage_of[v])}
         if arena.nbytes() != layout.arena_bytes or not resident or any(
                 not base <= st.data_ptr() < end or (s, -1) not in self.slots
                 or st.nbytes() != self.slots[(s, -1)][1] for s, st in resident.items()):
@@ -900,9 +902,7 @@ class _Step:
     def _open_arena(self, layout: Layout) -> None:
         """Allocate the step's arena on the device tier, after checking it fits the plan's budget."""
         _check_arena_budget(self.plan, layout)
-        values = self.program.values
-        resident = [t for v, t in self.caller.items()
-                    if self.storage_of[v] not in self.plan.initial_remote and not values[self.storage_of[v]].remote]
+        resident = [t for v, t in self.caller.items() if _starts_on_device(self.plan, self.storage_of[v])]
         # The backend decides where device storages live (as for a prefetch without an arena); ``like`` tells
         # backends that follow their inputs (``SyncTransfers``) which device that is.
         like = (resident or list(self.caller.values()) or [torch.empty(0)])[0].untyped_storage()
