@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from programs import op, program, simple_hardware, value
 
 from hyperoffload.ir import Phase, ValueKind
 from hyperoffload.plans import Kind, check_plan, plan_without_offload
@@ -13,7 +14,6 @@ from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.simulate import simulate
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
-from programs import op, program, simple_hardware, value
 
 LAYERS = 4
 PARAM, ACT, GRAD = 100, 400, 1000  # bytes: gradients dominate, as with a stateless optimizer
