@@ -15,45 +15,60 @@ class Lane:
 
     Reservations closer than ``min_gap`` seconds are merged: no copy shorter than that will be
     booked, so such a gap could never be used, and merging keeps searches short on a busy lane.
+
+    Reservations are only ever added, so a position found busy for a copy stays busy for it. Each search
+    remembers how far it got (``_searched``), and the same search asked again, as the planner does for a
+    candidate span at every selection step, resumes there instead of walking the busy positions again:
+    on a busy lane most searches fail after a long walk. The answers are those of a search from scratch.
+    The ``op_start`` lists searched must not change between calls.
     """
 
     def __init__(self, min_gap: float = 0.0) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.min_gap = min_gap
+        self._searched: dict[tuple, int] = {}
+        """(search, its fixed arguments) -> earliest: every position from ``lowest`` below this one is busy;
+        latest: every position from the first candidate down to above this one is busy."""
 
     def earliest(self, op_start: list[float], lowest: int, duration: float, limit: int) -> int:
         """The first position q in [lowest, limit) whose start (``op_start``, ascending, seconds) leaves
         ``duration`` free, or -1."""
         starts, ends = self.starts, self.ends  # hot loop: local names
         bisect_left = bisect.bisect_left
-        q = lowest
+        key = (False, id(op_start), lowest, duration)
+        q = self._searched.get(key, lowest)
         while q < limit:
             begin = op_start[q]
             end = begin + duration
             j = _blocker(starts, ends, begin, end)
             if j < 0:
-                return q
+                break
             while j + 1 < len(starts) and starts[j + 1] - ends[j] < duration:
                 j += 1  # a gap shorter than the copy: whatever starts in it runs into the next reservation
             q = max(q + 1, bisect_left(op_start, ends[j]))
-        return -1
+        self._searched[key] = q
+        return q if q < limit else -1
 
     def latest(self, op_start: list[float], highest: int, duration: float, deadline: float, lowest: int) -> int:
         """The last position q in [lowest, highest] with start + duration <= deadline and free, or -1."""
         starts, ends = self.starts, self.ends
         bisect_right = bisect.bisect_right
-        q = min(highest, bisect_right(op_start, deadline - duration) - 1)
+        key = (True, id(op_start), highest, duration, deadline)
+        q = self._searched.get(key)
+        if q is None:
+            q = min(highest, bisect_right(op_start, deadline - duration) - 1)
         while q >= lowest:
             begin = op_start[q]
             end = begin + duration
             j = _blocker(starts, ends, begin, end)
             if j < 0:
-                return q
+                break
             while j > 0 and starts[j] - ends[j - 1] < duration:
                 j -= 1  # a gap shorter than the copy: whatever ends in it started in the previous reservation
             q = min(q - 1, bisect_right(op_start, starts[j] - duration) - 1)
-        return -1
+        self._searched[key] = q
+        return q if q >= lowest else -1
 
     def reserve(self, begin: float, end: float) -> None:
         k = bisect.bisect_left(self.starts, begin)
