@@ -32,6 +32,7 @@ from hyperoffload.budgets import hideable_budget
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import get_hardware
 from hyperoffload.policies import minimum_budget, plan_hyperoffload
+from hyperoffload.policies.hyperoffload import order_name
 from hyperoffload.simulate import budget_bounds
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
@@ -39,11 +40,6 @@ from hyperoffload.workloads import capture_workload, get_workload
 SCENARIOS = ("llama3-8b:h100-sxm", "llama3-8b:ascend-910c", "llama3-8b:gh200", "llama3-8b:a100-80g",
              "llama3-70b:h200")
 SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
-
-
-def _order(order: list[int]) -> str:
-    """"captured" if ``order`` is the captured order, else "refined" (see policies.reorder)."""
-    return "captured" if order == sorted(order) else "refined"
 
 
 def table_for(name: str, console: Console, *, flow: bool = False, bounds_only: bool = False) -> None:
@@ -84,7 +80,7 @@ def table_for(name: str, console: Console, *, flow: bool = False, bounds_only: b
                       f"{f.step_s / f.bound_s:.3f}", f"{link_bound(program, hardware, budget).seconds / f.bound_s:.3f}",
                       f"{f.step_s / f.lower_bound_s:.3f}",
                       f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.step_s / window:.3f}", *flows, f"{f.slowdown:.3f}",
-                      f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), _order(order), f"{plan_s:.1f}")
+                      f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), order_name(program, order), f"{plan_s:.1f}")
     console.print(table)
 
 

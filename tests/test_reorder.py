@@ -188,3 +188,39 @@ def test_a_partly_hoisted_order_moves_only_the_first_small_updates_and_runs_bit_
     prog.check_order(order)
     assert order not in (tuple(range(len(prog.ops))), hoist_updates(prog))
     _run_in_order_and_as_captured(captured, order)
+    every_small = hoist_updates(prog, share=1.0)
+    prog.check_order(every_small)
+    assert every_small not in (order, hoist_updates(prog))
+    _run_in_order_and_as_captured(captured, every_small)
+
+
+def test_each_partly_hoisted_order_gets_a_pass_from_its_least_budget_up(monkeypatch):
+    """``PARTLY_HOISTED``: near the peak both partly hoisted orders get a quick pass with the captured and refined
+    ones; below the first one's least share of the peak only the order hoisting every small update does."""
+    import hyperoffload.policies.hyperoffload as planner
+
+    prog = capture_workload(get_workload("tiny-llama"), "train").program
+    peak = check_plan(plan_without_offload(prog)).peak_bytes
+    hardware = simple_hardware(bw=1e8)
+    names = [planner.order_name(prog, order) for order in planner.candidate_orders(prog)]
+    assert names[:2] == ["captured", "refined"] and {"partly hoisted 15%", "partly hoisted 100%"} <= set(names)
+    passed: list[str] = []
+    real = planner._plan_in_order
+
+    def recording(program, hw, budget, facts, times, config, seeds=()):
+        if not seeds:  # a quick pass
+            passed.append(planner.order_name(program, facts.order))
+        return real(program, hw, budget, facts, times, config, seeds)
+
+    monkeypatch.setattr(planner, "_plan_in_order", recording)
+    (small, small_least), (every, every_least) = planner.PARTLY_HOISTED
+    assert small < every == 1.0 and small_least > every_least
+    for share in (small_least + 0.1, small_least - 0.2):
+        passed.clear()
+        budget = int(peak * share)
+        plan = plan_hyperoffload(prog, hardware, budget)
+        verify(plan, hardware)
+        assert check_plan(plan).peak_bytes <= budget
+        partly = {name for name in passed if name.startswith("partly")}
+        expected = {"partly hoisted 100%"} | ({"partly hoisted 15%"} if share >= small_least else set())
+        assert partly == expected and {"captured", "refined"} <= set(passed)

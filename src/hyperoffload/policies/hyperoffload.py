@@ -187,39 +187,52 @@ def candidate_orders(program: Program) -> list[tuple[int, ...]]:
     The anchored order moves each moment once per step and wins on slow links (PCIe); the eager one
     runs AdamW's gradient-free ``exp_avg_sq.mul_`` at the step's start, so those moments cross twice,
     which a fast link (NVLink-C2C) hides and which then leaves the planner a slightly better schedule. The
-    partly hoisted one moves only the updates of the first layers the backward pass finishes, and not the
-    large ones (``reorder.early_updates``): on a PCIe-class link at a budget just under the peak it fills the
-    early backward pass's idle offload direction without crowding the link right after the peak."""
+    partly hoisted ones (``PARTLY_HOISTED``) leave the large updates (an output projection's, an embedding's)
+    in the optimizer phase and hoist the others whose gradients are final in the first share of the backward
+    pass (``reorder.early_updates``): the first layers' only, which on a PCIe-class link at a budget just under
+    the peak fills the early backward pass's idle offload direction without crowding the link right after the
+    peak, or all of them, which keeps the large states' traffic out of the backward pass at any budget."""
     return list(dict.fromkeys(_orders(program)))
 
 
-PARTLY_HOISTED_SHARE = 0.15
-"""The partly hoisted candidate order hoists the updates whose gradients are final in the first 15% of the
-backward pass (``reorder.early_updates``). On ``llama3-8b`` training at 80% of the peak on ``h100-sxm``,
-shares from 0.10 to 0.19 all gave 1.017-1.040 x ``bound_s``, where the other orders gave 1.065."""
+PARTLY_HOISTED = ((0.15, 0.6), (1.0, 0.0))
+"""The partly hoisted candidate orders: for each, the share of the backward pass whose updates it hoists
+(``reorder.early_updates``; the large ones never move), and the least budget, as a share of the captured
+order's peak, at which it gets a pass (elsewhere it gets one only where it is the only order that meets the
+budget).
 
-
-PARTLY_HOISTED_MIN_SHARE = 0.6
-"""The partly hoisted order gets a pass only at budgets of at least this share of the captured order's peak.
-On ``llama3-8b`` it won at 80% and at the hideable budget (66%), tied from 70% to 10%, and at the smallest
-budget (6%) it won by 3.5% but doubled the planning time (15.4 s, over the 10 s target)."""
+Measured on ``llama3-8b`` training (``bench/plan_tables.py``; scratch sweeps of the share with the order
+given): hoisting the first 15% wins at 80% of the peak on ``h100-sxm`` (1.017 x ``bound_s``; 1.065 in the
+captured order, and shares from 0.10 to 0.19 gave 1.017-1.040) and is no better below 60% of the peak,
+where its pass would only cost planning time. Hoisting every small update wins at 80% on ``a100-80g``
+(1.033; 1.062 at 0.15) and at almost every budget from 70% down on every PCIe-class profile, by up to 15%
+at the smallest budget, where the fully hoisted order does not fit. Shares in between were within a few
+percent of the better of the two, now one side, now the other."""
 
 
 def _orders(program: Program) -> tuple[tuple[int, ...], ...]:
-    """The captured, anchored refined, eager refined and partly hoisted orders of ``candidate_orders`` (equal
-    where they coincide), computed once per program: every search and every smallest-budget question starts
-    here."""
+    """The captured, anchored refined, eager refined and partly hoisted orders (one per ``PARTLY_HOISTED``) of
+    ``candidate_orders`` (equal where they coincide), computed once per program: every search and every
+    smallest-budget question starts here."""
     cached = _ORDERS.get(program)
     if cached is None:
         cached = _ORDERS[program] = (
             overlap_lane_ops(program),
             overlap_lane_ops(program, hoist_updates(program)),
             overlap_lane_ops(program, hoist_updates(program, anchored=False)),
-            overlap_lane_ops(program, hoist_updates(program, share=PARTLY_HOISTED_SHARE)))
+            *(overlap_lane_ops(program, hoist_updates(program, share=share)) for share, _ in PARTLY_HOISTED))
     return cached
 
 
 _ORDERS: WeakKeyDictionary[Program, tuple[tuple[int, ...], ...]] = WeakKeyDictionary()
+
+
+def order_name(program: Program, order: Sequence[int]) -> str:
+    """Which of ``candidate_orders`` ``order`` is: "captured", "refined" (every update hoisted where its gradient
+    is final), "refined eager" (each op as early as its inputs allow), "partly hoisted 15%" (per
+    ``PARTLY_HOISTED`` share; the first name where orders coincide), or "other"."""
+    names = ("captured", "refined", "refined eager", *(f"partly hoisted {share:.0%}" for share, _ in PARTLY_HOISTED))
+    return next((name for name, candidate in zip(names, _orders(program)) if candidate == tuple(order)), "other")
 
 
 def plan_hyperoffload(program: Program, hardware: Hardware | str, budget_bytes: int,
@@ -339,7 +352,7 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     """The fastest plan found whose live bytes never exceed ``budget_bytes``, and the order and margin
     it was made with. With a ``hint`` from an earlier search, plans only in that order, and in that margin
     unless it is None. ``budget_bytes`` may be an array: the bytes each position of the hint's order may hold."""
-    first, anchored, eager, partly = _orders(program)
+    first, anchored, eager, *partly = _orders(program)
     orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [first]
     budget = np.asarray(budget_bytes, dtype=np.int64)
     facts = [_order_facts(program, orders[0], config)]
@@ -368,13 +381,14 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     # The eager order moves the second moments twice per step; only a link that can make offloading free at
     # this budget hides that, and elsewhere its pass would only cost planning time.
     # Where it is the only order that meets the budget, it gets its pass all the same.
-    # The partly hoisted order is for budgets near the captured order's peak; below, the fully refined order
-    # wins and its pass would only cost planning time. Where it is the only order that meets the budget, it
-    # gets its pass all the same.
-    near_peak = budget.min() >= PARTLY_HOISTED_MIN_SHARE * facts[0].live.max()
+    # A partly hoisted order gets its pass from its least share of the captured order's peak up (see
+    # PARTLY_HOISTED); below, it would only cost planning time. Where it is the only order that meets the
+    # budget, it gets its pass all the same.
+    peak = facts[0].live.max()  # without a hint, the first order is the captured one
+    too_low = set(partly) - {order for order, (_, least) in zip(partly, PARTLY_HOISTED)
+                             if budget.min() >= least * peak} - {first, anchored, eager}
     considered = [f for f in feasible if not (tuple(f.order) == eager != anchored and not _offload_can_be_free(
-        program, hardware, int(budget.min()), first, times_by_op)) and not (
-        tuple(f.order) == partly not in (first, anchored, eager) and not near_peak)] or feasible
+        program, hardware, int(budget.min()), first, times_by_op)) and tuple(f.order) not in too_low] or feasible
     if any(tuple(f.order) == eager != anchored for f in considered):
         # Where the eager order is worth a pass (links fast enough to offload for free), the stretched start
         # never won; it would cost a pass of its own.
