@@ -203,7 +203,7 @@ def test_each_partly_hoisted_order_gets_a_pass_from_its_least_budget_up(monkeypa
     peak = check_plan(plan_without_offload(prog)).peak_bytes
     hardware = simple_hardware(bw=1e8)
     names = [planner.order_name(prog, order) for order in planner.candidate_orders(prog)]
-    assert names[:2] == ["captured", "refined"] and {"partly hoisted 15%", "partly hoisted 100%"} <= set(names)
+    assert names[:2] == ["captured", "refined"] and {"partly 15%", "partly 100%"} <= set(names)
     passed: list[str] = []
     real = planner._plan_in_order
 
@@ -222,5 +222,5 @@ def test_each_partly_hoisted_order_gets_a_pass_from_its_least_budget_up(monkeypa
         verify(plan, hardware)
         assert check_plan(plan).peak_bytes <= budget
         partly = {name for name in passed if name.startswith("partly")}
-        expected = {"partly hoisted 100%"} | ({"partly hoisted 15%"} if share >= small_least else set())
+        expected = {"partly 100%"} | ({"partly 15%"} if share >= small_least else set())
         assert partly == expected and {"captured", "refined"} <= set(passed)

@@ -229,9 +229,9 @@ _ORDERS: WeakKeyDictionary[Program, tuple[tuple[int, ...], ...]] = WeakKeyDictio
 
 def order_name(program: Program, order: Sequence[int]) -> str:
     """Which of ``candidate_orders`` ``order`` is: "captured", "refined" (every update hoisted where its gradient
-    is final), "refined eager" (each op as early as its inputs allow), "partly hoisted 15%" (per
-    ``PARTLY_HOISTED`` share; the first name where orders coincide), or "other"."""
-    names = ("captured", "refined", "refined eager", *(f"partly hoisted {share:.0%}" for share, _ in PARTLY_HOISTED))
+    is final), "eager" (each op as early as its inputs allow), "partly 15%" (the partly hoisted order of that
+    ``PARTLY_HOISTED`` share), or "other"; where orders coincide, the first of these names."""
+    names = ("captured", "refined", "eager", *(f"partly {share:.0%}" for share, _ in PARTLY_HOISTED))
     return next((name for name, candidate in zip(names, _orders(program)) if candidate == tuple(order)), "other")
 
 
