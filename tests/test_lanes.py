@@ -31,7 +31,8 @@ def test_searches_answer_as_from_scratch_while_reservations_are_added(gaps, data
     for _ in range(12):
         for anchor, duration in searches:
             limit = data.draw(st.integers(anchor, n))
-            assert lane.earliest(op_start, anchor, duration, limit) == _earliest(lane, op_start, anchor, duration, limit)
+            assert (lane.earliest(op_start, anchor, duration, limit)
+                    == _earliest(lane, op_start, anchor, duration, limit))
             deadline = op_start[anchor]
             lowest = data.draw(st.integers(0, anchor))
             assert (lane.latest(op_start, anchor, duration, deadline, lowest)

@@ -190,14 +190,15 @@ def stream_ordered_frees(timeline: Timeline, found: Sequence[Residency]) -> list
     A storage released (or freed after its last use) while its offload still reads it goes back to the
     allocator at once, but the allocator holds its block until the copy stream's work on it is done
     (``record_stream``: the block is reusable from the first request after the copy's event completes), so
-    requests in between get new segments. Measured on an H200 (``bench/gpu_compare.py``), the instruction-order model (a released block
-    reusable at once) predicted 18.3 GiB reserved for ``layerwise`` where the allocator reserved 57.8 GiB,
-    and 24 GiB for ``hyperoffload`` at 50% where it reserved 37.8 GiB.
+    requests in between get new segments. Measured on an H200 (``bench/gpu_compare.py``), the instruction-order
+    model (a released block reusable at once) predicted 18.3 GiB reserved for ``layerwise`` where the allocator
+    reserved 57.8 GiB, and 24 GiB for ``hyperoffload`` at 50% where it reserved 37.8 GiB.
 
     An instruction's time is when the compute stream starts the last compute op issued up to it (its host
     issue, were the host in step with the device); a block is free from its residency's end, or from the
-    landing of its last offload within the residency if later. The host running ahead of the device delays reuse further, which this
-    does not model: it is a lower bound on what the stream-ordered allocator reserves."""
+    landing of its last offload within the residency if later. The host running ahead of the device delays
+    reuse further, which this does not model: it is a lower bound on what the stream-ordered allocator
+    reserves."""
     plan = timeline.plan
     n = len(plan.instructions)
     compute_start: dict[int, float] = {}

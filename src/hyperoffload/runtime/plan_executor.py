@@ -412,22 +412,13 @@ def move_order(moves: dict[Any, tuple[int, int, int]]) -> list[tuple[str, Any]]:
 
     def blocked_by(key):
         """A pending move that still reads from the buffer where ``key`` writes (spilled sources are read from
-        elsewhere); one exists whenever no move is ready."""
+        elsewhere), or None; one exists for every move whenever no move is ready."""
         _, dst, n = pending[key]
-        return next(other for other in pending if other != key and (span := reads(other)) is not None
-                    and span[0] < dst + n and dst < span[1])
+        return next((other for other in pending if other != key and (span := reads(other)) is not None
+                     and span[0] < dst + n and dst < span[1]), None)
 
     while pending:
-        ready = []
-        for key, (_, dst, n) in pending.items():
-            blocked = False
-            for other in pending:
-                span = reads(other)
-                if span is not None and other != key and span[0] < dst + n and dst < span[1]:
-                    blocked = True
-                    break
-            if not blocked:
-                ready.append(key)
+        ready = [key for key in pending if blocked_by(key) is None]
         if not ready:  # every pending move writes where another reads: take one source out of the buffer,
             # one on a cycle of such waits (a move outside every cycle would still wait after the spill). Following
             # each move to one it waits for must come back to a move seen before: that one is on a cycle.
@@ -698,7 +689,8 @@ def place_state(plan: Plan | PreparedPlan, inputs: Sequence[torch.Tensor], trans
     which only lane ops touch) in the backend's remote buffers (``Transfers.input_storage``: pinned host memory
     on CUDA), the others in device storages of the backend, or, with ``arena`` (as ``execute_plan``'s), each in
     its start slot of one new arena (an empty input, which has none, in a device storage of its own). Returns
-    the copies and the arena (None without one). Inputs that share a storage share its copy; the caller's tensors are left as they are.
+    the copies and the arena (None without one). Inputs that share a storage share its copy; the caller's
+    tensors are left as they are.
 
     Why the arena: a donated step that finds its state outside an arena copies it into a new one, so the
     device holds the state twice while it does (the arena and the caller's copies). Placed here, the state
