@@ -39,7 +39,7 @@ from hyperoffload.ir import Program
 from hyperoffload.layout import arena_use, assign_offsets, prefetch_into_arena
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies.lanes import Lane
-from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops
+from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops, sink_views
 from hyperoffload.policies.spans import Span, Uses, idle_spans, positions_arrays, storage_uses
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.units import format_bytes
@@ -182,7 +182,9 @@ def candidate_orders(program: Program) -> list[tuple[int, ...]]:
     """Execution orders the planner starts from: the captured one, then the refined ones that differ
     from it (optimizer updates hoisted into the backward pass, see ``reorder``): each update in one piece
     where its gradient is final, and each op as early as its inputs allow. In all, the step's own lane
-    ops (a decode step's block fetches) get independent compute to overlap (``overlap_lane_ops``).
+    ops (a decode step's block fetches) get independent compute to overlap (``overlap_lane_ops``), and each
+    view op runs just before the first op that needs it (``sink_views``: a captured step detaches every
+    parameter at its start, which would count as a use there).
 
     The anchored order moves each moment once per step and wins on slow links (PCIe); the eager one
     runs AdamW's gradient-free ``exp_avg_sq.mul_`` at the step's start, so those moments cross twice,
@@ -218,11 +220,11 @@ def _orders(program: Program) -> tuple[tuple[int, ...], ...]:
     smallest-budget question starts here."""
     cached = _ORDERS.get(program)
     if cached is None:
-        cached = _ORDERS[program] = (
-            overlap_lane_ops(program),
-            overlap_lane_ops(program, hoist_updates(program)),
-            overlap_lane_ops(program, hoist_updates(program, anchored=False)),
-            *(overlap_lane_ops(program, hoist_updates(program, share=share)) for share, _ in PARTLY_HOISTED))
+        cached = _ORDERS[program] = tuple(sink_views(program, overlap_lane_ops(program, order)) for order in (
+            None,
+            hoist_updates(program),
+            hoist_updates(program, anchored=False),
+            *(hoist_updates(program, share=share) for share, _ in PARTLY_HOISTED)))
     return cached
 
 
