@@ -109,6 +109,7 @@ def test_random_programs_plans_are_valid_and_within_budget(program, share, bandw
     plan = plan_hyperoffload(program, hardware, budget, config)
     timeline = verify(plan, hardware)
     assert timeline.figures.peak_bytes <= budget
+    assert redundant_offloads(plan) == []
 
 
 def test_plan_command_json_and_graph(tmp_path, capsys):
@@ -186,3 +187,38 @@ def test_a_budget_only_the_eager_order_meets_is_planned_in_it(bandwidth):
     plan = plan_hyperoffload(prog, hardware, budget)
     verify(plan, hardware)
     assert check_plan(plan).peak_bytes <= budget
+
+
+def redundant_offloads(plan) -> list[str]:
+    """Offloads of a storage whose remote copy is already current: one from earlier in the step, or, for a
+    storage kept remote between steps (``plan.initial_remote``), the last step's, with no write since."""
+    program = plan.program
+    values = program.values
+    current = set(plan.initial_remote)
+    found = []
+    for ins in plan.instructions:
+        if ins.kind is Kind.OFFLOAD:
+            if ins.target in current:
+                found.append(values[ins.target].name)
+            current.add(ins.target)
+        elif ins.kind is Kind.COMPUTE:
+            op = program.ops[ins.target]
+            current -= {values[v].storage for v in op.mutates} | {v for v in op.outputs if values[v].owns_storage}
+    return found
+
+
+@pytest.mark.parametrize("hardware", ["h100-sxm", "gh200"])
+def test_a_storage_goes_out_once_per_write(tiny_train, hardware):
+    """A parameter kept in remote memory between steps comes back for its forward use and leaves again
+    after it with no second copy out: the one sent after its update last step is current until this
+    step's update."""
+    program = tiny_train.program
+    hw = get_hardware(hardware)
+    peak = memory_profile(program).peak_bytes
+    kept_remote = 0
+    for budget in (int(peak * 0.5), int(peak * 0.3), minimum_budget(program)[0]):
+        plan = plan_hyperoffload(program, hw, budget)
+        verify(plan, hw)
+        assert redundant_offloads(plan) == []
+        kept_remote += sum(program.values[s].kind.value == "parameter" for s in plan.initial_remote)
+    assert kept_remote, "no parameter was kept remote between steps: the case goes unexercised"

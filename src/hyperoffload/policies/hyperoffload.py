@@ -627,18 +627,49 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
         _, i, choice = best
         choices[i] = choice
         span = spans[i]
+        landed = 0.0
         if choice.offload >= 0:
             begin = choice.offload_begin if choice.offload_begin >= 0 else start_at[choice.offload]
             d2h.reserve(begin, begin + offload_s[i])
+            landed = begin + offload_s[i]
             if not span.cyclic:
-                out_until.setdefault(span.storage, []).append((span.first, begin + offload_s[i]))
+                out_until.setdefault(span.storage, []).append((span.first, landed))
+        if span.cyclic:
+            # Kept in remote memory between steps, the storage has a current copy there from the step's start
+            # (once the last step's offload has landed) to its first write: spans before that need no offload.
+            out_until.setdefault(span.storage, []).append((-1, max(0.0, landed - total)))
         begin = step.start[choice.prefetch]
         h2d.reserve(begin, begin + prefetch_s[i])
         for lo, hi in choice.freed(n):
             excess[lo:hi] -= size[i]
+    _reuse_remote_copies(choices, spans, writes)
     if config.early_prefetch:
         _prefetch_early(choices, spans, excess, size, n)
     return _emit(program, spans, choices, int(np.max(budget)), order)
+
+
+def _reuse_remote_copies(choices: dict[int, _Choice], spans: list[Span], writes) -> None:
+    """Drop each chosen span's offload where the storage already has a current copy in remote memory: one an
+    earlier chosen span of the step sent out with no write since, or, for a storage kept there between steps
+    (a chosen cyclic span), the one sent out after the last step's last write, up to the step's first write.
+    Selection reuses a copy made by a span chosen before (``_current_copy``); this catches the spans chosen
+    first of the two. Without it, on ``llama3-8b`` training on ``gh200`` at 10% of the peak, 135 parameters
+    went out twice a step, 12 GiB of needless offloads."""
+    by_storage: dict[int, list[int]] = {}
+    for i in choices:
+        by_storage.setdefault(spans[i].storage, []).append(i)
+    for storage, chosen in by_storage.items():
+        w = writes.get(storage, [])
+        # Position up to which the remote copy is current (the use before an offloaded span; -1: from the last
+        # step), or None while there is none.
+        copy_at = -1 if any(spans[i].cyclic for i in chosen) else None
+        for i in sorted(chosen, key=lambda i: (spans[i].cyclic, spans[i].first)):  # the cyclic span ends the step
+            span, choice = spans[i], choices[i]
+            written = copy_at is None or bisect.bisect_right(w, span.first) > bisect.bisect_right(w, copy_at)
+            if choice.offload >= 0 and not written:
+                choices[i] = replace(choice, offload=-1, offload_begin=-1.0)
+            elif choice.offload >= 0:
+                copy_at = span.first
 
 
 def _prefetch_early(choices: dict[int, _Choice], spans: list[Span], excess: np.ndarray, size, n: int) -> None:
