@@ -74,7 +74,7 @@ class PlannerConfig:
     """Give the plan a static arena layout (``hyperoffload.layout``) and re-plan for fewer live bytes where
     the arena rises above the budget until it fits: the budget then bounds reserved memory. Off by default:
     the packing loses 3-8% to fragmentation on llama3-8b training plans, and making room for that costs
-    up to 8% of step time (4.7% at half the peak on h100-sxm) and planning takes 2-4x as long: it plans twice,
+    up to 8% of step time (4.7% at half the peak on h100-sxm) and planning takes 1.7-3.2x as long: it plans twice,
     with prefetches as early as the live bytes allow and just in time, and keeps the faster
     (``bench/fragmentation.py --cost``)."""
     layout_attempts: int = 4
