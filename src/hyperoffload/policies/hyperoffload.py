@@ -661,16 +661,19 @@ def _reuse_remote_copies(choices: dict[int, _Choice], spans: list[Span], writes)
     for storage, chosen in by_storage.items():
         w = writes.get(storage, [])
         # The use before the span whose offload made the remote copy (-1: the copy sent out after the previous
-        # step's last write), or None while there is none. A span that drops its offload keeps its release: releasing it earlier, where the
-        # memory would be free, was slower (gh200 at 10% of the peak: 1.155 against 1.143 x bound_s).
+        # step's last write), or None while there is none. A span that drops its offload keeps its release:
+        # releasing it earlier, where the memory would be free, was slower (gh200 at 10% of the peak: 1.155
+        # against 1.143 x bound_s).
         copy_at = -1 if any(spans[i].cyclic for i in chosen) else None
         for i in sorted(chosen, key=lambda i: (spans[i].cyclic, spans[i].first)):  # the cyclic span ends the step
             span, choice = spans[i], choices[i]
-            written = copy_at is None or bisect.bisect_right(w, span.first) > bisect.bisect_right(w, copy_at)
-            if choice.offload >= 0 and not written:
-                choices[i] = replace(choice, offload=-1, offload_begin=-1.0)
-            elif choice.offload >= 0:
+            if choice.offload < 0:
+                continue
+            stale = copy_at is None or bisect.bisect_right(w, span.first) > bisect.bisect_right(w, copy_at)
+            if stale:
                 copy_at = span.first
+            else:
+                choices[i] = replace(choice, offload=-1, offload_begin=-1.0)
 
 
 def _prefetch_early(choices: dict[int, _Choice], spans: list[Span], excess: np.ndarray, size, n: int) -> None:

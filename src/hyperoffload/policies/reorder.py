@@ -29,7 +29,7 @@ def hoist_updates(program: Program, *, anchored: bool = True, share: float | Non
     """An execution order (op ids) in which each optimizer-phase op runs as soon as the ops it depends
     on have run; other ops keep the captured order. With ``anchored``, an optimizer op that some later op
     depends on then moves down to just before the first of them, so that each update runs as one piece
-    where its gradient is final (``_sink_early_updates``); without, ops that need no gradient run at the
+    where its gradient is final (``_sink``); without, ops that need no gradient run at the
     start of the step. With ``share``, only the updates ``early_updates`` picks move (see there). Equal to
     the captured order when the step has no optimizer phase."""
     deps = program.dependencies()
@@ -63,7 +63,12 @@ def hoist_updates(program: Program, *, anchored: bool = True, share: float | Non
         run(op_id)
         drain()
     assert all(done), "an optimizer op never became ready"
-    return _sink_early_updates(order, early, dependents) if anchored else tuple(order)
+    # Run as soon as its inputs are ready, an optimizer op that needs no gradient (AdamW's
+    # ``exp_avg_sq.mul_(beta2)``, the bias corrections) would run at the very start of the step, and the state
+    # it touches would then be needed on the device there as well as at its update: every second moment would
+    # cross the link twice per step. Sunk to its first dependent, it runs with the rest of its update, which
+    # the gradient anchors in the backward pass.
+    return _sink(order, early, dependents) if anchored else tuple(order)
 
 
 BIG_STATE_SHARE = 1 / 64
@@ -107,17 +112,6 @@ def early_updates(program: Program, share: float) -> list[bool]:
                            if values[v].storage in inputs) or any(large.get(d, False) for d in deps[op.id])
     # The shared scalars (ready at -1, needing no gradient) come along whatever the share.
     return [op.id in ready and ready[op.id] < cutoff and not large[op.id] for op in ops]
-
-
-def _sink_early_updates(order: list[int], early: list[bool], dependents: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """``order`` with each movable op that other ops depend on moved to just before the first of them.
-
-    Run as soon as its inputs are ready, an optimizer op that needs no gradient (AdamW's
-    ``exp_avg_sq.mul_(beta2)``, the bias corrections) would run at the very start of the step, and the
-    state it touches would then be needed on the device there as well as at its update: every second
-    moment would have to cross the link twice per step. Sunk to its first dependent, it runs with the
-    rest of its update, which the gradient anchors in the backward pass."""
-    return _sink(order, early, dependents)
 
 
 def _sink(order: Sequence[int], movable: Sequence[bool], dependents: Sequence[Sequence[int]],
