@@ -28,7 +28,6 @@ allocated in instruction order never exceed it.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -127,18 +126,19 @@ def check_plan(plan: Plan) -> PlanCheck:
     if not plan.initial_remote <= {storage_of[v] for v in program.inputs}:
         raise PlanError(-1, "initial_remote may only name storages of step inputs")
 
-    # Last device use of every storage (compute read/write, or offload), for automatic frees and for
-    # knowing whether a released value is needed again.
-    uses: dict[int, list[int]] = {}
-    compute_uses: dict[int, list[int]] = {}
+    # Last device use of every storage (compute read/write, or offload), for automatic frees, and its last
+    # compute use, for knowing whether a released value is needed again. (Indices only: the instruction
+    # that uses it next is looked up when a release is found to lose data, on the error path.)
     touched, read, written = op_storages(program)
+    n_ops = len(program.ops)
+    last_compute: dict[int, int] = {}
+    last_offload: dict[int, int] = {}
     for i, ins in enumerate(instrs):
         if ins.kind is Kind.COMPUTE:
-            if not 0 <= ins.target < len(program.ops):
+            if not 0 <= ins.target < n_ops:
                 raise PlanError(i, f"compute of op id {ins.target}, which the program does not have")
             for s in touched[ins.target]:
-                uses.setdefault(s, []).append(i)
-                compute_uses.setdefault(s, []).append(i)
+                last_compute[s] = i
         else:
             if not 0 <= ins.target < len(values) or storage_of[ins.target] != ins.target:
                 raise PlanError(i, f"{ins.kind.value} of value id {ins.target}, which is not a storage owner")
@@ -146,8 +146,16 @@ def check_plan(plan: Plan) -> PlanCheck:
                 raise PlanError(i, f"{ins.kind.value} of {values[ins.target].name}: it lives in remote memory for the "
                                    f"whole step; only the step's lane ops move its data")
             if ins.kind is Kind.OFFLOAD:
-                uses.setdefault(ins.target, []).append(i)
-    last_use = {s: u[-1] for s, u in uses.items()}
+                last_offload[ins.target] = i
+    last_use = dict(last_compute)
+    for s, i in last_offload.items():
+        if i > last_use.get(s, -1):
+            last_use[s] = i
+    # Storages the caller does not hold are freed after their last device use: the candidates per instruction.
+    last_of: dict[int, set[int]] = {}
+    for s, i in last_use.items():
+        if s not in held:
+            last_of.setdefault(i, set()).add(s)
 
     on_device: dict[int, bool] = {}
     ready: dict[int, bool] = {}
@@ -167,6 +175,7 @@ def check_plan(plan: Plan) -> PlanCheck:
                             f"{plan.budget_bytes}; start some of them in remote memory")
 
     deps = program.dependencies()
+    owned = owned_outputs(program)
     computed = [False] * len(program.ops)
     live: list[int] = []
     frees_after: list[tuple[int, ...]] = []
@@ -177,9 +186,10 @@ def check_plan(plan: Plan) -> PlanCheck:
             op = program.ops[s]
             if computed[s]:
                 raise PlanError(i, f"{ins.describe(program)} runs a second time")
-            missing = [program.ops[d].name for d in deps[s] if not computed[d]]
-            if missing:
-                raise PlanError(i, f"{ins.describe(program)} runs before {missing[0]}, which it depends on")
+            for d in deps[s]:
+                if not computed[d]:
+                    raise PlanError(i, f"{ins.describe(program)} runs before {program.ops[d].name}, which it "
+                                       f"depends on")
             for r in read[s]:
                 if not ready.get(r, False):
                     if r in released_at and not on_device.get(r):
@@ -194,10 +204,9 @@ def check_plan(plan: Plan) -> PlanCheck:
                     raise PlanError(i, f"{ins.describe(program)} overwrites {name(w)} while its offload "
                                        f"#{pending[w][1]} may still be reading it; wait for the offload first")
                 remote.pop(w, None)  # the remote copy, if any, is now stale
-            for o in op.outputs:
-                if values[o].owns_storage:
-                    on_device[o] = ready[o] = True
-                    allocated += values[o].alloc_bytes
+            for o in owned[s]:
+                on_device[o] = ready[o] = True
+                allocated += values[o].alloc_bytes
             computed[s] = True
         elif ins.kind is Kind.OFFLOAD:
             if not ready.get(s, False):
@@ -232,10 +241,14 @@ def check_plan(plan: Plan) -> PlanCheck:
                 raise PlanError(i, f"release of {name(s)}: it is not on the device")
             if s in pending and pending[s][0] is Kind.PREFETCH:
                 raise PlanError(i, f"release of {name(s)} while its prefetch #{pending[s][1]} is in flight")
-            at = compute_uses.get(s, [])
-            later = at[bisect.bisect_right(at, i):]
-            if remote.get(s) is None and (later or s in held):
-                where = f"it is used again by #{later[0]}" if later else "the step returns or keeps it"
+            used_later = last_compute.get(s, -1) > i
+            if remote.get(s) is None and (used_later or s in held):
+                if used_later:
+                    at = next(j for j in range(i + 1, len(instrs))
+                              if instrs[j].kind is Kind.COMPUTE and s in touched[instrs[j].target])
+                    where = f"it is used again by #{at}"
+                else:
+                    where = "the step returns or keeps it"
                 raise PlanError(i, f"release of {name(s)} loses its data: no offload since it was last "
                                    f"written, and {where}")
             on_device[s] = ready[s] = False
@@ -247,12 +260,15 @@ def check_plan(plan: Plan) -> PlanCheck:
             raise PlanError(i, f"{ins.describe(program)} brings the device to {allocated} bytes, over the budget "
                                f"of {plan.budget_bytes}")
         live.append(allocated)
-        # Automatic frees: storages the caller does not hold, after their last device use.
-        for t in touched[s] if ins.kind is Kind.COMPUTE else (s,) if ins.kind is Kind.OFFLOAD else ():
-            if t not in held and last_use.get(t) == i and on_device.get(t, False):
-                on_device[t] = ready[t] = False
-                allocated -= values[t].alloc_bytes
-                frees.append(t)
+        # Automatic frees: storages the caller does not hold, after their last device use (in the order the
+        # op touches them, which the static layout's free list follows).
+        ending = last_of.get(i)
+        if ending:
+            for t in (t for t in touched[s] if t in ending) if ins.kind is Kind.COMPUTE else ending:
+                if on_device.get(t, False):
+                    on_device[t] = ready[t] = False
+                    allocated -= values[t].alloc_bytes
+                    frees.append(t)
         frees_after.append(tuple(frees))
 
     if not all(computed):
@@ -263,6 +279,19 @@ def check_plan(plan: Plan) -> PlanCheck:
             raise PlanError(-1, f"{name(s)} is lost at the end of the step: neither on the device nor in remote memory")
     return PlanCheck(live_bytes=tuple(live), peak_bytes=max(live, default=initial), frees_after=tuple(frees_after),
                      initial_bytes=initial)
+
+
+def owned_outputs(program: Program) -> tuple[tuple[int, ...], ...]:
+    """Per op id, its outputs that own their storage (what running it allocates); computed once per program."""
+    cached = _OWNED.get(program)
+    if cached is None:
+        values = program.values
+        cached = _OWNED[program] = tuple(tuple(o for o in op.outputs if values[o].owns_storage)
+                                         for op in program.ops)
+    return cached
+
+
+_OWNED: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()
 
 
 def op_storages(program: Program) -> tuple[tuple[frozenset[int], ...], tuple[tuple[int, ...], ...],

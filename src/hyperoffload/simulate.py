@@ -321,6 +321,8 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         outstanding[r] = len(needs)
         for x in needs:
             blocked_releases.setdefault(x, []).append(r)
+    freed_bytes = [sum(values[s].alloc_bytes for s in frees) if frees else 0 for frees in frees_after]
+    is_wait = [ins.kind is Kind.WAIT for ins in instrs]
 
     finish = [-1.0] * n
     issued = [alloc[i] == 0 for i in range(n)]
@@ -330,84 +332,70 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     intervals: list[Interval] = []
     stalls: list[Stall] = []
     t = 0.0
-    compute_pos = 0  # index into compute_stream of the next instruction to start
-    compute_busy_until: float | None = None
+    # The compute stream: the next instruction to start is compute_stream[compute_pos]; every instruction
+    # before plan position ``reach`` (that one, or n once the stream is done) has been reached, which is what
+    # lets a copy be issued.
+    compute_pos, n_stream = 0, len(compute_stream)
+    reach = compute_stream[0] if compute_stream else n
+    compute_busy_until = 0.0
     compute_running = -1
-    next_alloc = 0  # index into allocating of the next allocation in plan order
-    lane_pos = {H2D: 0, D2H: 0}
-    active: dict[str, _Copy | None] = {H2D: None, D2H: None}
-    bandwidth = {H2D: hardware.h2d_bw, D2H: hardware.d2h_bw}
-    latency = {H2D: hardware.h2d_latency_s, D2H: hardware.d2h_latency_s}
+    next_alloc, n_allocating = 0, len(allocating)  # the next allocation in plan order
+    # Copy lanes, indexed 0 (H2D) and 1 (D2H).
+    lanes = (H2D, D2H)
+    queues = (lane_queue[H2D], lane_queue[D2H])
+    lane_pos = [0, 0]
+    active: list[_Copy | None] = [None, None]
+    bandwidth = (hardware.h2d_bw, hardware.d2h_bw)
+    latency = (hardware.h2d_latency_s, hardware.d2h_latency_s)
     stall_since: float | None = None
     stall_cause = ""
 
-    def reached(i: int) -> bool:
-        """Every compute-stream instruction before plan position ``i`` has started."""
-        return compute_pos >= len(compute_stream) or compute_stream[compute_pos] > i
-
-    def free(storages, when: float) -> None:
-        nonlocal usage
-        released = sum(values[s].alloc_bytes for s in storages)
-        if released:
-            usage -= released
-            memory.append((when, usage))
-
     def finished(i: int, when: float) -> None:
+        nonlocal usage
         finish[i] = when
-        free(frees_after[i], when)
+        if freed_bytes[i]:
+            usage -= freed_bytes[i]
+            memory.append((when, usage))
         for r in blocked_releases.get(i, ()):
             outstanding[r] -= 1
             if outstanding[r] == 0:
-                free((deferred_frees[r][0],), when)
-
-    def can_allocate(i: int) -> str:
-        """"" if ``i`` may allocate now, else "memory": not enough free memory under the budget for it,
-        or for an earlier prefetch that must be issued first."""
-        if alloc[i] == 0:
-            return ""
-        if allocating[next_alloc] != i:
-            return "memory"  # an earlier prefetch is waiting for memory to be issued
-        if budget is not None and usage + alloc[i] > budget:
-            return "memory"
-        return ""
-
-    def allocate(i: int, when: float) -> None:
-        nonlocal usage, peak, next_alloc
-        if alloc[i]:
-            usage += alloc[i]
-            peak = max(peak, usage)
-            memory.append((when, usage))
-            next_alloc += 1
+                released = values[deferred_frees[r][0]].alloc_bytes
+                if released:
+                    usage -= released
+                    memory.append((when, usage))
 
     for storage, needs in deferred_frees.values():
-        if not needs:  # released before anything read or copied it this step: free from the start
-            free((storage,), 0.0)
+        if not needs and values[storage].alloc_bytes:  # released before anything read or copied it: free at 0
+            usage -= values[storage].alloc_bytes
+            memory.append((0.0, usage))
 
     while True:
         progressed = True
         while progressed:
             progressed = False
             # Prefetches and lane ops are issued, and their buffers allocated, when the compute stream
-            # reaches them.
-            while next_alloc < len(allocating) and on_lane[allocating[next_alloc]]:
+            # reaches them, in plan order, and while the budget has room.
+            while next_alloc < n_allocating:
                 i = allocating[next_alloc]
-                if not reached(i) or can_allocate(i):
+                if not on_lane[i] or i >= reach or (budget is not None and usage + alloc[i] > budget):
                     break
-                allocate(i, t)
+                usage += alloc[i]
+                peak = max(peak, usage)
+                memory.append((t, usage))
+                next_alloc += 1
                 issued[i] = True
                 progressed = True
             # Compute stream.
-            if compute_running < 0 and compute_pos < len(compute_stream):
+            if compute_running < 0 and compute_pos < n_stream:
                 i = compute_stream[compute_pos]
-                ins = instrs[i]
-                why = ""
-                if ins.kind is Kind.WAIT:
-                    if finish[wait_for[i]] < 0:
-                        why = "copy"
-                elif any(finish[d] < 0 for d in lane_deps[i]):
+                if is_wait[i]:
+                    why = "copy" if finish[wait_for[i]] < 0 else ""
+                elif has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
                     why = "copy"
+                elif alloc[i] and (allocating[next_alloc] != i or (budget is not None and usage + alloc[i] > budget)):
+                    why = "memory"  # no room under the budget, or an earlier prefetch waits for room first
                 else:
-                    why = can_allocate(i)
+                    why = ""
                 if why:
                     if stall_since is None:
                         stall_since, stall_cause = t, why
@@ -421,25 +409,32 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                             stalls.append(Stall(stall_cause, stall_since, t, i))
                         stall_since = None
                     compute_pos += 1
+                    reach = compute_stream[compute_pos] if compute_pos < n_stream else n
                     progressed = True
-                    if ins.kind is Kind.WAIT:
+                    if is_wait[i]:
                         finish[i] = t
                     else:
-                        allocate(i, t)
-                        duration = cost[ins.target] + issuing[i]
+                        if alloc[i]:
+                            usage += alloc[i]
+                            peak = max(peak, usage)
+                            memory.append((t, usage))
+                            next_alloc += 1
+                        target = instrs[i].target
+                        duration = cost[target] + issuing[i]
                         compute_running, compute_busy_until = i, t + duration
                         if duration > 0:
-                            intervals.append(Interval(COMPUTE, t, t + duration, i,
-                                                      program.ops[ins.target].name))
+                            intervals.append(Interval(COMPUTE, t, t + duration, i, program.ops[target].name))
             # Copy lanes.
-            for lane in (H2D, D2H):
-                queue = lane_queue[lane]
-                if active[lane] is not None or lane_pos[lane] >= len(queue):
+            for lane in (0, 1):
+                if active[lane] is not None:
+                    continue
+                queue = queues[lane]
+                if lane_pos[lane] >= len(queue):
                     continue
                 i = queue[lane_pos[lane]]
-                if not reached(i) or (after[i] >= 0 and finish[after[i]] < 0):
+                if i >= reach or (after[i] >= 0 and finish[after[i]] < 0) or not issued[i]:
                     continue
-                if not issued[i] or any(finish[d] < 0 for d in lane_deps[i]):
+                if has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
                     continue
                 lane_pos[lane] += 1
                 active[lane] = _Copy(i, t, t + latency[lane], float(copy_bytes[i]))
@@ -449,38 +444,35 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 finished(compute_running, t)
                 compute_running = -1
                 progressed = True
-            for lane in (H2D, D2H):
+            for lane in (0, 1):
                 copy = active[lane]
                 if copy is not None and copy.latency_end <= t + _EPS and copy.remaining <= _EPS:
-                    intervals.append(Interval(lane, copy.start, t, copy.instr, instrs[copy.instr].describe(program)))
+                    intervals.append(Interval(lanes[lane], copy.start, t, copy.instr,
+                                              instrs[copy.instr].describe(program)))
                     active[lane] = None
                     finished(copy.instr, t)
                     progressed = True
 
-        # Next event.
-        in_data = [lane for lane in (H2D, D2H) if active[lane] is not None and active[lane].latency_end <= t + _EPS]
-        share = hardware.duplex_share if len(in_data) == 2 else 1.0
-        candidates = []
-        if compute_running >= 0:
-            candidates.append(compute_busy_until)
-        for lane in (H2D, D2H):
-            copy = active[lane]
-            if copy is None:
-                continue
-            if lane in in_data:
-                candidates.append(t + copy.remaining / (bandwidth[lane] * share))
-            else:
-                candidates.append(copy.latency_end)
-        if not candidates:
+        # Next event: the running compute ends, a copy's latency ends, or a copy's data phase ends (both lanes
+        # moving data share the link).
+        h2d, d2h = active
+        moving_h2d = h2d is not None and h2d.latency_end <= t + _EPS
+        moving_d2h = d2h is not None and d2h.latency_end <= t + _EPS
+        share = hardware.duplex_share if moving_h2d and moving_d2h else 1.0
+        nxt = compute_busy_until if compute_running >= 0 else None
+        for copy, moving, bw in ((h2d, moving_h2d, bandwidth[0]), (d2h, moving_d2h, bandwidth[1])):
+            if copy is not None:
+                end = t + copy.remaining / (bw * share) if moving else copy.latency_end
+                nxt = end if nxt is None or end < nxt else nxt
+        if nxt is None:
             break
-        nxt = min(candidates)
-        for lane in in_data:
-            copy = active[lane]
-            rate = bandwidth[lane] * share
-            if t + copy.remaining / rate <= nxt * (1 + 1e-12):
-                copy.remaining = 0.0  # this copy's data phase ends now (no float residue)
-            else:
-                copy.remaining -= (nxt - t) * rate
+        for copy, moving, bw in ((h2d, moving_h2d, bandwidth[0]), (d2h, moving_d2h, bandwidth[1])):
+            if moving:
+                rate = bw * share
+                if t + copy.remaining / rate <= nxt * (1 + 1e-12):
+                    copy.remaining = 0.0  # this copy's data phase ends now (no float residue)
+                else:
+                    copy.remaining -= (nxt - t) * rate
         t = nxt
 
     unfinished = [i for i in range(n) if finish[i] < 0 and instrs[i].kind is not Kind.RELEASE]
