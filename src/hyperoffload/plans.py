@@ -106,7 +106,8 @@ def plan_without_offload(program: Program, order: Sequence[int] | None = None,
                          budget_bytes: int | None = None) -> Plan:
     """The step as captured (or in ``order``): compute only, nothing leaves the device."""
     order = range(len(program.ops)) if order is None else order
-    return Plan(program=program, instructions=tuple(Instr(Kind.COMPUTE, i) for i in order), policy="none",
+    computes = compute_instructions(program)
+    return Plan(program=program, instructions=tuple(computes[i] for i in order), policy="none",
                 budget_bytes=budget_bytes)
 
 
@@ -279,6 +280,18 @@ def check_plan(plan: Plan) -> PlanCheck:
             raise PlanError(-1, f"{name(s)} is lost at the end of the step: neither on the device nor in remote memory")
     return PlanCheck(live_bytes=tuple(live), peak_bytes=max(live, default=initial), frees_after=tuple(frees_after),
                      initial_bytes=initial)
+
+
+def compute_instructions(program: Program) -> tuple[Instr, ...]:
+    """``Instr(COMPUTE, op)`` for each op id of ``program``, made once per program: instructions are immutable,
+    and planners that make many plans of a 20k-op step spent much of their time making them anew."""
+    cached = _COMPUTES.get(program)
+    if cached is None:
+        cached = _COMPUTES[program] = tuple(Instr(Kind.COMPUTE, i) for i in range(len(program.ops)))
+    return cached
+
+
+_COMPUTES: WeakKeyDictionary[Program, tuple[Instr, ...]] = WeakKeyDictionary()
 
 
 def owned_outputs(program: Program) -> tuple[tuple[int, ...], ...]:

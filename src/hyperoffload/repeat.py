@@ -12,7 +12,7 @@ from dataclasses import replace
 from weakref import WeakKeyDictionary
 
 from hyperoffload.ir import Op, Program, Value
-from hyperoffload.plans import Instr, Kind, Plan
+from hyperoffload.plans import Instr, Kind, Plan, compute_instructions, op_storages
 
 
 def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
@@ -24,6 +24,7 @@ def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
     """
     program = plan.program
     repeated, maps = _repeated(program, times)
+    computes = compute_instructions(repeated)
     instructions: list[Instr] = []
     starts: list[int] = []
     n_ops = len(program.ops)
@@ -34,27 +35,27 @@ def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
     freed_anyway = _releases_after_last_use(plan, returned)
     for k, mapping in enumerate(maps):
         starts.append(len(instructions))
+        offset = k * n_ops
         for i, ins in enumerate(plan.instructions):
             if ins.kind is Kind.COMPUTE:
-                instructions.append(Instr(Kind.COMPUTE, ins.target + k * n_ops))
+                instructions.append(computes[ins.target + offset])
             elif i in freed_anyway and k < len(maps) - 1:
                 continue
             else:
-                instructions.append(Instr(ins.kind, mapping[ins.target]))
+                instructions.append(ins if k == 0 else Instr(ins.kind, mapping[ins.target]))
     return (Plan(program=repeated, instructions=tuple(instructions), policy=plan.policy,
                  budget_bytes=plan.budget_bytes, initial_remote=plan.initial_remote), tuple(starts))
 
 
 def _releases_after_last_use(plan: Plan, storages: set[int]) -> set[int]:
     """Indices of releases of ``storages`` that no compute or prefetch of the same storage follows."""
-    values = plan.program.values
+    touched = op_storages(plan.program)[0]
     result: set[int] = set()
     used_later: set[int] = set()
     for i in range(len(plan.instructions) - 1, -1, -1):
         ins = plan.instructions[i]
         if ins.kind is Kind.COMPUTE:
-            op = plan.program.ops[ins.target]
-            used_later.update(values[v].storage for v in (*op.inputs, *op.outputs))
+            used_later.update(touched[ins.target])
         elif ins.kind is Kind.PREFETCH:
             used_later.add(ins.target)
         elif ins.kind is Kind.RELEASE and ins.target in storages and ins.target not in used_later:

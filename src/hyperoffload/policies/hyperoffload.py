@@ -37,7 +37,7 @@ from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.layout import arena_use, assign_offsets, prefetch_into_arena
-from hyperoffload.plans import Instr, Kind, Plan, check_plan, plan_without_offload
+from hyperoffload.plans import Instr, Kind, Plan, check_plan, compute_instructions, plan_without_offload
 from hyperoffload.policies.lanes import Lane
 from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops, sink_views
 from hyperoffload.policies.spans import Span, Uses, idle_spans, positions_arrays, storage_uses
@@ -543,8 +543,12 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
     hi2 = np.where(cyclic, np.maximum(latest, 0), 0)
     latency_bytes = hardware.h2d_latency_s * hardware.h2d_bw
     d2h, h2d = Lane(float(offload_s.min(initial=np.inf))), Lane(float(prefetch_s.min(initial=np.inf)))
+    # The per-span placement below runs some 20 times per selection step: it works on Python lists and
+    # bisect, which give the same answers as the arrays and np.searchsorted at a fraction of their cost per item.
     starts, starts_at = step.start.tolist(), start_at.tolist()  # lanes search these with bisect
+    offload_l, prefetch_l, ready_l, end_s = offload_s.tolist(), prefetch_s.tolist(), ready.tolist(), float(total)
     choices: dict[int, _Choice] = {}
+    free = np.ones(len(spans), dtype=bool)  # spans not chosen yet
     out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed) of chosen spans
     excess = (step.live - budget).astype(np.float64)
 
@@ -555,37 +559,37 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
             return _cyclic_window(i, p)
         landed = _current_copy(out_until.get(span.storage, ()), span, writes)
         if landed is None:
-            q = d2h.earliest(starts, span.first + 1, offload_s[i], p + 1)
+            q = d2h.earliest(starts, span.first + 1, offload_l[i], p + 1)
             if q < 0:
                 return None
-            done, offload = step.start[q] + offload_s[i], q
+            done, offload = starts[q] + offload_l[i], q
         else:
-            done, offload = max(ready[i], landed), -1
-        release = max(int(np.searchsorted(step.start, done, side="left")), span.first + 1)
+            done, offload = max(ready_l[i], landed), -1
+        release = max(bisect.bisect_left(starts, done), span.first + 1)
         if release > p:
             return None
-        q = h2d.latest(starts, span.last, prefetch_s[i], starts[span.last], p + 1)
+        q = h2d.latest(starts, span.last, prefetch_l[i], starts[span.last], p + 1)
         if q < 0:
             return None
         return _Choice(offload, release, q)
 
     def _cyclic_window(i: int, p: int) -> _Choice | None:
         span = spans[i]
-        prefetch = h2d.latest(starts, span.last, prefetch_s[i], starts[span.last], 0)
+        prefetch = h2d.latest(starts, span.last, prefetch_l[i], starts[span.last], 0)
         if prefetch < 0:
             return None
         begin = -1.0
         if writes.get(span.storage):  # changed this step: the copy from the last step is stale
-            q = d2h.earliest(starts_at, span.first + 1, offload_s[i], n + 1)
+            q = d2h.earliest(starts_at, span.first + 1, offload_l[i], n + 1)
             if q < 0:  # the lane is booked to the end: go out after the step, once the lane is free
-                q, begin = n, max(total, max(d2h.ends, default=total))
-            landed, offload = (begin if begin >= 0 else start_at[q]) + offload_s[i], q
+                q, begin = n, max(end_s, max(d2h.ends, default=end_s))
+            landed, offload = (begin if begin >= 0 else starts_at[q]) + offload_l[i], q
         else:
-            landed, offload = ready[i], -1
-        if landed <= total:
-            release, resumes = max(int(np.searchsorted(start_at, landed, side="left")), span.first + 1), 0
+            landed, offload = ready_l[i], -1
+        if landed <= end_s:
+            release, resumes = max(bisect.bisect_left(starts_at, landed), span.first + 1), 0
         else:  # lands during the next step: the storage is still on the device when that step starts
-            release, resumes = n, int(np.searchsorted(step.start, landed - total, side="left"))
+            release, resumes = n, bisect.bisect_left(starts, landed - end_s)
         if not (release <= p or resumes <= p < prefetch):
             return None
         return _Choice(offload, release, prefetch, resumes, begin)
@@ -596,9 +600,6 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
         if need <= 0:
             break
         over = np.concatenate([[0.0], np.cumsum(np.where(excess > 0, step.times, 0.0))])
-        free = np.ones(len(spans), dtype=bool)
-        if choices:
-            free[list(choices)] = False
         covers = (lo1 <= p) & (p < hi1) | (p < hi2)
         candidates = np.flatnonzero(free & covers)
         covered = over[hi1[candidates]] - over[np.minimum(lo1[candidates], hi1[candidates])] + over[hi2[candidates]]
@@ -626,6 +627,7 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
             continue
         _, i, choice = best
         choices[i] = choice
+        free[i] = False
         span = spans[i]
         landed = 0.0
         if choice.offload >= 0:
@@ -758,6 +760,7 @@ def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, 
         waits[spans[i].last].append(i)
         if spans[i].cyclic:
             initial_remote.add(spans[i].storage)
+    computes = compute_instructions(program)
     instructions: list[Instr] = []
     for p in range(n + 1):
         instructions.extend(Instr(Kind.OFFLOAD, spans[i].storage) for i in offloads[p])
@@ -767,6 +770,6 @@ def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, 
         instructions.extend(Instr(Kind.PREFETCH, spans[i].storage)
                             for i in sorted(prefetches[p], key=lambda i: spans[i].last))
         instructions.extend(Instr(Kind.WAIT, spans[i].storage) for i in waits[p])
-        instructions.append(Instr(Kind.COMPUTE, order[p]))
+        instructions.append(computes[order[p]])
     return Plan(program=program, instructions=tuple(instructions), policy=POLICY, budget_bytes=budget,
                 initial_remote=frozenset(initial_remote))
