@@ -28,6 +28,7 @@ instruction and is never simulated. Results are deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 from weakref import WeakKeyDictionary
 
 from hyperoffload.analysis import memory_profile
@@ -42,9 +43,10 @@ STREAMS = (COMPUTE, H2D, D2H)
 _EPS = 1e-12
 
 
-@dataclass(frozen=True, slots=True)
-class Interval:
-    """Busy time of one stream for one instruction (seconds from the start of the step)."""
+class Interval(NamedTuple):
+    """Busy time of one stream for one instruction (seconds from the start of the step). (A named tuple, as
+    ``Stall``: immutable like a frozen dataclass, and four times faster to make, which a simulation of a 20k-op
+    step does 50k times.)"""
 
     stream: str
     start: float
@@ -53,8 +55,7 @@ class Interval:
     label: str
 
 
-@dataclass(frozen=True, slots=True)
-class Stall:
+class Stall(NamedTuple):
     """The compute stream waiting, with work left, on a copy or on memory (seconds)."""
 
     cause: str

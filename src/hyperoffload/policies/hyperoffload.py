@@ -594,12 +594,14 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
             return None
         return _Choice(offload, release, prefetch, resumes, begin)
 
+    over = None  # over[k]: compute time of the over-budget positions before k; kept while they stay the same
     while True:
         p = int(excess.argmax())
         need = excess[p]
         if need <= 0:
             break
-        over = np.concatenate([[0.0], np.cumsum(np.where(excess > 0, step.times, 0.0))])
+        if over is None:
+            over = np.concatenate([[0.0], np.cumsum(np.where(excess > 0, step.times, 0.0))])
         covers = (lo1 <= p) & (p < hi1) | (p < hi2)
         candidates = np.flatnonzero(free & covers)
         covered = over[hi1[candidates]] - over[np.minimum(lo1[candidates], hi1[candidates])] + over[hi2[candidates]]
@@ -616,6 +618,7 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
             best = _unhidden(p, need, free, over, spans, first, last, size, cyclic, n, writes, out_until)
         if best is None:  # every span that could free p is taken: stretch one to its whole idle time
             i = _widen(p, choices, spans, size, cyclic, first, last, n, writes)
+            over = None
             for lo, hi in choices[i].freed(n):
                 excess[lo:hi] += size[i]
             had_offload = choices[i].offload >= 0
@@ -643,7 +646,10 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
         begin = step.start[choice.prefetch]
         h2d.reserve(begin, begin + prefetch_s[i])
         for lo, hi in choice.freed(n):
+            was_over = excess[lo:hi] > 0
             excess[lo:hi] -= size[i]
+            if over is not None and (was_over != (excess[lo:hi] > 0)).any():
+                over = None
     _reuse_remote_copies(choices, spans, writes)
     if config.early_prefetch:
         _prefetch_early(choices, spans, excess, size, n)
