@@ -345,7 +345,7 @@ def test_verify_checks_the_timeline_it_is_given():
     plan = round_trip_plan(activation_round_trip(GB // 2))
     timeline = simulate(plan, hardware())
     _check_timeline(plan, timeline)
-    broken = tuple(with_(iv, start=0.5) if iv.stream == "h2d" else iv for iv in timeline.intervals)
+    broken = tuple(iv._replace(start=0.5) if iv.stream == "h2d" else iv for iv in timeline.intervals)
     assert any(isinstance(iv, Interval) and iv.stream == "h2d" for iv in broken)
     with pytest.raises(VerificationError, match="before the offload it reads from has landed"):
         _check_timeline(plan, with_(timeline, intervals=broken))
