@@ -376,7 +376,7 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     if hint:
         margins = config.bandwidth_margins if hint[1] is None else (hint[1],)
         best, _ = _plan_in_order(program, hardware, budget, feasible[0], times_by_op,
-                                 replace(config, bandwidth_margins=margins))
+                                 replace(config, bandwidth_margins=margins), simulated={})
         return best.plan, (tuple(feasible[0].order), best.margin)
     # Every order gets one quick pass (the first margin, no refinement); the full search runs in the
     # fastest and in any other within ``config.quick_tolerance`` of it, where full passes may rank otherwise.
@@ -398,10 +398,12 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
         # never won; it would cost a pass of its own.
         quick_config = replace(quick_config, stretch_to_window_bound=False)
         config = replace(config, stretch_to_window_bound=False)
+    simulated: dict = {}  # passes often make a plan another made already: one simulation each
     quick: list[tuple[tuple[_Tried, tuple[_Tried, ...]], _OrderFacts]] = [
-        (_plan_in_order(program, hardware, budget, f, times_by_op, quick_config), f) for f in considered]
+        (_plan_in_order(program, hardware, budget, f, times_by_op, quick_config, simulated=simulated), f)
+        for f in considered]
     fastest = min(best.step_s for (best, _), _ in quick)
-    full = [(_plan_in_order(program, hardware, budget, f, times_by_op, config, seeds=tried)[0], f)
+    full = [(_plan_in_order(program, hardware, budget, f, times_by_op, config, seeds=tried, simulated=simulated)[0], f)
             for (best, tried), f in quick if best.step_s <= fastest * (1 + config.quick_tolerance)]
     best, facts = min(full, key=lambda t: t[0].step_s)
     return best.plan, (tuple(facts.order), best.margin)
@@ -414,10 +416,20 @@ def _offload_can_be_free(program, hardware, budget_bytes, order, times_by_op: np
 
 
 def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by_op: np.ndarray,
-                   config: PlannerConfig, seeds: Sequence[_Tried] = ()) -> tuple[_Tried, tuple[_Tried, ...]]:
+                   config: PlannerConfig, seeds: Sequence[_Tried] = (), simulated: dict | None = None
+                   ) -> tuple[_Tried, tuple[_Tried, ...]]:
     """The fastest plan found with the compute ops in ``facts.order``, and the unrefined plans it started from
     (one per margin, and one against op times stretched to the window bound); ``seeds``, plans already made
-    in that order (unrefined), stand for their starts instead of planning them again."""
+    in that order (unrefined), stand for their starts instead of planning them again. ``simulated`` holds the
+    timelines of plans simulated before in the same search (same budget and hardware), by instructions."""
+    simulated = {} if simulated is None else simulated
+
+    def timeline(plan: Plan) -> Timeline:
+        key = (plan.instructions, plan.initial_remote)
+        if key not in simulated:
+            simulated[key] = simulate(plan, hardware)
+        return simulated[key]
+
     order, live, uses, spans = facts.order, facts.live, facts.uses, facts.spans
     times = times_by_op[order]
     steps = {False: _step_of(times, live)}
@@ -437,7 +449,7 @@ def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by
             continue
         plan = _plan_for_margin(program, hardware, budget_bytes, steps[stretched], spans, uses.writes, margin, config,
                                 order)
-        tried.append(_Tried(plan, simulate(plan, hardware), margin, stretched))
+        tried.append(_Tried(plan, timeline(plan), margin, stretched))
     best = min(tried, key=lambda t: t.step_s)
     # Refine with the simulator: plan again against the op times the best plan really ran at (its
     # stalls included), so the lane model sees the gaps the copies actually have; keep what is faster.
@@ -449,7 +461,7 @@ def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by
             break
         plan = _plan_for_margin(program, hardware, budget_bytes, stretched, spans, uses.writes, best.margin, config,
                                 order)
-        refined = _Tried(plan, simulate(plan, hardware), best.margin, best.stretched)
+        refined = _Tried(plan, timeline(plan), best.margin, best.stretched)
         if refined.step_s >= best.step_s:
             break
         best = refined
