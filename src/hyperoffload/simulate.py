@@ -371,11 +371,15 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
             memory.append((0.0, usage))
 
     while True:
-        progressed = True
-        while progressed:
-            progressed = False
-            # Prefetches and lane ops are issued, and their buffers allocated, when the compute stream
+        # At time t, run the five steps below in turn until none of them changes anything: the loop ends at a
+        # step that changes nothing and was the last to change something, the other four having changed
+        # nothing since. (A step that changes nothing has no effect, so running them all once more, round
+        # after round, would end in the same state.)
+        last = -1  # the step that last changed something
+        while True:
+            # 0. Prefetches and lane ops are issued, and their buffers allocated, when the compute stream
             # reaches them, in plan order, and while the budget has room.
+            changed = False
             while next_alloc < n_allocating:
                 i = allocating[next_alloc]
                 if not on_lane[i] or i >= reach or (budget is not None and usage + alloc[i] > budget):
@@ -385,8 +389,13 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 memory.append((t, usage))
                 next_alloc += 1
                 issued[i] = True
-                progressed = True
-            # Compute stream.
+                changed = True
+            if changed:
+                last = 0
+            elif last == 0:
+                break
+            # 1. The compute stream starts its next instruction.
+            changed = False
             if compute_running < 0 and compute_pos < n_stream:
                 i = compute_stream[compute_pos]
                 if is_wait[i]:
@@ -411,7 +420,7 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                         stall_since = None
                     compute_pos += 1
                     reach = compute_stream[compute_pos] if compute_pos < n_stream else n
-                    progressed = True
+                    changed = True
                     if is_wait[i]:
                         finish[i] = t
                     else:
@@ -425,7 +434,12 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                         compute_running, compute_busy_until = i, t + duration
                         if duration > 0:
                             intervals.append(Interval(COMPUTE, t, t + duration, i, program.ops[target].name))
-            # Copy lanes.
+            if changed:
+                last = 1
+            elif last == 1:
+                break
+            # 2. Copy lanes start their next copies.
+            changed = False
             for lane in (0, 1):
                 if active[lane] is not None:
                     continue
@@ -439,12 +453,20 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                     continue
                 lane_pos[lane] += 1
                 active[lane] = _Copy(i, t, t + latency[lane], float(copy_bytes[i]))
-                progressed = True
-            # A compute of zero duration finishes at once.
+                changed = True
+            if changed:
+                last = 2
+            elif last == 2:
+                break
+            # 3. The running compute finishes (one of zero duration at once).
             if compute_running >= 0 and compute_busy_until <= t + _EPS:
                 finished(compute_running, t)
                 compute_running = -1
-                progressed = True
+                last = 3
+            elif last == 3:
+                break
+            # 4. Copies finish.
+            changed = False
             for lane in (0, 1):
                 copy = active[lane]
                 if copy is not None and copy.latency_end <= t + _EPS and copy.remaining <= _EPS:
@@ -452,7 +474,11 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                                               instrs[copy.instr].describe(program)))
                     active[lane] = None
                     finished(copy.instr, t)
-                    progressed = True
+                    changed = True
+            if changed:
+                last = 4
+            elif last in (4, -1):  # -1: a whole first round without change
+                break
 
         # Next event: the running compute ends, a copy's latency ends, or a copy's data phase ends (both lanes
         # moving data share the link).
