@@ -222,3 +222,39 @@ def test_a_storage_goes_out_once_per_write(tiny_train, hardware):
         assert redundant_offloads(plan) == []
         kept_remote += sum(program.values[s].kind.value == "parameter" for s in plan.initial_remote)
     assert kept_remote, "no parameter was kept remote between steps: the case goes unexercised"
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it(tiny_train):
+    """The collector is off while the planner runs (it walks the whole captured program and finds nothing),
+    on again after it, also when planning fails; a caller that turned it off keeps it off."""
+    import gc
+    import importlib
+
+    from hyperoffload.gc_pause import collector_paused
+
+    hyperoffload_policy = importlib.import_module("hyperoffload.policies.hyperoffload")
+    seen = []
+    original = hyperoffload_policy._plan_forms
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    program = tiny_train.program
+    peak = memory_profile(program).peak_bytes
+    assert gc.isenabled()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hyperoffload_policy, "_plan_forms", spy)
+        verify(plan_hyperoffload(program, "h100-sxm", peak // 2), "h100-sxm")
+        with pytest.raises(InfeasibleBudget):
+            plan_hyperoffload(program, "h100-sxm", 1)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        plan_hyperoffload(program, "h100-sxm", peak // 2)
+        assert not gc.isenabled()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
