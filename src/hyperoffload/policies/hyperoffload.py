@@ -772,30 +772,35 @@ def _current_copy(out: list[tuple[int, float]] | tuple, span: Span, writes) -> f
 
 
 def _emit(program, spans: list[Span], choices: dict[int, _Choice], budget: int, order: list[int]) -> Plan:
+    """The plan: at each position, offloads, releases, prefetches (first due first) and waits, then the op
+    (after the last op, offloads and releases only)."""
     n = len(order)
-    offloads: list[list[int]] = [[] for _ in range(n + 1)]
-    releases: list[list[int]] = [[] for _ in range(n + 1)]
-    prefetches: list[list[int]] = [[] for _ in range(n + 1)]
-    waits: list[list[int]] = [[] for _ in range(n + 1)]
+    offloads: dict[int, list[int]] = {}
+    releases: dict[int, list[int]] = {}
+    prefetches: dict[int, list[int]] = {}
+    waits: dict[int, list[int]] = {}
     initial_remote = set()
     for i, choice in choices.items():
         if choice.offload >= 0:
-            offloads[choice.offload].append(i)
-        releases[choice.release].append(i)
-        prefetches[choice.prefetch].append(i)
-        waits[spans[i].last].append(i)
+            offloads.setdefault(choice.offload, []).append(i)
+        releases.setdefault(choice.release, []).append(i)
+        prefetches.setdefault(choice.prefetch, []).append(i)
+        waits.setdefault(spans[i].last, []).append(i)
         if spans[i].cyclic:
             initial_remote.add(spans[i].storage)
     computes = compute_instructions(program)
     instructions: list[Instr] = []
-    for p in range(n + 1):
-        instructions.extend(Instr(Kind.OFFLOAD, spans[i].storage) for i in offloads[p])
-        instructions.extend(Instr(Kind.RELEASE, spans[i].storage) for i in releases[p])
+    done = 0  # ops emitted so far; only positions with cache instructions are visited
+    for p in sorted({*offloads, *releases, *prefetches, *waits}):
+        instructions.extend(computes[op] for op in order[done:p])
+        done = p
+        instructions.extend(Instr(Kind.OFFLOAD, spans[i].storage) for i in offloads.get(p, ()))
+        instructions.extend(Instr(Kind.RELEASE, spans[i].storage) for i in releases.get(p, ()))
         if p == n:
             break
         instructions.extend(Instr(Kind.PREFETCH, spans[i].storage)
-                            for i in sorted(prefetches[p], key=lambda i: spans[i].last))
-        instructions.extend(Instr(Kind.WAIT, spans[i].storage) for i in waits[p])
-        instructions.append(computes[order[p]])
+                            for i in sorted(prefetches.get(p, ()), key=lambda i: spans[i].last))
+        instructions.extend(Instr(Kind.WAIT, spans[i].storage) for i in waits.get(p, ()))
+    instructions.extend(computes[op] for op in order[done:])
     return Plan(program=program, instructions=tuple(instructions), policy=POLICY, budget_bytes=budget,
                 initial_remote=frozenset(initial_remote))
