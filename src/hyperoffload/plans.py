@@ -182,9 +182,7 @@ def check_plan(plan: Plan) -> PlanCheck:
     frees_after: list[tuple[int, ...]] = []
     for i, ins in enumerate(instrs):
         s = ins.target
-        frees: list[int] = []
         if ins.kind is Kind.COMPUTE:
-            op = program.ops[s]
             if computed[s]:
                 raise PlanError(i, f"{ins.describe(program)} runs a second time")
             for d in deps[s]:
@@ -265,12 +263,14 @@ def check_plan(plan: Plan) -> PlanCheck:
         # op touches them, which the static layout's free list follows).
         ending = last_of.get(i)
         if ending:
-            for t in (t for t in touched[s] if t in ending) if ins.kind is Kind.COMPUTE else ending:
-                if on_device.get(t, False):
-                    on_device[t] = ready[t] = False
-                    allocated -= values[t].alloc_bytes
-                    frees.append(t)
-        frees_after.append(tuple(frees))
+            frees = [t for t in ((t for t in touched[s] if t in ending) if ins.kind is Kind.COMPUTE else ending)
+                     if on_device.get(t, False)]
+            for t in frees:
+                on_device[t] = ready[t] = False
+                allocated -= values[t].alloc_bytes
+            frees_after.append(tuple(frees))
+        else:
+            frees_after.append(())
 
     if not all(computed):
         missing = next(op.name for op, done in zip(program.ops, computed) if not done)

@@ -139,10 +139,16 @@ def budget_bounds(program, hardware: Hardware, compute_s: float, budget_bytes: i
 
 
 def lane_traffic(program) -> tuple[int, int]:
-    """Bytes the program's own lane ops move per step: (remote -> device, device -> remote)."""
-    h2d = sum(op.transfer_bytes for op in program.ops if op.lane == "h2d")
-    d2h = sum(op.transfer_bytes for op in program.ops if op.lane == "d2h")
-    return h2d, d2h
+    """Bytes the program's own lane ops move per step: (remote -> device, device -> remote); once per program
+    (every simulation of its plans asks)."""
+    cached = _LANE_TRAFFIC.get(program)
+    if cached is None:
+        cached = _LANE_TRAFFIC[program] = (sum(op.transfer_bytes for op in program.ops if op.lane == "h2d"),
+                                           sum(op.transfer_bytes for op in program.ops if op.lane == "d2h"))
+    return cached
+
+
+_LANE_TRAFFIC: WeakKeyDictionary[Program, tuple[int, int]] = WeakKeyDictionary()
 
 
 def plan_traffic(plan: Plan) -> tuple[int, int]:
