@@ -207,10 +207,10 @@ def test_each_partly_hoisted_order_gets_a_pass_from_its_least_budget_up(monkeypa
     passed: list[str] = []
     real = planner._plan_in_order
 
-    def recording(program, hw, budget, facts, times, config, seeds=()):
+    def recording(program, hw, budget, facts, times, config, seeds=(), **kwargs):
         if not seeds:  # a quick pass
             passed.append(planner.order_name(program, facts.order))
-        return real(program, hw, budget, facts, times, config, seeds)
+        return real(program, hw, budget, facts, times, config, seeds, **kwargs)
 
     monkeypatch.setattr(planner, "_plan_in_order", recording)
     (small, small_least), (every, every_least) = planner.PARTLY_HOISTED
