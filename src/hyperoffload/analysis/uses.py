@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyperoffload.ir import Program
+from hyperoffload.plans import op_storages, owned_outputs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -19,14 +20,14 @@ class Uses:
 
 
 def storage_uses(program: Program, order: list[int]) -> Uses:
-    values = program.values
+    touched, _, mutated = op_storages(program)
+    owned = owned_outputs(program)
     positions: dict[int, list[int]] = {}
     writes: dict[int, list[int]] = {}
     for p, op_id in enumerate(order):
-        op = program.ops[op_id]
-        for s in {values[v].storage for v in (*op.inputs, *op.outputs)}:
+        for s in touched[op_id]:
             positions.setdefault(s, []).append(p)
-        for s in {values[v].storage for v in op.mutates} | {o for o in op.outputs if values[o].owns_storage}:
+        for s in mutated[op_id] | set(owned[op_id]):
             writes.setdefault(s, []).append(p)
     return Uses(positions=positions, writes=writes)
 
