@@ -263,8 +263,8 @@ def check_plan(plan: Plan) -> PlanCheck:
         # op touches them, which the static layout's free list follows).
         ending = last_of.get(i)
         if ending:
-            frees = [t for t in ((t for t in touched[s] if t in ending) if ins.kind is Kind.COMPUTE else ending)
-                     if on_device.get(t, False)]
+            ended = [t for t in touched[s] if t in ending] if ins.kind is Kind.COMPUTE else ending
+            frees = [t for t in ended if on_device.get(t, False)]
             for t in frees:
                 on_device[t] = ready[t] = False
                 allocated -= values[t].alloc_bytes
@@ -305,6 +305,20 @@ def owned_outputs(program: Program) -> tuple[tuple[int, ...], ...]:
 
 
 _OWNED: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()
+
+
+def op_writes(program: Program) -> tuple[frozenset[int], ...]:
+    """Per op id, the storages it writes: those it mutates and those its outputs own (creates); computed once
+    per program (the simulator and every order's storage uses read it)."""
+    cached = _WRITES.get(program)
+    if cached is None:
+        mutated = op_storages(program)[2]
+        cached = _WRITES[program] = tuple(mutated[i] | frozenset(owned)
+                                          for i, owned in enumerate(owned_outputs(program)))
+    return cached
+
+
+_WRITES: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()
 
 
 def op_storages(program: Program) -> tuple[tuple[frozenset[int], ...], tuple[tuple[int, ...], ...],

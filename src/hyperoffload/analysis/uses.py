@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyperoffload.ir import Program
-from hyperoffload.plans import op_storages, owned_outputs
+from hyperoffload.plans import op_storages, op_writes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -20,14 +20,13 @@ class Uses:
 
 
 def storage_uses(program: Program, order: list[int]) -> Uses:
-    touched, _, mutated = op_storages(program)
-    owned = owned_outputs(program)
+    touched, written = op_storages(program)[0], op_writes(program)
     positions: dict[int, list[int]] = {}
     writes: dict[int, list[int]] = {}
     for p, op_id in enumerate(order):
         for s in touched[op_id]:
             positions.setdefault(s, []).append(p)
-        for s in mutated[op_id] | set(owned[op_id]):
+        for s in written[op_id]:
             writes.setdefault(s, []).append(p)
     return Uses(positions=positions, writes=writes)
 

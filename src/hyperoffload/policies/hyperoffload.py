@@ -384,7 +384,7 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     if hint:
         margins = config.bandwidth_margins if hint[1] is None else (hint[1],)
         best, _ = _plan_in_order(program, hardware, budget, feasible[0], times_by_op,
-                                 replace(config, bandwidth_margins=margins), simulated={})
+                                 replace(config, bandwidth_margins=margins))
         return best.plan, (tuple(feasible[0].order), best.margin)
     # Every order gets one quick pass (the first margin, no refinement); the full search runs in the
     # fastest and in any other within ``config.quick_tolerance`` of it, where full passes may rank otherwise.
