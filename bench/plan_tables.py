@@ -11,11 +11,16 @@ Column link/bound is link_bound_s / bound_s, the least step/bound any plan in an
 (``analysis.link_bound``: the bytes live at the peak op in every order cross both ways, sharing the link);
 where it is above 1.05 the project's target cannot be met. ``--bounds-only`` prints just the bounds, in
 seconds. With ``--flow``, also step_s / flow_bound_s (``analysis.flow_bound``: an LP over every storage's idle
-stretches and every over-budget stretch of the order; about 10 s per row on an 8B step, hence the flag).
+stretches and every over-budget stretch of the order; about 10 s per row on an 8B step, hence the flag). With
+``--traffic``, also step_s / traffic_bound_s of the plan's order and column traffic/bound: the least
+traffic_bound_s / bound_s over the planner's candidate orders (``analysis.traffic_bound``: an LP over what has to
+cross the link at all, at every op; where it is above 1.05 no plan in those orders meets the target; about 1 s
+per order on an 8B step).
 
     .venv/bin/python bench/plan_tables.py                          # every scenario (several minutes)
     .venv/bin/python bench/plan_tables.py --scenario llama3-8b:h100-sxm
     .venv/bin/python bench/plan_tables.py --scenario llama3-8b:h100-sxm --flow     # adds step/flow
+    .venv/bin/python bench/plan_tables.py --scenario llama3-8b:gh200 --traffic     # adds the traffic bound
     .venv/bin/python bench/plan_tables.py --bounds-only            # every scenario's bounds, no planning
 """
 
@@ -27,12 +32,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from hyperoffload.analysis import flow_bound, link_bound, memory_profile, window_bound
+from hyperoffload.analysis import flow_bound, link_bound, memory_profile, traffic_bound, window_bound
 from hyperoffload.budgets import hideable_budget
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import get_hardware
 from hyperoffload.policies import minimum_budget, plan_hyperoffload
-from hyperoffload.policies.hyperoffload import order_name
+from hyperoffload.policies.hyperoffload import candidate_orders, order_name
 from hyperoffload.simulate import budget_bounds
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
@@ -42,7 +47,14 @@ SCENARIOS = ("llama3-8b:h100-sxm", "llama3-8b:ascend-910c", "llama3-8b:gh200", "
 SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 
 
-def table_for(name: str, console: Console, *, flow: bool = False, bounds_only: bool = False) -> None:
+def traffic_by_order(program, hardware, budget: int) -> dict[tuple[int, ...], float]:
+    """The traffic bound (seconds) of each of the planner's candidate orders at ``budget`` (inf where the order
+    cannot meet it)."""
+    return {order: traffic_bound(program, hardware, budget, order).seconds for order in candidate_orders(program)}
+
+
+def table_for(name: str, console: Console, *, flow: bool = False, traffic: bool = False,
+              bounds_only: bool = False) -> None:
     workload, hardware_name = name.split(":")
     hardware = get_hardware(hardware_name)
     program = capture_workload(get_workload(workload), "train").program
@@ -55,18 +67,22 @@ def table_for(name: str, console: Console, *, flow: bool = False, bounds_only: b
                         f"no-offload peak {peak / 2**30:.1f} GiB", title_justify="left")
     if bounds_only:
         compute_s = sum(op_times(program, hardware))
-        for column in ("budget", "GiB", "compute_s", "bound_s", "duplex_bound_s", "link_bound_s", "link/bound"):
+        for column in ("budget", "GiB", "compute_s", "bound_s", "duplex_bound_s", "link_bound_s", "link/bound",
+                       *(("traffic_bound_s", "traffic/bound") if traffic else ())):
             table.add_column(column, justify="right")
         for label, budget in budgets:
             _, bound, duplex = budget_bounds(program, hardware, compute_s, budget)
             link = link_bound(program, hardware, budget).seconds
+            least = min(traffic_by_order(program, hardware, budget).values()) if traffic else 0.0
             table.add_row(label, f"{budget / 2**30:.1f}", f"{compute_s:.3f}", f"{bound:.3f}", f"{duplex:.3f}",
-                          f"{link:.3f}", f"{link / bound:.3f}")
+                          f"{link:.3f}", f"{link / bound:.3f}",
+                          *((f"{least:.3f}", f"{least / bound:.3f}") if traffic else ()))
         console.print(table)
         return
     for column in ("budget", "GiB", "step_s", "bound_s", "step/bound", "link/bound", "step/lower", "step/duplex",
                    "step/window",
-                   *(("step/flow",) if flow else ()), "slowdown", "moved GiB", "stalls", "order", "plan_s"):
+                   *(("step/flow",) if flow else ()), *(("step/traffic", "traffic/bound") if traffic else ()),
+                   "slowdown", "moved GiB", "stalls", "order", "plan_s"):
         table.add_column(column, justify="right")
     for label, budget in budgets:
         start = time.perf_counter()
@@ -76,6 +92,10 @@ def table_for(name: str, console: Console, *, flow: bool = False, bounds_only: b
         order = plan.compute_order()
         window = window_bound(program, hardware, budget, order).seconds
         flows = (f"{f.step_s / flow_bound(program, hardware, budget, order).seconds:.3f}",) if flow else ()
+        if traffic:
+            by_order = traffic_by_order(program, hardware, budget)
+            own = by_order.get(tuple(order)) or traffic_bound(program, hardware, budget, order).seconds
+            flows += (f"{f.step_s / own:.3f}", f"{min(by_order.values()) / f.bound_s:.3f}")
         table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
                       f"{f.step_s / f.bound_s:.3f}", f"{link_bound(program, hardware, budget).seconds / f.bound_s:.3f}",
                       f"{f.step_s / f.lower_bound_s:.3f}",
@@ -88,11 +108,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="workload:hardware (repeatable)")
     parser.add_argument("--flow", action="store_true", help="add step_s / flow bound (an LP: slow)")
+    parser.add_argument("--traffic", action="store_true",
+                        help="add step_s / traffic bound and the least traffic bound over the candidate orders (LPs)")
     parser.add_argument("--bounds-only", action="store_true", help="print the bounds at each budget; plan nothing")
     args = parser.parse_args()
     console = Console(width=150)
     for name in args.scenario or SCENARIOS:
-        table_for(name, console, flow=args.flow, bounds_only=args.bounds_only)
+        table_for(name, console, flow=args.flow, traffic=args.traffic, bounds_only=args.bounds_only)
 
 
 if __name__ == "__main__":

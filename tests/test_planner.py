@@ -123,7 +123,7 @@ def test_plan_command_json_and_graph(tmp_path, capsys):
         assert key in figures
     assert figures["peak_bytes"] <= figures["budget_bytes"] and figures["policy"] == "hyperoffload"
     assert figures["feasible"] is True
-    for bound in ("link_bound_s", "window_bound_s"):  # lower bounds: every order, the plan's order
+    for bound in ("link_bound_s", "window_bound_s", "traffic_bound_s"):  # lower bounds: every order, the plan's order
         assert figures["compute_s"] * (1 - 1e-9) <= figures[bound] <= figures["step_s"] * (1 + 1e-9)
     code = graph.read_text()
     assert "hyperoffload.offload" in code and "hyperoffload.prefetch" in code and "hyperoffload.wait" in code

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -442,6 +443,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.allocator_model import fragmentation_figures
     from hyperoffload.analysis import memory_profile
     from hyperoffload.analysis.link_bound import link_bound
+    from hyperoffload.analysis.traffic_bound import traffic_bound
     from hyperoffload.analysis.window_bound import window_bound
     from hyperoffload.budgets import parse_budget
     from hyperoffload.report.figures import figures_table
@@ -467,6 +469,10 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         bound = window_bound(plan.program, hardware, budget, plan.compute_order())
         window, free_budget = bound.seconds, bound.free_budget_bytes
         any_order = link_bound(plan.program, hardware, budget).seconds
+    with err.status("Bounding what has to cross the link in this order (a linear program)..."):
+        traffic = traffic_bound(plan.program, hardware, budget, plan.compute_order()).seconds
+        # None where no plan in this order meets the budget (a policy that does not, such as ``none``)
+        traffic = traffic if math.isfinite(traffic) else None
     # A decode step with a remote-KV form is two programs; the bound is of the one this plan runs.
     kv_where = "remote" if kv_placement(plan.program).get("kv") == "remote" else "on the device"
     scope = (f"no plan of this form of the step (its KV cache {kv_where}), in any order," if has_remote_kv(program)
@@ -489,7 +495,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                           "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
                           "device_memory_bytes": hardware.memory_bytes,
                           "instructions": len(plan.instructions), "static_layout": plan.layout is not None,
-                          "window_bound_s": window, "link_bound_s": any_order, "free_budget_bytes": free_budget,
+                          "window_bound_s": window, "traffic_bound_s": traffic, "link_bound_s": any_order,
+                          "free_budget_bytes": free_budget,
                           **memory,
                           **kv_placement(plan.program)}))
         return 0
@@ -527,7 +534,9 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(f"planned in {plan_s:.1f} s; step_s / bound_s = {figures.step_s / figures.bound_s:.3f}, "
                   f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}, step_s / window_bound_s "
                   f"= {figures.step_s / window:.3f} (no plan in this op order can beat window_bound_s "
-                  f"{format_seconds(window)}); below {format_bytes(free_budget)} no plan in this order can "
+                  f"{format_seconds(window)}, nor traffic_bound_s {format_seconds(traffic)}, what has to cross the "
+                  f"link at all; step_s / traffic_bound_s = {figures.step_s / traffic:.3f}); below "
+                  f"{format_bytes(free_budget)} no plan in this order can "
                   f"offload for free; {scope} can beat link_bound_s {format_seconds(any_order)} "
                   f"(step_s / link_bound_s = {figures.step_s / any_order:.3f})")
     return 0

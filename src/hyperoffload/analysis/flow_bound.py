@@ -65,19 +65,17 @@ stall it finds so that solver tolerance does not put the bound above a plan that
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.uses import storage_uses
+from hyperoffload.analysis.segments import Segment, segments
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import check_plan, held_storages, plan_without_offload
+from hyperoffload.plans import check_plan, plan_without_offload
 
 _SOLVER_MARGIN = 1e-7  # relative to the stall: HiGHS's feasibility tolerance, kept on the side of a lower bound
 
@@ -113,48 +111,6 @@ class FlowBound:
     constraints: int = 0
     solve_s: float = 0.0
     """Wall seconds to build and solve the LP (a real CPU timing)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Segment:
-    """A stretch of positions ``(lo, hi)`` (open) where a storage of ``nbytes`` may be off the device."""
-
-    storage: int
-    lo: int
-    hi: int
-    nbytes: int
-    epoch: int | None
-    """Position of the last write before the segment (the D2H starts after it), or None: no D2H charged."""
-    returns: bool
-    """Whether the storage must come back before position ``hi`` (a use in this step)."""
-
-
-def _segments(program: Program, order: list[int]) -> list[_Segment]:
-    """Every segment of every storage that takes device memory (see the module docstring)."""
-    values = program.values
-    n = len(order)
-    found = storage_uses(program, order)
-    held = held_storages(program)
-    at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
-    segments = []
-    for s in sorted(held | set(found.positions)):
-        size = values[s].alloc_bytes
-        if size <= 0 or values[s].remote:
-            continue
-        uses = found.positions.get(s, [])
-        writes = found.writes.get(s, [])
-
-        if not uses:  # held but untouched: may be away the whole step for nothing
-            segments.append(_Segment(s, -1, n, size, None, False))
-            continue
-        if s in at_start:
-            segments.append(_Segment(s, -1, uses[0], size, None, True))
-        for previous, following in itertools.pairwise(uses):
-            if following - previous >= 2:
-                segments.append(_Segment(s, previous, following, size, _last_write(writes, previous), True))
-        if s in held:
-            segments.append(_Segment(s, uses[-1], n, size, _last_write(writes, uses[-1]), False))
-    return segments
 
 
 def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: Sequence[int] | None = None,
@@ -213,8 +169,8 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
 
     # Each segment's instants; segments that charge nothing are free capacity.
     free = np.zeros(k_bins, dtype=np.float64)
-    charged: list[tuple[_Segment, np.ndarray]] = []
-    for seg in _segments(program, order):
+    charged: list[tuple[Segment, np.ndarray]] = []
+    for seg in segments(program, order):
         lo_k = int(np.searchsorted(instants, seg.lo, side="right"))
         hi_k = int(np.searchsorted(instants, seg.hi, side="left"))
         if hi_k <= lo_k:
@@ -226,7 +182,7 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
         if seg.returns and seg.hi > compute_positions[-1]:
             # A use after the last compute op may wait for its prefetch past the end of the compute this
             # bound counts: charge no H2D for it (looser).
-            seg = _Segment(seg.storage, seg.lo, seg.hi, seg.nbytes, seg.epoch, False)
+            seg = Segment(seg.storage, seg.lo, seg.hi, seg.nbytes, seg.epoch, False)
         if seg.epoch is None and not seg.returns:
             free[ks] += seg.nbytes
         else:
@@ -267,7 +223,7 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
     # Blocks: a write epoch with the segments it serves (or one segment the step charges no D2H for). Blocks
     # alike in every slot and instant differ only in bytes, and every constraint of a block scales with its
     # bytes, so alike blocks are merged into one of their summed size: the same LP, much smaller.
-    groups: dict[tuple, list[tuple[_Segment, np.ndarray]]] = {}
+    groups: dict[tuple, list[tuple[Segment, np.ndarray]]] = {}
     for seg, ks in charged:
         key = (seg.storage, seg.epoch) if seg.epoch is not None else (seg.storage, seg.lo, None)
         groups.setdefault(key, []).append((seg, ks))
@@ -349,12 +305,6 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
                      stall_s=tuple(float(x) for x in stall[0::2] + stall[1::2]),
                      d2h_bytes=float(result.x[d2h_last].sum()) * unit if d2h_last else 0.0,
                      h2d_bytes=float(result.x[h2d_first].sum()) * unit if h2d_first else 0.0, **common)
-
-
-def _last_write(writes: list[int], position: int) -> int | None:
-    """The last of ``writes`` (ascending positions) at or before ``position``, or None."""
-    i = bisect.bisect_right(writes, position)
-    return writes[i - 1] if i else None
 
 
 def _previous(positions: np.ndarray, position: int) -> int:

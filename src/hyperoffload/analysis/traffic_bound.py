@@ -1,0 +1,227 @@
+"""The traffic bound: the least copy time of any plan that runs a step's ops in a given order under a budget,
+as a linear program.
+
+The window bound (``analysis.window_bound``) and the flow bound (``analysis.flow_bound``) ask when the copies
+can run. This one asks only how much has to cross, but at every op of the order: a plan has to keep enough
+off the device while each op starts, every storage it keeps off goes out after its last write and comes back
+before its next use, and the link moves all of that in the step. On a link that shares both ways
+(``Hardware.duplex_share``; NVLink-C2C's 0.5) that copy time, not the schedule, is what sets the step time
+at small budgets, and it can be well above what the excess alone needs: parameters that must be off both
+at the peak and across the optimizer phase come in twice per step.
+
+**Memory at each op.** While op ``p`` (a compute op) starts, the device holds every storage the unplanned step
+holds there (``check_plan(plan_without_offload(...)).live_bytes``) except those that are off, and at most the
+budget; so the bytes off are at least ``need(p) = live(p) - budget``. A storage off at ``p`` is not used by
+op ``p``, so it lies in one of its segments (``analysis.segments``). ``z_i`` in ``[0, b_i]`` is how much of
+segment ``i`` is off; a plan's point sets it to ``b_i`` if the storage is off while any op of the segment
+starts, else 0, and at every compute op ``sum of z_i over the segments around it >= need(p)``.
+
+**Copies.** A segment a plan keeps off comes back by a prefetch before the use that ends it, if that use is in
+this step and not after the last compute op (there the prefetch may trail the compute this bound counts): at
+least ``z_i`` bytes of H2D. It went out after the last write before it: one offload of at least ``y_e`` bytes
+for each write epoch ``e`` (the storage, and its last write before the segment) with ``y_e >= z_i`` for every
+segment of the epoch; segments of one epoch share the offload, since a copy stays current until the next
+write. A storage the step starts with and writes is per step what it is after the step's last write: its
+segments before its first write share that epoch's offload (the previous step's, for state kept in remote
+memory), as in the link bound (``analysis.link_bound``: the bound is for plans that end the step with every
+input where it started, so that they can run step after step; the simulator times those that keep state
+remote in steady state). A storage the step never writes needs no offload: its remote copy stays current.
+
+**Link.** ``X`` and ``Y`` are the seconds the H2D and D2H bytes take at full speed alone. While both
+directions copy each gets ``duplex_share`` of its bandwidth, so, as in the flow bound, the copy time ``L``
+satisfies ``share X + (1 - share) Y <= share L`` and ``(1 - share) X + share Y <= share L`` for
+``share >= 1/2``, else ``X + Y <= L``. Copy latencies and the program's own lane ops are left out, which
+loosens.
+
+The LP minimises ``L``; the bound is ``max(compute_s, L)``. The memory rows are intervals of consecutive
+positions, so they are written as a flow along the order (one arc per position, one per segment) and the LP
+has about as many nonzeros as positions and segments: on an 8B training step (11k ops, 20k segments) HiGHS
+solves it in about a second. Its optimum is reduced by a relative ``1e-7`` so that solver tolerance does not
+put the bound above a plan that meets it exactly.
+
+It knows nothing of time within the step, so it is often looser than the window or flow bound; it is tighter
+where the copies' volume, not their timing, decides: ``llama3-8b`` training on ``gh200`` at 10% of the peak,
+where no plan in any of the planner's candidate orders can step faster than 1.059 x ``bound_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyperoffload.analysis.segments import segments
+from hyperoffload.analysis.uses import storage_uses
+from hyperoffload.cost import op_times
+from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
+from hyperoffload.plans import check_plan, plan_without_offload
+
+_SOLVER_MARGIN = 1e-7  # relative: HiGHS's feasibility tolerance, kept on the side of a lower bound
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrafficBound:
+    """The traffic bound and what sets it (seconds, bytes)."""
+
+    seconds: float
+    """No plan in this order under this budget steps faster (simulator semantics; of the plans that end the
+    step with every input where it started): ``max(compute_s, copy_s)``; ``inf`` if the budget cannot be met
+    in this order at all (``status == "infeasible"``)."""
+    compute_s: float
+    copy_s: float
+    """The least time the link needs for the copies any plan in the order has to make (0 where it fits)."""
+    status: str
+    """``"fits"`` (the unplanned step is within the budget: no LP), ``"optimal"`` or ``"infeasible"`` (at some
+    op even every storage off would not bring the device under the budget)."""
+    h2d_bytes: float = 0.0
+    """Bytes the LP's least copy time moves remote -> device (of those, the fewest)."""
+    d2h_bytes: float = 0.0
+    """Bytes it moves device -> remote."""
+    segments: int = 0
+    variables: int = 0
+    constraints: int = 0
+    solve_s: float = 0.0
+    """Wall seconds to build and solve the LP (a real CPU timing)."""
+
+
+def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
+                  order: Sequence[int] | None = None) -> TrafficBound:
+    """The traffic bound of ``program`` run in ``order`` (default: as captured) under ``budget_bytes``."""
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix, vstack
+
+    started = time.perf_counter()
+    order = list(range(len(program.ops))) if order is None else list(order)
+    n = len(order)
+    times = np.asarray(op_times(program, hardware), dtype=np.float64)[order] if n else np.zeros(0)
+    compute = float(times.sum())
+    computing = np.array([program.ops[o].lane is None for o in order], dtype=bool)
+    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
+    need = np.where(computing, np.maximum(live - budget_bytes, 0), 0) if n else np.zeros(0, dtype=np.int64)
+    if not need.any():
+        return TrafficBound(seconds=compute, compute_s=compute, copy_s=0.0, status="fits",
+                            solve_s=time.perf_counter() - started)
+    last_compute = int(np.flatnonzero(computing)[-1])
+    values = program.values
+
+    # Units keep the LP's coefficients near 1: bytes in the largest need, time in what the slower lane takes
+    # to move that.
+    unit = float(need.max())
+    t_h2d = unit / hardware.h2d_bw  # seconds one unit takes on each lane alone
+    t_d2h = unit / hardware.d2h_bw
+
+    uses = storage_uses(program, order)
+    found = segments(program, order, uses)
+    at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
+    # Variables: f_p (the flow past position p along the order, what is *not* off there: at most total - need),
+    # z_i (bytes of segment i off), y_e (bytes of epoch e's offload), then L (the copy time, in units of t_h2d).
+    epochs: dict[tuple[int, int], int] = {}
+    epoch_of: list[int] = []  # each segment's epoch, or -1: no offload needed
+    for seg in found:
+        epoch = seg.epoch
+        if epoch is None and seg.storage in at_start and uses.writes.get(seg.storage):
+            epoch = uses.writes[seg.storage][-1]  # before the first write: the last step's last write (see above)
+        epoch_of.append(-1 if epoch is None else epochs.setdefault((seg.storage, epoch), len(epochs)))
+    # Prefetches: one per segment that returns within the compute, except that a storage the step starts with
+    # is per step one stretch from its last use to its first (see above): its segment after the last use and
+    # its segment before the first share one prefetch (r_g >= z_i), even where the latter charges none.
+    returns: dict[tuple[int, int], list[int]] = {}  # group -> its segments
+    for i, seg in enumerate(found):
+        if seg.storage in at_start and (seg.lo < 0 or seg.hi >= n):
+            if uses.positions.get(seg.storage, [n])[0] <= last_compute:
+                returns.setdefault((seg.storage, -1), []).append(i)
+        elif seg.returns and seg.hi <= last_compute:
+            returns[(seg.storage, seg.lo)] = [i]
+    groups = list(returns.values())
+    m, e_count, g_count = len(found), len(epochs), len(groups)
+    size = np.array([seg.nbytes for seg in found], dtype=np.float64) / unit
+    total = float(size.sum()) + 1.0
+    z0, y0, r0 = n, n + m, n + m + e_count
+    l_var = r0 + g_count
+    n_vars = l_var + 1
+
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    # Flow conservation at the boundary before each position 1..n-1 (node p: between positions p - 1 and p);
+    # node 0 supplies ``total``, node n takes it. Position p's arc runs from node p to p + 1, segment i's from
+    # node lo + 1 to node hi: every position's cut then carries f_p + (segments around p) = total.
+    p = np.arange(n)
+    lo = np.array([max(seg.lo + 1, 0) for seg in found], dtype=np.int64)
+    hi = np.array([min(seg.hi, n) for seg in found], dtype=np.int64)
+    spans = hi > lo
+    seg_ids = np.flatnonzero(spans)
+    rows += [p + 1, p, hi[spans], lo[spans]]
+    cols += [p, p, z0 + seg_ids, z0 + seg_ids]
+    vals += [np.ones(n), -np.ones(n), np.ones(seg_ids.size), -np.ones(seg_ids.size)]
+    eq = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n + 1, n_vars))
+    eq = eq.tocsr()[1:n]  # nodes 1..n-1 balance; the source and sink rows are implied by the bounds below
+    # With f_p + (segments around p) the same at every cut, fixing it at position 0 fixes it everywhere.
+    around_first = np.flatnonzero(spans & (lo <= 0) & (hi > 0))
+    first_cut = coo_matrix((np.ones(1 + around_first.size),
+                            (np.zeros(1 + around_first.size, dtype=np.int64), np.concatenate([[0], z0 + around_first]))),
+                           shape=(1, n_vars)).tocsr()
+    eq = vstack([eq, first_cut]).tocsr()
+    eq_rhs = np.zeros(eq.shape[0])
+    eq_rhs[-1] = total
+
+    # Offloads cover their epoch's segments (z_i <= y_e), and the copy time covers the bytes (the link rows).
+    ub_rows, ub_cols, ub_vals = [], [], []
+    r = 0
+    for i, e in enumerate(epoch_of):
+        if e >= 0:
+            ub_rows += [r, r]
+            ub_cols += [z0 + i, y0 + e]
+            ub_vals += [1.0, -1.0]
+            r += 1
+    for g, members in enumerate(groups):
+        for i in members:
+            ub_rows += [r, r]
+            ub_cols += [z0 + i, r0 + g]
+            ub_vals += [1.0, -1.0]
+            r += 1
+    share = hardware.duplex_share
+    shapes = [(share, 1.0 - share, share), (1.0 - share, share, share)] if share >= 0.5 else [(1.0, 1.0, 1.0)]
+    for a_h2d, b_d2h, c in shapes:  # a X + b Y <= c L, with X, Y and L in units of t_h2d
+        ub_rows += [r] * (g_count + e_count + 1)
+        ub_cols += [*range(r0, r0 + g_count), *range(y0, y0 + e_count), l_var]
+        ub_vals += [a_h2d] * g_count + [b_d2h * t_d2h / t_h2d] * e_count + [-c]
+        r += 1
+    ub = coo_matrix((ub_vals, (ub_rows, ub_cols)), shape=(r, n_vars)).tocsr()
+
+    epoch_size = np.zeros(e_count)
+    for (storage, _), e in epochs.items():
+        epoch_size[e] = values[storage].alloc_bytes / unit
+    lower = np.zeros(n_vars)
+    group_size = np.array([size[members[0]] for members in groups])
+    upper = np.concatenate([total - need / unit, size, epoch_size, group_size, [np.inf]])
+    # Least copy time first; among the least, the fewest bytes (a tie-break far below the solver's tolerance
+    # on the copy time), so that the bytes reported are what that time needs.
+    objective = np.zeros(n_vars)
+    objective[l_var] = 1.0
+    objective[y0:l_var] = 1e-9
+    if (upper < lower - 1e-12).any():
+        return _infeasible(compute, m, n_vars, eq.shape[0] + r, started)
+    result = linprog(objective, A_ub=ub, b_ub=np.zeros(r), A_eq=eq, b_eq=eq_rhs,
+                     bounds=np.column_stack([lower, upper]), method="highs")
+    solve_s = time.perf_counter() - started
+    if result.status == 2:
+        return _infeasible(compute, m, n_vars, eq.shape[0] + r, started)
+    if result.status != 0:
+        raise RuntimeError(f"traffic bound LP: {result.message}")
+    copy_s = float(result.x[l_var]) * t_h2d * (1.0 - _SOLVER_MARGIN)
+    return TrafficBound(seconds=max(compute, copy_s), compute_s=compute, copy_s=copy_s, status="optimal",
+                        h2d_bytes=float(result.x[r0:l_var].sum()) * unit,
+                        d2h_bytes=float(result.x[y0:r0].sum()) * unit,
+                        segments=m, variables=n_vars, constraints=eq.shape[0] + r, solve_s=solve_s)
+
+
+def _infeasible(compute: float, m: int, n_vars: int, constraints: int, started: float) -> TrafficBound:
+    return TrafficBound(seconds=float("inf"), compute_s=compute, copy_s=float("inf"), status="infeasible",
+                        segments=m, variables=n_vars, constraints=constraints, solve_s=time.perf_counter() - started)
+
+
+__all__ = ["TrafficBound", "traffic_bound"]
