@@ -112,7 +112,7 @@ def main() -> None:
                         help="add step_s / traffic bound and the least traffic bound over the candidate orders (LPs)")
     parser.add_argument("--bounds-only", action="store_true", help="print the bounds at each budget; plan nothing")
     args = parser.parse_args()
-    console = Console(width=150)
+    console = Console(width=150 + 14 * (args.flow + 2 * args.traffic))  # room for the optional columns' headers
     for name in args.scenario or SCENARIOS:
         table_for(name, console, flow=args.flow, traffic=args.traffic, bounds_only=args.bounds_only)
 
