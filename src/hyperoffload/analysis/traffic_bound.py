@@ -26,6 +26,10 @@ segments before its first write share that epoch's offload (the previous step's,
 memory), as in the link bound (``analysis.link_bound``: the bound is for plans that end the step with every
 input where it started, so that they can run step after step; the simulator times those that keep state
 remote in steady state). A storage the step never writes needs no offload: its remote copy stays current.
+Likewise, a storage the step starts with and uses within its compute is per step off in one stretch from
+its last use to its first: its segment after the last use and its segment before the first share one
+prefetch (``r_g >= z_i`` for both), which brings it back before its first use in the next step or, for a plan
+that does not keep it remote, before this step ends.
 
 **Link.** ``X`` and ``Y`` are the seconds the H2D and D2H bytes take at full speed alone. While both
 directions copy each gets ``duplex_share`` of its bandwidth, so, as in the flow bound, the copy time ``L``
@@ -35,8 +39,8 @@ loosens.
 
 The LP minimises ``L``; the bound is ``max(compute_s, L)``. The memory rows are intervals of consecutive
 positions, so they are written as a flow along the order (one arc per position, one per segment) and the LP
-has about as many nonzeros as positions and segments: on an 8B training step (11k ops, 20k segments) HiGHS
-solves it in about a second. Its optimum is reduced by a relative ``1e-7`` so that solver tolerance does not
+has a few nonzeros per position and segment: on an 8B training step (11k ops, 8k segments) HiGHS solves it
+in about a second, on a 70B one (28k ops, 20k segments) in about ten. Its optimum is reduced by a relative ``1e-7`` so that solver tolerance does not
 put the bound above a plan that meets it exactly.
 
 It knows nothing of time within the step, so it is often looser than the window or flow bound; it is tighter
@@ -107,8 +111,8 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
     last_compute = int(np.flatnonzero(computing)[-1])
     values = program.values
 
-    # Units keep the LP's coefficients near 1: bytes in the largest need, time in what the slower lane takes
-    # to move that.
+    # Units keep the LP's coefficients near 1: bytes in the largest need, time in what the H2D lane takes to
+    # move that alone.
     unit = float(need.max())
     t_h2d = unit / hardware.h2d_bw  # seconds one unit takes on each lane alone
     t_d2h = unit / hardware.d2h_bw
@@ -117,7 +121,8 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
     found = segments(program, order, uses)
     at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
     # Variables: f_p (the flow past position p along the order, what is *not* off there: at most total - need),
-    # z_i (bytes of segment i off), y_e (bytes of epoch e's offload), then L (the copy time, in units of t_h2d).
+    # z_i (bytes of segment i off), y_e (bytes of epoch e's offload), r_g (bytes of prefetch g), then L (the copy
+    # time, in units of t_h2d).
     epochs: dict[tuple[int, int], int] = {}
     epoch_of: list[int] = []  # each segment's epoch, or -1: no offload needed
     for seg in found:
@@ -158,7 +163,7 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
     cols += [p, p, z0 + seg_ids, z0 + seg_ids]
     vals += [np.ones(n), -np.ones(n), np.ones(seg_ids.size), -np.ones(seg_ids.size)]
     eq = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n + 1, n_vars))
-    eq = eq.tocsr()[1:n]  # nodes 1..n-1 balance; the source and sink rows are implied by the bounds below
+    eq = eq.tocsr()[1:n]  # nodes 1..n-1 balance; the source's and the sink's supply is the first cut's row below
     # With f_p + (segments around p) the same at every cut, fixing it at position 0 fixes it everywhere.
     around_first = np.flatnonzero(spans & (lo <= 0) & (hi > 0))
     first_cut = coo_matrix((np.ones(1 + around_first.size),
