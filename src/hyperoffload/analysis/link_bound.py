@@ -34,8 +34,8 @@ if the step writes it (one per step serves both: the step writes it once, or the
 prefetch for each off stretch that has to come back: one that is off at ``X`` comes back if an op after ``X``
 reads it, or, for state the step reads, for the next step's read; likewise at ``Y``. Off at both, the two are
 one stretch unless the storage is read both between them (by an op after ``X`` and before ``Y`` in every order)
-and between ``Y`` and the next step's ``X`` (by an op after ``Y`` or before ``X``); then it comes in twice a
-step. A parameter off at the peak and again during the optimizer phase is read in the backward pass between
+and between ``Y`` and the next step's ``X`` (by an op after ``Y``, or, for state, which lives on into the next
+step, before ``X``); then it comes in twice a step. A parameter off at the peak and again during the optimizer phase is read in the backward pass between
 them and in the forward pass after: on ``gh200`` at 10% of ``llama3-8b``'s peak, where the embedding's update
 alone needs 6 GiB of the 10.6 GiB budget, those second prefetches make the bound 1.054 x ``bound_s`` (1.009 at
 the peak alone), 1.112 at the smallest budget. The least copy time over how much of each storage is off at
@@ -231,7 +231,9 @@ def _pair_of(program: Program, first: int, second: int) -> _Pair:
     read_after_1 = set().union(*(read[a] for a in after_1))
     read_after_2 = set().union(*(read[a] for a in after_2))
     read_between = set().union(*(read[o] for o in after_1 & before_2))
-    read_across = set().union(*(read[o] for o in before_1 | after_2))  # from the second round to the next first
+    # From the second op round to the next step's first: after the second, or, for state (it lives on into the
+    # next step), before the first.
+    read_across = set().union(*(read[o] for o in after_2)) | (state & set().union(*(read[o] for o in before_1)))
     away_1, away_2 = forced_1 - touched[first], forced_2 - touched[second]
     storages = sorted(away_1 | away_2)
     flag = lambda group: np.fromiter((s in group for s in storages), dtype=bool, count=len(storages))  # noqa: E731
