@@ -28,6 +28,18 @@ def program(values: Sequence[Value], ops: Sequence[Op], inputs: Sequence[int], o
                    outputs=tuple(outputs))
 
 
+def two_peaks() -> Program:
+    """x (written by op0, 1000 bytes) idles until op4 reads it; op2 and op3 are over the budget by 1000 and
+    900 bytes, and only x can leave."""
+    values = [value(0, 0), value(1, 1000), value(2, 200), value(3, 4000), value(4, 100), value(5, 100)]
+    ops = [op(0, [0], [1], flops=1000),
+           op(1, [0], [2], flops=2000),
+           op(2, [2], [3], flops=3000),  # live: x + 200 + 4000 = 5200 (the peak)
+           op(3, [3], [4], flops=4000),  # live: x + 4000 + 100 = 5100
+           op(4, [1, 4], [5], flops=5000)]
+    return program(values, ops, [0], [5])
+
+
 @st.composite
 def random_programs(draw):
     """Random DAGs with inputs, views and unused outputs."""

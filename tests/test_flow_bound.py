@@ -4,24 +4,12 @@ import pytest
 from helpers import assert_no_plan_beats
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from programs import op, program, random_programs, simple_hardware, value
+from programs import op, program, random_programs, simple_hardware, two_peaks, value
 
 from hyperoffload.analysis import flow_bound, memory_profile, window_bound
 from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import POLICIES
 from hyperoffload.simulate import simulate
-
-
-def _two_peaks():
-    """x (written by op0, 1000 bytes) idles until op4 reads it; op2 and op3 are over the budget by 1000 and
-    900 bytes, and only x can leave."""
-    values = [value(0, 0), value(1, 1000), value(2, 200), value(3, 4000), value(4, 100), value(5, 100)]
-    ops = [op(0, [0], [1], flops=1000),
-           op(1, [0], [2], flops=2000),
-           op(2, [2], [3], flops=3000),  # live: x + 200 + 4000 = 5200 (the peak)
-           op(3, [3], [4], flops=4000),  # live: x + 4000 + 100 = 5100
-           op(4, [1, 4], [5], flops=5000)]
-    return program(values, ops, [0], [5])
 
 
 def test_hand_computed_flows():
@@ -32,7 +20,7 @@ def test_hand_computed_flows():
     bytes may come back from op2's start: 0.1 s against its 3 us. The lanes are independent (duplex 1.0)
     and the three stretches are disjoint, so the stalls add up to (1 - 3e-6) + (0.1 - 3e-6) + (0.9 - 4e-6):
     2 s + 5 us in all. (The window bound, which knows the offload starts after op0 ends, says 2 s + 9 us.)"""
-    prog = _two_peaks()
+    prog = two_peaks()
     hardware = simple_hardware(bw=1000.0)
     budget = memory_profile(prog).peak_bytes - 1000
     bound = flow_bound(prog, hardware, budget)
@@ -50,7 +38,7 @@ def test_hand_computed_flows():
 def test_one_bin_and_the_default_bins_both_charge_the_offload():
     """With one bin the offload must cross before the bin's instant (at least 1 s of link); the default bins
     give a bound at least as high here."""
-    prog = _two_peaks()
+    prog = two_peaks()
     hardware = simple_hardware(bw=1000.0, duplex=0.5)
     budget = memory_profile(prog).peak_bytes - 1000
     one = flow_bound(prog, hardware, budget, bins=1)
@@ -83,7 +71,7 @@ def test_budget_at_the_peak_gives_the_compute_time():
     1 GFLOP/s), as the window bound says too. One byte less and one byte of x must be off when op2 starts: out
     after op0 (1 ms of link against op0 and op1's 3 us) and back during op2 and op3 (1 ms against their 7 us),
     so the bound is 15 us + 2 ms - 10 us."""
-    prog = _two_peaks()
+    prog = two_peaks()
     hardware = simple_hardware(bw=1000.0)
     peak = memory_profile(prog).peak_bytes
     bound = flow_bound(prog, hardware, peak)
@@ -95,7 +83,7 @@ def test_budget_at_the_peak_gives_the_compute_time():
 
 
 def test_a_budget_nothing_can_meet_is_infeasible():
-    prog = _two_peaks()
+    prog = two_peaks()
     bound = flow_bound(prog, simple_hardware(bw=1000.0), 100)
     assert bound.status == "infeasible" and bound.seconds == float("inf")
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import assert_no_plan_beats
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from programs import op, program, random_programs, random_training_programs, simple_hardware, value
+from programs import op, program, random_programs, random_training_programs, simple_hardware, two_peaks, value
 
 from hyperoffload.analysis import flow_bound, memory_profile, traffic_bound
 from hyperoffload.hardware import get_hardware
@@ -17,24 +17,12 @@ from hyperoffload.simulate import simulate
 from hyperoffload.workloads import capture_workload, get_workload
 
 
-def _two_peaks():
-    """x (written by op0, 1000 bytes) idles until op4 reads it; op2 and op3 are over the budget by 1000 and
-    900 bytes, and only x can leave."""
-    values = [value(0, 0), value(1, 1000), value(2, 200), value(3, 4000), value(4, 100), value(5, 100)]
-    ops = [op(0, [0], [1], flops=1000),
-           op(1, [0], [2], flops=2000),
-           op(2, [2], [3], flops=3000),  # live: x + 200 + 4000 = 5200 (the peak)
-           op(3, [3], [4], flops=4000),  # live: x + 4000 + 100 = 5100
-           op(4, [1, 4], [5], flops=5000)]
-    return program(values, ops, [0], [5])
-
-
 @pytest.mark.parametrize(("duplex", "copy_s"), [(1.0, 1.0), (0.8, 1.25), (0.5, 2.0), (0.3, 2.0)])
 def test_the_one_storage_that_must_leave_crosses_both_ways(duplex, copy_s):
     """All of x (1000 B at 1000 B/s) must be off when op2 starts: one offload and one prefetch of 1 s each. With
     independent lanes they may overlap (1 s); sharing 0.8 both ways, the two rows give (0.8 + 0.2) / 0.8 = 1.25 s;
     at a share of one half or less, one after the other (2 s)."""
-    prog = _two_peaks()
+    prog = two_peaks()
     hardware = simple_hardware(bw=1000.0, duplex=duplex)
     budget = memory_profile(prog).peak_bytes - 1000
     bound = traffic_bound(prog, hardware, budget)
@@ -77,7 +65,7 @@ def test_state_off_before_its_update_pays_the_offload_of_the_last_steps_update()
 
 
 def test_a_budget_at_the_peak_gives_the_compute_time_and_one_below_it_nothing_can_meet_is_infeasible():
-    prog = _two_peaks()
+    prog = two_peaks()
     hardware = simple_hardware(bw=1000.0)
     peak = memory_profile(prog).peak_bytes
     fits = traffic_bound(prog, hardware, peak)

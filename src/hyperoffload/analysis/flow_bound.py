@@ -71,11 +71,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.segments import Segment, segments
-from hyperoffload.cost import op_times
+from hyperoffload.analysis.link_bound import link_rows
+from hyperoffload.analysis.segments import Segment, order_profile, segments
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import check_plan, plan_without_offload
 
 _SOLVER_MARGIN = 1e-7  # relative to the stall: HiGHS's feasibility tolerance, kept on the side of a lower bound
 
@@ -124,13 +123,11 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
     from scipy.sparse import coo_matrix
 
     started = time.perf_counter()
-    order = list(range(len(program.ops))) if order is None else list(order)
+    profile = order_profile(program, hardware, order)
+    order, times, computing, live = profile.order, profile.times, profile.computing, profile.live
     n = len(order)
-    times = np.asarray(op_times(program, hardware), dtype=np.float64)[order] if n else np.zeros(0)
     compute = float(times.sum())
-    computing = np.array([program.ops[o].lane is None for o in order], dtype=bool)
     compute_positions = np.flatnonzero(computing)
-    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
     if compute_positions.size == 0 or int(live[compute_positions].max()) <= budget_bytes:
         return FlowBound(seconds=compute, compute_s=compute, status="fits", bins=0,
                          solve_s=time.perf_counter() - started)
@@ -274,13 +271,10 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
         if need[k] > 0:
             row([(v, -1.0) for v in memory[k]], -float(need[k] - free[k]) / unit)
 
-    share = hardware.duplex_share
-    # (d2h weight, h2d weight, duration weight) of each link row: the convex hull in the module docstring
-    shapes = ([(share, 1.0 - share, share), (1.0 - share, share, share)] if share >= 0.5 else [(1.0, 1.0, 1.0)])
     for j in range(slots):
         if not link_d2h[j] and not link_h2d[j]:
             continue
-        for a, b, c in shapes:
+        for a, b, c in link_rows(hardware.duplex_share):  # (d2h weight, h2d weight, duration weight)
             entries = [(v, a * x) for v, x in link_d2h[j] if a] + [(v, b * x) for v, x in link_h2d[j] if b]
             row(entries + [(j, -c)], 0.0)
 

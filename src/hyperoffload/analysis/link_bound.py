@@ -292,10 +292,8 @@ def _pair_copies(pair: _Pair, hardware: Hardware, budget_bytes: int) -> tuple[fl
         vals.append(-np.ones(k))
         rhs.append(np.array([-need / unit]))
         r += 1
-    share = hardware.duplex_share
     t_d2h = hardware.h2d_bw / hardware.d2h_bw  # a unit's D2H seconds, in H2D seconds of a unit
-    for a_h2d, b_d2h, c in ([(share, 1.0 - share, share), (1.0 - share, share, share)] if share >= 0.5
-                            else [(1.0, 1.0, 1.0)]):  # the link rows of analysis.flow_bound
+    for a_h2d, b_d2h, c in link_rows(hardware.duplex_share):
         rows.append(np.full(2 * k + 1, r))
         cols.append(np.concatenate([h + ids, d + ids, [copy]]))
         vals.append(np.concatenate([np.full(k, a_h2d), np.full(k, b_d2h * t_d2h), [-c]]))
@@ -317,6 +315,19 @@ def _pair_copies(pair: _Pair, hardware: Hardware, budget_bytes: int) -> tuple[fl
 
 
 _SOLVER_MARGIN = 1e-7  # relative: HiGHS's feasibility tolerance, kept on the side of a lower bound
+
+
+def link_rows(duplex_share: float) -> tuple[tuple[float, float, float], ...]:
+    """Rows ``(a, b, c)``: a link of this ``duplex_share`` copies what takes ``X`` seconds one way and ``Y`` the
+    other (each at full speed alone) within ``L`` seconds only if ``a X + b Y <= c L`` for every row (either way
+    round: the rows are symmetric). While both directions copy each gets ``duplex_share`` of its bandwidth, so
+    ``(X, Y) / L`` lies in the convex hull of (0, 0), (1, 0), (0, 1) and (share, share): two rows for a share of
+    one half or more, else ``X + Y <= L``. The LP bounds (``flow_bound``, ``traffic_bound``, this module's two-op
+    bound) take their link rows from here."""
+    share = duplex_share
+    if share >= 0.5:
+        return (share, 1.0 - share, share), (1.0 - share, share, share)
+    return ((1.0, 1.0, 1.0),)
 
 
 def both_ways_s(d2h_s: float, h2d_s: float, duplex_share: float) -> float:

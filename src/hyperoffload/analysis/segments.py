@@ -1,16 +1,44 @@
 """Segments: the stretches of an execution order where a storage may be off the device, with what moving it
-there costs (an offload after its last write, a prefetch before its next use). The flow bound
-(``analysis.flow_bound``) and the traffic bound (``analysis.traffic_bound``) are LPs over them."""
+there costs (an offload after its last write, a prefetch before its next use), and the per-position profile
+of the unplanned step in that order. The flow bound (``analysis.flow_bound``) and the traffic bound
+(``analysis.traffic_bound``) are LPs over them."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from hyperoffload.analysis.uses import Uses, storage_uses
+from hyperoffload.cost import op_times
+from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import held_storages
+from hyperoffload.plans import check_plan, held_storages, plan_without_offload
+
+
+@dataclass(frozen=True, slots=True)
+class OrderProfile:
+    """The unplanned step in an execution order, per position."""
+
+    order: list[int]
+    times: np.ndarray
+    """Seconds each op takes on the profile."""
+    computing: np.ndarray
+    """Whether the op runs on the compute stream (not a lane op)."""
+    live: np.ndarray
+    """Device bytes live at each position with no offload (``check_plan``'s accounting)."""
+
+
+def order_profile(program: Program, hardware: Hardware, order: Sequence[int] | None = None) -> OrderProfile:
+    """``OrderProfile`` of ``program`` run in ``order`` (default: as captured)."""
+    order = list(range(len(program.ops))) if order is None else list(order)
+    times = np.asarray(op_times(program, hardware), dtype=np.float64)[order] if order else np.zeros(0)
+    computing = np.array([program.ops[o].lane is None for o in order], dtype=bool)
+    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
+    return OrderProfile(order, times, computing, live)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,4 +92,4 @@ def last_write(writes: list[int], position: int) -> int | None:
     return writes[i - 1] if i else None
 
 
-__all__ = ["Segment", "last_write", "segments"]
+__all__ = ["OrderProfile", "Segment", "last_write", "order_profile", "segments"]

@@ -56,12 +56,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.segments import segments
+from hyperoffload.analysis.link_bound import link_rows
+from hyperoffload.analysis.segments import order_profile, segments
 from hyperoffload.analysis.uses import storage_uses
-from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import check_plan, plan_without_offload
 
 _SOLVER_MARGIN = 1e-7  # relative: HiGHS's feasibility tolerance, kept on the side of a lower bound
 
@@ -98,12 +97,10 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
     from scipy.sparse import coo_matrix, vstack
 
     started = time.perf_counter()
-    order = list(range(len(program.ops))) if order is None else list(order)
+    profile = order_profile(program, hardware, order)
+    order, computing, live = profile.order, profile.computing, profile.live
     n = len(order)
-    times = np.asarray(op_times(program, hardware), dtype=np.float64)[order] if n else np.zeros(0)
-    compute = float(times.sum())
-    computing = np.array([program.ops[o].lane is None for o in order], dtype=bool)
-    live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
+    compute = float(profile.times.sum())
     need = np.where(computing, np.maximum(live - budget_bytes, 0), 0) if n else np.zeros(0, dtype=np.int64)
     if not need.any():
         return TrafficBound(seconds=compute, compute_s=compute, copy_s=0.0, status="fits",
@@ -188,9 +185,7 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
             ub_cols += [z0 + i, r0 + g]
             ub_vals += [1.0, -1.0]
             r += 1
-    share = hardware.duplex_share
-    shapes = [(share, 1.0 - share, share), (1.0 - share, share, share)] if share >= 0.5 else [(1.0, 1.0, 1.0)]
-    for a_h2d, b_d2h, c in shapes:  # a X + b Y <= c L, with X, Y and L in units of t_h2d
+    for a_h2d, b_d2h, c in link_rows(hardware.duplex_share):  # a X + b Y <= c L, with X, Y and L in units of t_h2d
         ub_rows += [r] * (g_count + e_count + 1)
         ub_cols += [*range(r0, r0 + g_count), *range(y0, y0 + e_count), l_var]
         ub_vals += [a_h2d] * g_count + [b_d2h * t_d2h / t_h2d] * e_count + [-c]
