@@ -39,8 +39,9 @@ loosens.
 
 The LP minimises ``L``; the bound is ``max(compute_s, L)``. The memory rows are intervals of consecutive
 positions, so they are written as a flow along the order (one arc per position, one per segment) and the LP
-has a few nonzeros per position and segment: on an 8B training step (11k ops, 8k segments) HiGHS solves it
-in about a second, on a 70B one (28k ops, 20k segments) in about ten. Its optimum is reduced by a relative ``1e-7`` so that solver tolerance does not
+has a few nonzeros per position and segment: on an 8B training step (11k ops, 8k segments) HiGHS's interior
+point method solves it in about a second, on a 70B one (28k ops, 20k segments) in about five (its simplex
+took 13 s there). Its optimum is reduced by a relative ``1e-7`` so that solver tolerance does not
 put the bound above a plan that meets it exactly.
 
 It knows nothing of time within the step, so it is often looser than the window or flow bound; it is tighter
@@ -206,7 +207,7 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
     if (upper < lower - 1e-12).any():
         return _infeasible(compute, m, n_vars, eq.shape[0] + r, started)
     result = linprog(objective, A_ub=ub, b_ub=np.zeros(r), A_eq=eq, b_eq=eq_rhs,
-                     bounds=np.column_stack([lower, upper]), method="highs")
+                     bounds=np.column_stack([lower, upper]), method="highs-ipm")
     solve_s = time.perf_counter() - started
     if result.status == 2:
         return _infeasible(compute, m, n_vars, eq.shape[0] + r, started)
