@@ -70,7 +70,8 @@ class PlannerConfig:
     into the time the step will take rather than into compute alone. There, where moments come back during
     the backward pass, that start often wins (llama3-8b training on h100-sxm at 70% of the peak: 0.93 s
     against 1.10 s); in the captured order it rarely did, in the eager one never, and they skip it (each
-    start costs a plan and a simulation, about 1.5 s on llama3-8b at small budgets)."""
+    start costs a plan and a simulation, about 1.5 s on llama3-8b at small budgets). The order hoisting every
+    small update gets it from ``STRETCHED_PARTLY_FROM`` of its peak up."""
     static_layout: bool = False
     """Give the plan a static arena layout (``hyperoffload.layout``) and re-plan for fewer live bytes where
     the arena rises above the budget until it fits: the budget then bounds reserved memory. Off by default:
@@ -197,6 +198,15 @@ def candidate_orders(program: Program) -> list[tuple[int, ...]]:
     peak, or all of them, which keeps the large states' traffic out of the backward pass at any budget."""
     return list(dict.fromkeys(_orders(program)))
 
+
+STRETCHED_PARTLY_FROM = 0.45
+"""The least budget, as a share of its own unplanned peak, at which the order hoisting every small update (the last
+of ``PARTLY_HOISTED``) also gets the stretched start (``PlannerConfig.stretch_to_window_bound``). Measured on
+``llama3-8b`` training: on ``h100-sxm`` at 70% of the captured peak it wins, 0.901 s against 0.935 s (1.294 x
+``bound_s`` against 1.343); at 60% and 50% there, at 70% and 60% on ``a100-80g`` and from 80% to 60% on
+``ascend-910c`` it changes nothing and costs 0.1-1 s of planning (scratch A/B runs, the planner otherwise
+unchanged). Below, it made ``h100-sxm`` at 10% 3% faster (2.834 s against 2.918 s) but took planning there from
+7.6 s to 8.5 s, too close to the 10 s target on a slow hour of a 2-core machine."""
 
 PARTLY_HOISTED = ((0.15, 0.6), (1.0, 0.0))
 """The partly hoisted candidate orders: for each, the share of the backward pass whose updates it hoists
@@ -446,8 +456,11 @@ def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by
     done = {(t.margin, t.stretched) for t in seeds}
     first, anchored = _orders(program)[:2]
     stretched_start = (config.bandwidth_margins[0], True)
-    if (config.stretch_to_window_bound and times.size and tuple(order) == anchored != first
-            and stretched_start not in done):  # a quick pass's seed already made it: no bound to compute again
+    hoisting_small = _orders(program)[-1]
+    stretched_order = tuple(order) == anchored != first or (
+        tuple(order) == hoisting_small and live.size and np.max(budget_bytes) >= STRETCHED_PARTLY_FROM * live.max())
+    # Where a quick pass's seed already made the stretched start, there is no bound to compute again.
+    if config.stretch_to_window_bound and times.size and stretched_order and stretched_start not in done:
         bound = window_bound(program, hardware, int(np.max(budget_bytes)), order).seconds
         if bound > times.sum() * (1 + 1e-9):
             steps[True] = _step_of(times * (bound / times.sum()), live)
