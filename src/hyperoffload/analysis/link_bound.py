@@ -138,22 +138,21 @@ def _forced_at_candidates(program: Program) -> tuple[_Forced, ...]:
 
 def _forced_of(program: Program, peak_op: int) -> _Forced:
     values = program.values
-    # Inputs and constants are held by the caller for the whole step; outputs only once they are made.
-    state = {values[v].storage for v in (*program.inputs, *program.constants)}
-    outputs = {values[v].storage for v in program.outputs}
-    before = _closure(peak_op, program.dependencies())
-    after = _closure(peak_op, program.dependents())
-    touched, read, written = op_storages(program)
-    made_before = {o for op_id in (*before, peak_op) for o in program.ops[op_id].outputs if values[o].owns_storage}
-    used_from_peak = set(touched[peak_op]).union(*(touched[a] for a in after))
-    forced = state | (made_before & (used_from_peak | outputs))
+    _, after, forced = _forced_set(program, peak_op)
+    _, read, written = op_storages(program)
     # What the peak op itself touches must be on the device while it runs: the excess is made of the rest.
-    movable = forced - touched[peak_op]
+    movable = forced - op_storages(program)[0][peak_op]
     read_after = set().union(*(read[a] for a in after))
-    ever_written = set().union(*written) | made_before  # made: written as it is made
+    ever_written = set().union(*written) | _made(program)  # made: written as it is made
     return _Forced(peak_op=peak_op, forced=sum(values[s].alloc_bytes for s in forced),
                    never_written=sum(values[s].alloc_bytes for s in movable if s not in ever_written),
                    not_read_after=sum(values[s].alloc_bytes for s in movable if s not in read_after))
+
+
+def _made(program: Program) -> set[int]:
+    """Storages the step makes (an op's output that owns its storage)."""
+    values = program.values
+    return {o for op in program.ops for o in op.outputs if values[o].owns_storage}
 
 
 _FORCED: WeakKeyDictionary[Program, tuple[_Forced, ...]] = WeakKeyDictionary()
@@ -225,8 +224,7 @@ def _pair_of(program: Program, first: int, second: int) -> _Pair:
     before_1, after_1, forced_1 = _forced_set(program, first)
     before_2, after_2, forced_2 = _forced_set(program, second)
     state = {values[v].storage for v in (*program.inputs, *program.constants)}
-    made = {o for op in program.ops for o in op.outputs if values[o].owns_storage}
-    ever_written = set().union(*written) | made
+    ever_written = set().union(*written) | _made(program)
     read_in_step = set().union(*read)
     read_after_1 = set().union(*(read[a] for a in after_1))
     read_after_2 = set().union(*(read[a] for a in after_2))
