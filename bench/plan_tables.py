@@ -94,7 +94,8 @@ def table_for(name: str, console: Console, *, flow: bool = False, traffic: bool 
         flows = (f"{f.step_s / flow_bound(program, hardware, budget, order).seconds:.3f}",) if flow else ()
         if traffic:
             by_order = traffic_by_order(program, hardware, budget)
-            own = by_order.get(tuple(order)) or traffic_bound(program, hardware, budget, order).seconds
+            key = tuple(order)
+            own = by_order[key] if key in by_order else traffic_bound(program, hardware, budget, order).seconds
             flows += (f"{f.step_s / own:.3f}", f"{min(by_order.values()) / f.bound_s:.3f}")
         table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
                       f"{f.step_s / f.bound_s:.3f}", f"{link_bound(program, hardware, budget).seconds / f.bound_s:.3f}",

@@ -64,6 +64,25 @@ def assert_no_plan_beats(bound_s, prog, hardware, budget: int) -> None:
         assert seconds <= figures.step_s * (1 + 1e-9) + 1e-12, (name, seconds, figures.step_s)
 
 
+def assert_no_plan_beats_order_bound(bound_of, prog, hardware, budget: int) -> None:
+    """``assert_no_plan_beats`` for a bound of one op order: ``bound_of(order)`` gives a figure with ``seconds`` (the
+    bound) and ``compute_s``, which must be what the unplanned step in that order simulates to, and no more than
+    the bound."""
+    import pytest
+
+    from hyperoffload.plans import plan_without_offload
+    from hyperoffload.simulate import simulate
+
+    def seconds(order):
+        bound = bound_of(order)
+        unplanned = simulate(plan_without_offload(prog, order), hardware).figures.compute_s
+        assert bound.compute_s == pytest.approx(unplanned, rel=1e-9, abs=1e-15)
+        assert bound.seconds >= bound.compute_s
+        return bound.seconds
+
+    assert_no_plan_beats(seconds, prog, hardware, budget)
+
+
 def load_bench_script(name: str):
     """``bench/<name>.py`` as a module (the bench folder is not a package), registered under ``name`` in
     ``sys.modules``: dataclasses, and a script importing its sibling, look their module up there."""

@@ -1,7 +1,7 @@
 """The flow bound: an LP lower bound on the step time of every plan in a given op order."""
 
 import pytest
-from helpers import assert_no_plan_beats
+from helpers import assert_no_plan_beats, assert_no_plan_beats_order_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from programs import op, program, random_programs, simple_hardware, two_peaks, value
@@ -89,14 +89,9 @@ def test_a_budget_nothing_can_meet_is_infeasible():
 
 
 def _check_policies(prog, hardware, budget, **kwargs):
-    def seconds(order):
-        bound = flow_bound(prog, hardware, budget, order, **kwargs)
-        # The compute it counts is what the unplanned step in that order simulates to.
-        unplanned = simulate(plan_without_offload(prog, order), hardware).figures.compute_s
-        assert bound.compute_s == pytest.approx(unplanned, rel=1e-9, abs=1e-15)
-        return bound.seconds
-
-    assert_no_plan_beats(seconds, prog, hardware, budget)
+    # The compute it counts is what the unplanned step in that order simulates to.
+    assert_no_plan_beats_order_bound(lambda order: flow_bound(prog, hardware, budget, order, **kwargs), prog,
+                                     hardware, budget)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -111,10 +111,16 @@ def plan_without_offload(program: Program, order: Sequence[int] | None = None,
                 budget_bytes=budget_bytes)
 
 
+def state_storages(program: Program) -> frozenset[int]:
+    """Storages the step starts with and the caller keeps across steps: its inputs' and constants'."""
+    values = program.values
+    return frozenset(values[v].storage for v in (*program.inputs, *program.constants))
+
+
 def held_storages(program: Program) -> frozenset[int]:
     """Storages the caller holds across the step: inputs, constants and outputs."""
     values = program.values
-    return frozenset(values[v].storage for v in (*program.inputs, *program.constants, *program.outputs))
+    return state_storages(program) | {values[v].storage for v in program.outputs}
 
 
 def check_plan(plan: Plan) -> PlanCheck:

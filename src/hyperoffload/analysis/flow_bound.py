@@ -71,12 +71,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.link_bound import link_rows
+from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows
 from hyperoffload.analysis.segments import Segment, order_profile, segments
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-
-_SOLVER_MARGIN = 1e-7  # relative to the stall: HiGHS's feasibility tolerance, kept on the side of a lower bound
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,7 +293,7 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
     durations = result.x[:slots] * tau
     stall = np.maximum(durations - slot_compute, 0.0)
     total_stall = max(0.0, float(result.fun) * tau - compute)
-    return FlowBound(seconds=compute + total_stall * (1.0 - _SOLVER_MARGIN), status="optimal", solve_s=solve_s,
+    return FlowBound(seconds=compute + total_stall * (1.0 - SOLVER_MARGIN), status="optimal", solve_s=solve_s,
                      stall_s=tuple(float(x) for x in stall[0::2] + stall[1::2]),
                      d2h_bytes=float(result.x[d2h_last].sum()) * unit if d2h_last else 0.0,
                      h2d_bytes=float(result.x[h2d_first].sum()) * unit if h2d_first else 0.0, **common)

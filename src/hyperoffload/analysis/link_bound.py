@@ -57,10 +57,11 @@ from weakref import WeakKeyDictionary
 import numpy as np
 
 from hyperoffload.analysis.lifetimes import memory_profile
+from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import op_storages
+from hyperoffload.plans import op_storages, state_storages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,9 +125,7 @@ def _forced_at_candidates(program: Program) -> tuple[_Forced, ...]:
     in the captured order (the captured peak op first)."""
     profile = memory_profile(program)
     if profile.peak_position < 0:
-        values = program.values
-        return (_Forced(-1, sum(values[v].alloc_bytes for v in {values[v].storage for v in (
-            *program.inputs, *program.constants)}), 0, 0),)
+        return (_Forced(-1, sum(program.values[s].alloc_bytes for s in state_storages(program)), 0, 0),)
     fullest: dict[object, int] = {}  # phase -> position of most live bytes (the first such)
     for position, op_id in enumerate(profile.order):
         phase = program.ops[op_id].phase
@@ -139,9 +138,9 @@ def _forced_at_candidates(program: Program) -> tuple[_Forced, ...]:
 def _forced_of(program: Program, peak_op: int) -> _Forced:
     values = program.values
     _, after, forced = _forced_set(program, peak_op)
-    _, read, written = op_storages(program)
+    touched, read, written = op_storages(program)
     # What the peak op itself touches must be on the device while it runs: the excess is made of the rest.
-    movable = forced - op_storages(program)[0][peak_op]
+    movable = forced - touched[peak_op]
     read_after = set().union(*(read[a] for a in after))
     ever_written = set().union(*written) | _made(program)  # made: written as it is made
     return _Forced(peak_op=peak_op, forced=sum(values[s].alloc_bytes for s in forced),
@@ -208,7 +207,7 @@ _PAIRS: WeakKeyDictionary[Program, tuple[_Pair, ...]] = WeakKeyDictionary()
 def _forced_set(program: Program, op: int) -> tuple[set[int], set[int], set[int]]:
     """(ops before ``op`` in every order, ops after it, storages live at it in every order)."""
     values = program.values
-    state = {values[v].storage for v in (*program.inputs, *program.constants)}
+    state = state_storages(program)
     outputs = {values[v].storage for v in program.outputs}
     before = _closure(op, program.dependencies())
     after = _closure(op, program.dependents())
@@ -223,7 +222,7 @@ def _pair_of(program: Program, first: int, second: int) -> _Pair:
     touched, read, written = op_storages(program)
     before_1, after_1, forced_1 = _forced_set(program, first)
     before_2, after_2, forced_2 = _forced_set(program, second)
-    state = {values[v].storage for v in (*program.inputs, *program.constants)}
+    state = state_storages(program)
     ever_written = set().union(*written) | _made(program)
     read_in_step = set().union(*read)
     read_after_1 = set().union(*(read[a] for a in after_1))
@@ -264,14 +263,14 @@ def _pair_copies(pair: _Pair, hardware: Hardware, budget_bytes: int) -> tuple[fl
     rows, cols, vals = [], [], []
     r = 0
 
-    def pairwise(mask, a, b, coefficient_b=-1.0):
-        """Rows a_i - b_i <= 0 (times the coefficient on b) for the storages in ``mask``."""
+    def pairwise(mask, a, b):
+        """Rows a_i - b_i <= 0 for the storages in ``mask``."""
         nonlocal r
         chosen = ids[mask]
         n = chosen.size
         rows.extend([np.arange(r, r + n)] * 2)
         cols.extend([a + chosen, b + chosen])
-        vals.extend([np.ones(n), np.full(n, coefficient_b)])
+        vals.extend([np.ones(n), -np.ones(n)])
         r += n
 
     pairwise(pair.written, x, d)  # d >= x, d >= y
@@ -308,24 +307,8 @@ def _pair_copies(pair: _Pair, hardware: Hardware, budget_bytes: int) -> tuple[fl
         return None
     if result.status != 0:
         raise RuntimeError(f"link bound LP: {result.message}")
-    seconds = float(result.x[copy]) * unit / hardware.h2d_bw * (1.0 - _SOLVER_MARGIN)
+    seconds = float(result.x[copy]) * unit / hardware.h2d_bw * (1.0 - SOLVER_MARGIN)
     return seconds, float(result.x[d:h].sum()) * unit, float(result.x[h:copy].sum()) * unit
-
-
-_SOLVER_MARGIN = 1e-7  # relative: HiGHS's feasibility tolerance, kept on the side of a lower bound
-
-
-def link_rows(duplex_share: float) -> tuple[tuple[float, float, float], ...]:
-    """Rows ``(a, b, c)``: a link of this ``duplex_share`` copies what takes ``X`` seconds one way and ``Y`` the
-    other (each at full speed alone) within ``L`` seconds only if ``a X + b Y <= c L`` for every row (either way
-    round: the rows are symmetric). While both directions copy each gets ``duplex_share`` of its bandwidth, so
-    ``(X, Y) / L`` lies in the convex hull of (0, 0), (1, 0), (0, 1) and (share, share): two rows for a share of
-    one half or more, else ``X + Y <= L``. The LP bounds (``flow_bound``, ``traffic_bound``, this module's two-op
-    bound) take their link rows from here."""
-    share = duplex_share
-    if share >= 0.5:
-        return (share, 1.0 - share, share), (1.0 - share, share, share)
-    return ((1.0, 1.0, 1.0),)
 
 
 def both_ways_s(d2h_s: float, h2d_s: float, duplex_share: float) -> float:
@@ -355,8 +338,7 @@ def link_bound(program: Program, hardware: Hardware | str, budget_bytes: int) ->
     for pair in _pairs(program):
         copies = _pair_copies(pair, hardware, budget_bytes)
         if copies is not None and copies[0] > best.seconds:
-            single = next(f for f in _forced(program) if f.peak_op == pair.first)
             best = LinkBound(seconds=copies[0], compute_s=compute_s, peak_op=pair.first, second_op=pair.second,
-                             forced_bytes=single.forced, excess_bytes=max(0, single.forced - budget_bytes),
+                             forced_bytes=pair.forced_first, excess_bytes=max(0, pair.forced_first - budget_bytes),
                              d2h_bytes=int(copies[1]), h2d_bytes=int(copies[2]))
     return best

@@ -16,7 +16,7 @@ from hyperoffload.analysis.uses import Uses, storage_uses
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import check_plan, held_storages, plan_without_offload
+from hyperoffload.plans import check_plan, held_storages, plan_without_offload, state_storages
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ def segments(program: Program, order: list[int], uses: Uses | None = None) -> li
     n = len(order)
     found = storage_uses(program, order) if uses is None else uses
     held = held_storages(program)
-    at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
+    at_start = state_storages(program)
     found_segments = []
     for s in sorted(held | set(found.positions)):
         size = values[s].alloc_bytes

@@ -57,13 +57,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.link_bound import link_rows
+from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows
 from hyperoffload.analysis.segments import order_profile, segments
 from hyperoffload.analysis.uses import storage_uses
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-
-_SOLVER_MARGIN = 1e-7  # relative: HiGHS's feasibility tolerance, kept on the side of a lower bound
+from hyperoffload.plans import state_storages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,7 +116,7 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
 
     uses = storage_uses(program, order)
     found = segments(program, order, uses)
-    at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
+    at_start = state_storages(program)
     # Variables: f_p (the flow past position p along the order, what is *not* off there: at most total - need),
     # z_i (bytes of segment i off), y_e (bytes of epoch e's offload), r_g (bytes of prefetch g), then L (the copy
     # time, in units of t_h2d).
@@ -213,7 +212,7 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
         return _infeasible(compute, m, n_vars, eq.shape[0] + r, started)
     if result.status != 0:
         raise RuntimeError(f"traffic bound LP: {result.message}")
-    copy_s = float(result.x[l_var]) * t_h2d * (1.0 - _SOLVER_MARGIN)
+    copy_s = float(result.x[l_var]) * t_h2d * (1.0 - SOLVER_MARGIN)
     return TrafficBound(seconds=max(compute, copy_s), compute_s=compute, copy_s=copy_s, status="optimal",
                         h2d_bytes=float(result.x[r0:l_var].sum()) * unit,
                         d2h_bytes=float(result.x[y0:r0].sum()) * unit,

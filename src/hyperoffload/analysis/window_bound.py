@@ -32,7 +32,7 @@ from hyperoffload.analysis.uses import storage_uses
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import check_plan, plan_without_offload
+from hyperoffload.plans import check_plan, plan_without_offload, state_storages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,7 +85,7 @@ def _windows(program: Program, hardware: Hardware, order: list[int]) -> _Windows
     values = program.values
     found = storage_uses(program, order)
     uses, writes = found.positions, found.writes
-    held_at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
+    held_at_start = state_storages(program)
     outputs = {values[v].storage for v in program.outputs}
     working = {values[v].storage for v in (*program.ops[order[p]].inputs, *program.ops[order[p]].outputs)}
     candidates = [s for s in _live_at(program, checked, order, p, held_at_start) if s not in working]

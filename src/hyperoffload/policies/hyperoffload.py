@@ -454,9 +454,9 @@ def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by
     starts = [(margin, False) for margin in config.bandwidth_margins]
     tried = list(seeds)
     done = {(t.margin, t.stretched) for t in seeds}
-    first, anchored = _orders(program)[:2]
+    orders = _orders(program)
+    first, anchored, hoisting_small = orders[0], orders[1], orders[-1]  # the last: PARTLY_HOISTED's share 1.0
     stretched_start = (config.bandwidth_margins[0], True)
-    hoisting_small = _orders(program)[-1]
     stretched_order = tuple(order) == anchored != first or (
         tuple(order) == hoisting_small and live.size and np.max(budget_bytes) >= STRETCHED_PARTLY_FROM * live.max())
     # Where a quick pass's seed already made the stretched start, there is no bound to compute again.

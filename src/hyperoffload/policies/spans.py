@@ -14,6 +14,7 @@ import numpy as np
 
 from hyperoffload.analysis.uses import Uses, storage_uses
 from hyperoffload.ir import Program
+from hyperoffload.plans import state_storages
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -40,7 +41,7 @@ class Span:
 def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
     """Every span of at least one position between two uses of a storage of ``min_bytes`` or more."""
     values = program.values
-    on_device_at_start = {values[v].storage for v in (*program.inputs, *program.constants)}
+    on_device_at_start = state_storages(program)
     spans = []
     for s, positions in uses.positions.items():
         size = values[s].alloc_bytes
