@@ -12,7 +12,9 @@ from hyperoffload.cli import main
 from hyperoffload.hardware import get_hardware
 from hyperoffload.ir import Op, Phase, ValueKind
 from hyperoffload.plans import PlanError, plan_without_offload
-from hyperoffload.policies import POLICIES, policies_for
+from hyperoffload.budgets import hideable_budget
+from hyperoffload.policies import POLICIES, InfeasibleBudget, minimum_budget, plan_hyperoffload, policies_for
+from hyperoffload.policies.hyperoffload import candidate_orders
 from hyperoffload.policies.reorder import fetch_on_demand, overlap_lane_ops
 from hyperoffload.simulate import simulate
 from hyperoffload.variants import has_remote_kv, largest_pool_variant
@@ -130,6 +132,23 @@ def test_remote_kv_form_captures_lane_ops_and_no_cache_bytes(v2_lite_decode):
                                 * (form.meta["pool_blocks"] - cfg.nsa_top_n) - 1)
     assert bare.meta["pool_blocks"] is None
     assert largest_pool_variant(v2_lite_decode, 10**6) is None
+
+
+def test_smallest_budget_counts_the_remote_kv_forms():
+    """A long cache makes the captured step's gather of it the largest working set; the planner plans the step with
+    the cache remote below that, so the smallest budget it can meet, and its errors, come from that form."""
+    step = capture_workload(get_workload("tiny-deepseek"), "decode", context=4096).program
+    captured = min(minimum_budget(step, order=order)[0] for order in candidate_orders(step))
+    least, why = minimum_budget(step)
+    assert least < captured / 2 and why.startswith("in the step's form with the KV cache in remote memory")
+    hw = get_hardware("h100-sxm")
+    plan = plan_hyperoffload(step, hw, least)
+    assert has_remote_kv(step) and plan.program is not step
+    assert verify(plan, hw).figures.peak_bytes <= least
+    with pytest.raises(InfeasibleBudget, match="below the smallest this planner can meet") as error:
+        plan_hyperoffload(step, hw, least - 1)
+    assert error.value.min_budget_bytes == least and why in str(error.value)
+    assert hideable_budget(step, get_hardware("gh200")) >= least
 
 
 @pytest.mark.parametrize("hardware", ["h200", "ascend-910c"])

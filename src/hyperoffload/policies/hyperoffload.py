@@ -135,18 +135,40 @@ def _order_facts(program: Program, order: Sequence[int], config: PlannerConfig) 
 
 def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
                    order: Sequence[int] | None = None) -> tuple[int, str]:
-    """The smallest budget (bytes) this planner can meet with the ops in ``order`` (default: the
-    order the planner would try first and last, captured and refined; the smaller), and what sets it."""
+    """The smallest budget (bytes) this planner can meet with the ops in ``order``, and what sets it.
+
+    Without an order: the smallest over the execution orders the planner tries (``candidate_orders``) and, for
+    a decode step with a remote-KV form (``variants``), over the forms it plans at small budgets (the KV cache
+    remote without a pool, with the smallest pool, and with speculative prefetch), which need far less than
+    the step as captured once the cache is long: ``plan_hyperoffload`` meets every budget from this one up."""
     if order is None:
         # Asked again for the same program (the hideable budget, and then why it is what it is; every row of a
         # table of budgets): the default question is answered once per program.
         cached = _MINIMUM.get(program) if config == PlannerConfig() else None
         if cached is None:
-            cached = min((minimum_budget(program, config, o) for o in candidate_orders(program)), key=lambda r: r[0])
+            cached = min((_least_over_orders(form, config, label) for label, form in _small_budget_forms(program)),
+                         key=lambda r: r[0])
             if config == PlannerConfig():
                 _MINIMUM[program] = cached
         return cached
     return _minimum(program, _order_facts(program, order, config))
+
+
+def _least_over_orders(program: Program, config: PlannerConfig, label: str) -> tuple[int, str]:
+    least, why = min((minimum_budget(program, config, o) for o in candidate_orders(program)), key=lambda r: r[0])
+    return least, f"in the step's form {label}, {why}" if label else why
+
+
+def _small_budget_forms(program: Program) -> list[tuple[str, Program]]:
+    """(label, form) of each form ``_plan_forms`` may plan at a budget below the captured step's smallest; the
+    captured step's label is empty."""
+    if not has_remote_kv(program):
+        return [("", program)]
+    return [("", program),
+            ("with the KV cache in remote memory and no block pool", remote_kv_variant(program, None)),
+            ("with the KV cache in remote memory and the smallest block pool",
+             remote_kv_variant(program, program.meta["nsa_top_n"])),
+            ("with the KV cache in remote memory and speculative block prefetch", speculative_variant(program))]
 
 
 _MINIMUM: WeakKeyDictionary[Program, tuple[int, str]] = WeakKeyDictionary()
@@ -287,6 +309,9 @@ def _plan_forms(program: Program, hardware: Hardware, budget_bytes: int, config:
         figures = simulate(plan, hardware).figures
         tried.append((figures.step_s, figures.peak_bytes, plan))
     if not tried:
+        least, why = minimum_budget(program, config)
+        if failure.min_budget_bytes == least:  # below every form's smallest: say which form sets it
+            raise _below_smallest(budget_bytes, least, why)
         raise failure
     return min(tried, key=lambda t: t[:2])[2]
 
@@ -388,8 +413,7 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
                 if (budget >= least if budget.ndim == 0 else budget >= _unavoidable(f)).all()]
     if not feasible:
         least, why = min(smallest, key=lambda r: r[0])
-        raise InfeasibleBudget(f"a budget of {format_bytes(int(budget.min()))} is below the smallest this planner "
-                               f"can meet, {format_bytes(least)} ({least} bytes): {why}", least)
+        raise _below_smallest(int(budget.min()), least, why)
     times_by_op = np.asarray(op_times(program, hardware), dtype=np.float64)
     if hint:
         margins = config.bandwidth_margins if hint[1] is None else (hint[1],)
@@ -425,6 +449,11 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
             for (best, tried), f in quick if best.step_s <= fastest * (1 + config.quick_tolerance)]
     best, facts = min(full, key=lambda t: t[0].step_s)
     return best.plan, (tuple(facts.order), best.margin)
+
+
+def _below_smallest(budget_bytes: int, least: int, why: str) -> InfeasibleBudget:
+    return InfeasibleBudget(f"a budget of {format_bytes(budget_bytes)} is below the smallest this planner can meet, "
+                            f"{format_bytes(least)} ({least} bytes): {why}", least)
 
 
 def _offload_can_be_free(program, hardware, budget_bytes, order, times_by_op: np.ndarray) -> bool:
