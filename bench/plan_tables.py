@@ -8,8 +8,10 @@ link's both-directions penalty: moving the excess E each way takes at least E * 
 and step_s / window_bound_s, the bound no plan in the same op order can beat (``analysis.window_bound``: the
 excess must leave between its last write and the peak and return between the peak and its next use).
 Column link/bound is link_bound_s / bound_s, the least step/bound any plan in any order can reach
-(``analysis.link_bound``: the bytes live at the peak op in every order cross both ways, sharing the link);
-where it is above 1.05 the project's target cannot be met. ``--bounds-only`` prints just the bounds, in
+(``analysis.link_bound``: the bytes live at the peak op in every order cross both ways, sharing the link, and
+those the step makes go out before that op and come back after it); where it is above 1.05 the project's
+target cannot be met. Column step/link is step_s / link_bound_s: how far the plan is from the best any plan in
+any order could do (1.000 is optimal). ``--bounds-only`` prints just the bounds, in
 seconds. With ``--flow``, also step_s / flow_bound_s (``analysis.flow_bound``: an LP over every storage's idle
 stretches and every over-budget stretch of the order; about 10 s per row on an 8B step, hence the flag). With
 ``--traffic``, also step_s / traffic_bound_s of the plan's order and column traffic/bound: the least
@@ -79,7 +81,8 @@ def table_for(name: str, console: Console, *, flow: bool = False, traffic: bool 
                           *((f"{least:.3f}", f"{least / bound:.3f}") if traffic else ()))
         console.print(table)
         return
-    for column in ("budget", "GiB", "step_s", "bound_s", "step/bound", "link/bound", "step/lower", "step/duplex",
+    for column in ("budget", "GiB", "step_s", "bound_s", "step/bound", "link/bound", "step/link", "step/lower",
+                   "step/duplex",
                    "step/window",
                    *(("step/flow",) if flow else ()), *(("step/traffic", "traffic/bound") if traffic else ()),
                    "slowdown", "moved GiB", "stalls", "order", "plan_s"):
@@ -97,8 +100,9 @@ def table_for(name: str, console: Console, *, flow: bool = False, traffic: bool 
             key = tuple(order)
             own = by_order[key] if key in by_order else traffic_bound(program, hardware, budget, order).seconds
             flows += (f"{f.step_s / own:.3f}", f"{min(by_order.values()) / f.bound_s:.3f}")
+        link = link_bound(program, hardware, budget).seconds
         table.add_row(label, f"{budget / 2**30:.1f}", f"{f.step_s:.3f}", f"{f.bound_s:.3f}",
-                      f"{f.step_s / f.bound_s:.3f}", f"{link_bound(program, hardware, budget).seconds / f.bound_s:.3f}",
+                      f"{f.step_s / f.bound_s:.3f}", f"{link / f.bound_s:.3f}", f"{f.step_s / link:.3f}",
                       f"{f.step_s / f.lower_bound_s:.3f}",
                       f"{f.step_s / f.duplex_bound_s:.3f}", f"{f.step_s / window:.3f}", *flows, f"{f.slowdown:.3f}",
                       f"{f.h2d_bytes / 2**30:.1f}", str(f.stalls), order_name(program, order), f"{plan_s:.1f}")
@@ -113,7 +117,7 @@ def main() -> None:
                         help="add step_s / traffic bound and the least traffic bound over the candidate orders (LPs)")
     parser.add_argument("--bounds-only", action="store_true", help="print the bounds at each budget; plan nothing")
     args = parser.parse_args()
-    console = Console(width=150 + 14 * (args.flow + 2 * args.traffic))  # room for the optional columns' headers
+    console = Console(width=164 + 14 * (args.flow + 2 * args.traffic))  # room for the optional columns' headers
     for name in args.scenario or SCENARIOS:
         table_for(name, console, flow=args.flow, traffic=args.traffic, bounds_only=args.bounds_only)
 

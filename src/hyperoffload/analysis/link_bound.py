@@ -18,14 +18,26 @@ and whatever order it runs the ops in:
 * **Those bytes cross the link both ways.** A storage off the device at that op was sent out
   after it was last written, in this step or, for state kept remote, the previous one (a storage the
   step never writes needs no offload: its remote copy stays current), and comes back if anything
-  after that op reads it. Per step, that is: the bound is for plans that end the step with every
-  input where it started, so that they can run step after step (every policy's plans do, and the
-  simulator times those that keep state remote in steady state); a plan that starts state remote and
-  leaves it on the device has sent it out in no step at all. While both directions copy, each gets
-  ``duplex_share`` of its bandwidth (``Hardware.duplex_share``), so moving ``d`` seconds of D2H and
-  ``h`` seconds of H2D (each at full speed alone) takes at least ``min(d, h) / share + |d - h|``
-  seconds, or ``d + h`` where the share is at most one half and copying one direction at a time is
-  faster.
+  after that op reads it, or, for state the step reads, for the next step's read. Per step, that is: the
+  bound is for plans that end the step with every input where it started, so that they can run step after
+  step (every policy's plans do, and the simulator times those that keep state remote in steady state); a
+  plan that starts state remote and leaves it on the device has sent it out in no step at all. While both
+  directions copy, each gets ``duplex_share`` of its bandwidth (``Hardware.duplex_share``), so moving ``d``
+  seconds of D2H and ``h`` seconds of H2D (each at full speed alone) takes at least
+  ``min(d, h) / share + |d - h|`` seconds, or ``d + h`` where the share is at most one half and copying one
+  direction at a time is faster.
+* **Some of them cross one way before the op and the other way after it.** The step's time splits at the op's
+  start: the first phase runs from the step's start (the end of the last step's compute) to there, the
+  second from there to the end of the step's compute. A storage the step makes (a saved activation), or
+  writes before the op in every order, goes out after that write and has landed before the op starts, so
+  its offload runs in the first phase; one that an op after it reads comes back by a prefetch issued after
+  the op starts (one issued before would hold its memory there), in the second. Only the other copies
+  (state written or read only elsewhere in the step, whose copy may run in the previous or next step) may
+  fall in either, and the first phase runs at least the ops every order runs before the op, the second the
+  op and those after it. So the saved activations a training step must keep off at the start of its
+  backward pass go out during the forward pass and come back during the backward pass, one direction at a
+  time, whatever the link shares: the least time over how the excess splits into what can go and how the
+  copies split between the phases is a small LP (one variable per phase and kind of copy).
 
 **Two ops.** Take also a second op ``Y`` that every order runs after the first, ``X`` (the op of most forced
 bytes among those above, and each of the few ops after it that touch the most bytes: in training, the large
@@ -35,18 +47,21 @@ prefetch for each off stretch that has to come back: one that is off at ``X`` co
 reads it, or, for state the step reads, for the next step's read; likewise at ``Y``. Off at both, the two are
 one stretch unless the storage is read both between them (by an op after ``X`` and before ``Y`` in every order)
 and between ``Y`` and the next step's ``X`` (by an op after ``Y``, or, for state, which lives on into the next
-step, before ``X``); then it comes in twice a step. A parameter off at the peak and again during the optimizer phase is read in the backward pass between
-them and in the forward pass after: on ``gh200`` at 10% of ``llama3-8b``'s peak, where the embedding's update
-alone needs 6 GiB of the 10.6 GiB budget, those second prefetches make the bound 1.054 x ``bound_s`` (1.009 at
-the peak alone), 1.112 at the smallest budget. The least copy time over how much of each storage is off at
-each op is a small linear program (one row per storage and rule; HiGHS, well under a second on an 8B step).
+step, before ``X``); then it comes in twice a step. A parameter off at the peak and again during the optimizer
+phase is read in the backward pass between them and in the forward pass after: on ``gh200`` at 10% of
+``llama3-8b``'s peak, where the embedding's update alone needs 6 GiB of the 10.6 GiB budget, those second
+prefetches make the bound 1.054 x ``bound_s`` (1.009 at the peak alone), 1.112 at the smallest budget. The
+least copy time over how much of each storage is off at each op is a small linear program (one row per
+storage and rule; HiGHS, well under a second on an 8B step). It lets every copy share the link, without the
+phases of the one-op bound: looser there, and kept for the parameters it counts twice.
 
 The bound is the larger of the step's compute time and that copy time. It holds for every plan of
 the program (every op on the device, each storage moved whole) because it depends on neither the
 order nor the schedule; the window bound (``window_bound``) is usually tighter for one order, since it
 also knows when the copies can run. It is what rules out ``step_s <= 1.05 x bound_s`` on a link-bound
-step wherever the link shares both ways: where the forced bytes are the whole peak and all of them
-cross both ways, it is ``bound_s / duplex_share``.
+step: where the forced bytes are the whole peak and all of them are state that crosses both ways, it is
+``bound_s / duplex_share``; where saved activations must be among them, more (``llama3-8b`` training on
+``h100-sxm`` at half the peak: 1.349 x ``bound_s`` against 1.250 without the phases).
 """
 
 from __future__ import annotations
@@ -81,9 +96,11 @@ class LinkBound:
     excess_bytes: int
     """``max(0, forced_bytes - budget)``: what every plan has off the device at ``peak_op``."""
     d2h_bytes: int
-    """Of the excess, bytes that must have been sent out (less storages the step never writes)."""
+    """Bytes the bound's least-time split of the excess sends out (storages the step never writes need no
+    offload)."""
     h2d_bytes: int
-    """Of the excess, bytes that must come back (less storages nothing reads after ``peak_op``)."""
+    """Bytes it brings back (storages nothing reads after ``peak_op``, and state the step does not read, need
+    not come back)."""
     second_op: int = -1
     """Where the bound is taken at two ops (see the module docstring), the second (after ``peak_op`` in every
     order; ``d2h_bytes`` and ``h2d_bytes`` are then the least a step moves for both); -1 where one op sets it."""
@@ -93,10 +110,13 @@ class LinkBound:
 class _Forced:
     peak_op: int
     forced: int
-    never_written: int
-    """Bytes of forced storages away from the peak op that the step never writes (they need no offload)."""
-    not_read_after: int
-    """Bytes of forced storages away from the peak op that no op after it reads (they need not come back)."""
+    classes: tuple[tuple[str, str, int], ...] = ()
+    """The forced storages that may be off at the peak op, by when their copies can run (see ``_phases``):
+    ``(offload, prefetch, bytes)``, the offload ``"before"`` the op, ``"any"`` time of the step or ``"none"``,
+    the prefetch ``"after"`` it, ``"any"`` or ``"none"``."""
+    before: tuple[int, ...] = ()
+    """Ops every order runs before the peak op; ``after``: the peak op and those every order runs after it."""
+    after: tuple[int, ...] = ()
 
 
 def _closure(start: int, edges) -> set[int]:
@@ -125,7 +145,7 @@ def _forced_at_candidates(program: Program) -> tuple[_Forced, ...]:
     in the captured order (the captured peak op first)."""
     profile = memory_profile(program)
     if profile.peak_position < 0:
-        return (_Forced(-1, sum(program.values[s].alloc_bytes for s in state_storages(program)), 0, 0),)
+        return (_Forced(-1, sum(program.values[s].alloc_bytes for s in state_storages(program))),)
     fullest: dict[object, int] = {}  # phase -> position of most live bytes (the first such)
     for position, op_id in enumerate(profile.order):
         phase = program.ops[op_id].phase
@@ -137,15 +157,97 @@ def _forced_at_candidates(program: Program) -> tuple[_Forced, ...]:
 
 def _forced_of(program: Program, peak_op: int) -> _Forced:
     values = program.values
-    _, after, forced = _forced_set(program, peak_op)
+    before, after, forced = _forced_set(program, peak_op)
     touched, read, written = op_storages(program)
     # What the peak op itself touches must be on the device while it runs: the excess is made of the rest.
     movable = forced - touched[peak_op]
+    state = state_storages(program)
+    made = _made(program)
+    ever_written = set().union(*written) | made  # made: written as it is made
+    written_before = set().union(*(written[b] for b in before)) | made  # a storage made here is made before it
     read_after = set().union(*(read[a] for a in after))
-    ever_written = set().union(*written) | _made(program)  # made: written as it is made
+    read_in_step = set().union(*read)
+    classes: dict[tuple[str, str], int] = {}
+    for s in movable:
+        offload = "none" if s not in ever_written else "before" if s in written_before else "any"
+        prefetch = "after" if s in read_after else "any" if s in state and s in read_in_step else "none"
+        classes[(offload, prefetch)] = classes.get((offload, prefetch), 0) + values[s].alloc_bytes
     return _Forced(peak_op=peak_op, forced=sum(values[s].alloc_bytes for s in forced),
-                   never_written=sum(values[s].alloc_bytes for s in movable if s not in ever_written),
-                   not_read_after=sum(values[s].alloc_bytes for s in movable if s not in read_after))
+                   classes=tuple((o, h, b) for (o, h), b in sorted(classes.items())),
+                   before=tuple(sorted(before)), after=tuple(sorted({peak_op, *after})))
+
+
+def _phases(forced: _Forced, hardware: Hardware, budget_bytes: int, times: tuple[float, ...]
+            ) -> tuple[float, float, float] | None:
+    """Least seconds, D2H bytes and H2D bytes of a step with the excess off the device at ``forced.peak_op``,
+    or None where that cannot be (an LP; see the module docstring), in two phases: from the step's start
+    (the end of the last step's compute) to the op's start, and from there to the end of the step's compute.
+    The first runs at least the ops every order runs before the op, the second the op and those after it.
+    A storage the step makes, or writes before the op in every order, goes out in the first phase; one read
+    after the op comes back in the second; other copies (state written or read only elsewhere in the step,
+    whose copy may come from or go to the previous or next step) may run in either. In each phase the link
+    moves at most what its rows allow in the phase's time."""
+    from scipy.optimize import linprog
+
+    excess = forced.forced - budget_bytes
+    if excess <= 0:
+        return 0.0, 0.0, 0.0
+    if not forced.classes:
+        return None
+    unit = float(excess)  # bytes, and time in what the H2D lane moves that in
+    tau = unit / hardware.h2d_bw
+    t_d2h = hardware.h2d_bw / hardware.d2h_bw  # a unit's D2H seconds, in units of tau
+    # Variables: T1, T2, then per class: bytes off (x), offloaded in each phase (o1, o2), prefetched in each (q1, q2).
+    k = len(forced.classes)
+    n_vars = 2 + 5 * k
+    x = lambda c: 2 + 5 * c  # noqa: E731
+    eq_rows, eq_rhs, ub_rows, ub_rhs = [], [], [], []
+    upper = [np.inf, np.inf]
+    lower = [sum(times[o] for o in forced.before) / tau, sum(times[o] for o in forced.after) / tau]
+    for c, (offload, prefetch, nbytes) in enumerate(forced.classes):
+        upper += [nbytes / unit, np.inf, 0.0 if offload != "any" else np.inf, 0.0 if prefetch != "any" else np.inf,
+                  np.inf]
+        lower += [0.0] * 5
+        row = np.zeros(n_vars)  # offloaded in the two phases = off, unless it needs no offload
+        row[[x(c) + 1, x(c) + 2]] = 1.0
+        if offload != "none":
+            row[x(c)] = -1.0
+        eq_rows.append(row)
+        eq_rhs.append(0.0)
+        row = np.zeros(n_vars)
+        row[[x(c) + 3, x(c) + 4]] = 1.0
+        if prefetch != "none":
+            row[x(c)] = -1.0
+        eq_rows.append(row)
+        eq_rhs.append(0.0)
+        if prefetch == "after":
+            upper[x(c) + 3] = 0.0  # not in the first phase
+    row = np.zeros(n_vars)  # enough off
+    for c in range(k):
+        row[x(c)] = -1.0
+    ub_rows.append(row)
+    ub_rhs.append(-1.0)
+    for phase in (0, 1):
+        for a_h2d, b_d2h, coeff in link_rows(hardware.duplex_share):
+            row = np.zeros(n_vars)
+            for c in range(k):
+                row[x(c) + 1 + phase] = b_d2h * t_d2h
+                row[x(c) + 3 + phase] = a_h2d
+            row[phase] = -coeff
+            ub_rows.append(row)
+            ub_rhs.append(0.0)
+    objective = np.zeros(n_vars)
+    objective[:2] = 1.0
+    result = linprog(objective, A_ub=np.array(ub_rows), b_ub=np.array(ub_rhs), A_eq=np.array(eq_rows),
+                     b_eq=np.array(eq_rhs), bounds=np.column_stack([lower, upper]), method="highs")
+    if result.status == 2:
+        return None
+    if result.status != 0:
+        raise RuntimeError(f"link bound LP (phases): {result.message}")
+    sol = result.x
+    d2h = sum(sol[x(c) + 1] + sol[x(c) + 2] for c in range(k)) * unit
+    h2d = sum(sol[x(c) + 3] + sol[x(c) + 4] for c in range(k)) * unit
+    return float(result.fun) * tau * (1.0 - SOLVER_MARGIN), d2h, h2d
 
 
 def _made(program: Program) -> set[int]:
@@ -311,28 +413,20 @@ def _pair_copies(pair: _Pair, hardware: Hardware, budget_bytes: int) -> tuple[fl
     return seconds, float(result.x[d:h].sum()) * unit, float(result.x[h:copy].sum()) * unit
 
 
-def both_ways_s(d2h_s: float, h2d_s: float, duplex_share: float) -> float:
-    """Least seconds to copy ``d2h_s`` and ``h2d_s`` seconds' worth (each at full speed alone) when both
-    directions at once get ``duplex_share`` of their bandwidth each: together for the shorter, then the
-    rest alone; or one after the other where sharing gains nothing (a share of one half or less)."""
-    if duplex_share <= 0.5:
-        return d2h_s + h2d_s
-    return min(d2h_s, h2d_s) / duplex_share + abs(d2h_s - h2d_s)
-
-
 def link_bound(program: Program, hardware: Hardware | str, budget_bytes: int) -> LinkBound:
     """The link bound of ``program`` under ``budget_bytes`` on ``hardware`` (see the module docstring)."""
     hardware = as_hardware(hardware)
     compute_s = float(sum(op_times(program, hardware)))
     best: LinkBound | None = None
+    times = op_times(program, hardware)
     for f in _forced(program):  # the argument holds at every op: the bound is the largest
         excess = max(0, f.forced - budget_bytes)
-        # Bytes that need no copy one way can make up the excess only as far as they go.
-        d2h = max(0, excess - f.never_written)
-        h2d = max(0, excess - f.not_read_after)
-        copies = both_ways_s(d2h / hardware.d2h_bw, h2d / hardware.h2d_bw, hardware.duplex_share)
+        phased = _phases(f, hardware, budget_bytes, times)
+        if phased is None:  # even every storage that may leave would not do: no plan meets the budget
+            phased = (float("inf"), 0.0, 0.0)
+        copies, d2h, h2d = phased
         bound = LinkBound(seconds=max(compute_s, copies), compute_s=compute_s, peak_op=f.peak_op,
-                          forced_bytes=f.forced, excess_bytes=excess, d2h_bytes=d2h, h2d_bytes=h2d)
+                          forced_bytes=f.forced, excess_bytes=excess, d2h_bytes=round(d2h), h2d_bytes=round(h2d))
         if best is None or bound.seconds > best.seconds:
             best = bound
     for pair in _pairs(program):
