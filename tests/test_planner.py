@@ -264,10 +264,10 @@ def test_state_first_start_where_saved_activations_are_much_of_the_peak():
     """tiny-deepseek training holds half its peak in storages it makes. On a slow link at 80% of the peak, taking
     state (cyclic spans) first where spans tie is 9% faster; the planner refines that start on its own and keeps
     the faster, so it is never slower than without it."""
-    from hyperoffload.policies.hyperoffload import STATE_FIRST_FROM, _made_share
+    from hyperoffload.policies.hyperoffload import STATE_FIRST_FROM, made_share
 
     prog = capture_workload(get_workload("tiny-deepseek"), "train").program
-    assert _made_share(prog) >= STATE_FIRST_FROM
+    assert made_share(prog) >= STATE_FIRST_FROM
     hardware = H100.replace(h2d_bw=5e8, d2h_bw=5e8, duplex_share=0.8)
     peak = memory_profile(prog).peak_bytes
     for share in (0.8, 0.6, 0.4):
@@ -281,10 +281,10 @@ def test_state_first_start_where_saved_activations_are_much_of_the_peak():
 
 def test_no_state_first_start_where_the_state_is_most_of_the_peak(tiny_train):
     """tiny-llama training (its saved activations under 40% of the peak) is planned as without the start."""
-    from hyperoffload.policies.hyperoffload import STATE_FIRST_FROM, _made_share
+    from hyperoffload.policies.hyperoffload import STATE_FIRST_FROM, made_share
 
     program = tiny_train.program
-    assert _made_share(program) < STATE_FIRST_FROM
+    assert made_share(program) < STATE_FIRST_FROM
     budget = memory_profile(program).peak_bytes // 2
     hardware = H100.replace(h2d_bw=5e8, d2h_bw=5e8, duplex_share=0.8)
     plans = [plan_hyperoffload(program, hardware, budget, PlannerConfig(state_first=on)) for on in (True, False)]

@@ -82,9 +82,10 @@ class PlannerConfig:
     cover the whole over-budget stretch and tie; activations can leave only during the forward pass and come
     back only during the backward pass, one direction at a time, while the state's copies can run beside
     them (``analysis.link_bound``). ``llama3-8b`` training at batch 4 on ``h100-sxm``: 60% of the peak 1.658 ->
-    1.293 x ``bound_s``, 80% 1.099 -> 1.000; ``deepseek-v2-lite`` training on ``mi300x`` at 70%: 1.902 ->
-    1.708. At batch 1, where the state is most of the peak, the other start wins (70%: 1.294 against 1.375);
-    both are simulated and the faster kept."""
+    1.292 x ``bound_s``, 80% 1.099 -> 1.000; ``deepseek-v2-lite`` training on ``mi300x`` at 70%: 1.902 ->
+    1.705 (``bench/activation_heavy.py``). Taken instead of the usual start it lost where the state is most of
+    the peak (batch 1 at 70%: 1.375 against 1.294), so it is an extra start, refined on its own, and the faster
+    plan is kept."""
     static_layout: bool = False
     """Give the plan a static arena layout (``hyperoffload.layout``) and re-plan for fewer live bytes where
     the arena rises above the budget until it fits: the budget then bounds reserved memory. Off by default:
@@ -255,7 +256,7 @@ planning at every budget; at batch 2 (0.46) and 4 (0.63) and on ``deepseek-v2-li
 by up to 22%."""
 
 
-def _made_share(program: Program) -> float:
+def made_share(program: Program) -> float:
     """Share of the captured no-offload peak held by storages the step makes (not its state)."""
     cached = _MADE_SHARE.get(program)
     if cached is None:
@@ -519,7 +520,7 @@ def _plan_in_order(program, hardware, budget_bytes, facts: _OrderFacts, times_by
     times = times_by_op[order]
     steps = {False: _step_of(times, live)}
     starts = [(margin, False, False) for margin in config.bandwidth_margins]
-    if config.state_first and _made_share(program) >= STATE_FIRST_FROM:
+    if config.state_first and made_share(program) >= STATE_FIRST_FROM:
         starts.append((config.bandwidth_margins[0], False, True))
     tried = list(seeds)
     done = {(t.margin, t.stretched, t.state_first) for t in seeds}
