@@ -16,8 +16,8 @@ two of its uses; each such span is a candidate to spend in remote memory. The pl
    a storage whose remote copy is still current is released without a second offload;
 5. repeats 3-4 while the schedule leaves positions over budget, for several bandwidth margins (and, where
    saved activations are much of the peak, once more taking the step's state first where spans tie:
-   ``PlannerConfig.state_first``), simulates each candidate plan and returns the fastest. The plan's own accounting never
-   exceeds the budget, so neither does the simulation;
+   ``PlannerConfig.state_first``), simulates each candidate plan and returns the fastest. The plan's own
+   accounting never exceeds the budget, so neither does the simulation;
 6. does all that in the captured order and in the refined execution orders (each optimizer update
    run where its gradient is final, which frees gradients early; ``reorder``, ``candidate_orders``):
    one quick pass per order (the first margin, no refinement), then the full search in the order whose
