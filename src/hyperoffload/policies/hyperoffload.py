@@ -33,13 +33,13 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 
+from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.cost import op_times
 from hyperoffload.gc_pause import collector_paused
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.layout import arena_use, assign_offsets, prefetch_into_arena
-from hyperoffload.analysis import memory_profile
 from hyperoffload.plans import (Instr, Kind, Plan, check_plan, compute_instructions, plan_without_offload,
                                 state_storages)
 from hyperoffload.policies.lanes import Lane
