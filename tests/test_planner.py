@@ -14,6 +14,7 @@ from hyperoffload.cli import main
 from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import Kind, check_plan
 from hyperoffload.policies import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
+from hyperoffload.policies.hyperoffload import STATE_FIRST_FROM, made_share
 from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
@@ -264,8 +265,6 @@ def test_state_first_start_where_saved_activations_are_much_of_the_peak():
     """tiny-deepseek training holds half its peak in storages it makes. On a slow link at 80% of the peak, taking
     state (cyclic spans) first where spans tie is 9% faster; the planner refines that start on its own and keeps
     the faster, so it is never slower than without it."""
-    from hyperoffload.policies.hyperoffload import STATE_FIRST_FROM, made_share
-
     prog = capture_workload(get_workload("tiny-deepseek"), "train").program
     assert made_share(prog) >= STATE_FIRST_FROM
     hardware = H100.replace(h2d_bw=5e8, d2h_bw=5e8, duplex_share=0.8)
@@ -281,8 +280,6 @@ def test_state_first_start_where_saved_activations_are_much_of_the_peak():
 
 def test_no_state_first_start_where_the_state_is_most_of_the_peak(tiny_train):
     """tiny-llama training (its saved activations under 40% of the peak) is planned as without the start."""
-    from hyperoffload.policies.hyperoffload import STATE_FIRST_FROM, made_share
-
     program = tiny_train.program
     assert made_share(program) < STATE_FIRST_FROM
     budget = memory_profile(program).peak_bytes // 2

@@ -162,11 +162,9 @@ def _forced_of(program: Program, peak_op: int) -> _Forced:
     # What the peak op itself touches must be on the device while it runs: the excess is made of the rest.
     movable = forced - touched[peak_op]
     state = state_storages(program)
-    made = _made(program)
-    ever_written = set().union(*written) | made  # made: written as it is made
+    made, ever_written, read_in_step = _written_and_read(program)
     written_before = set().union(*(written[b] for b in before)) | made  # a storage made here is made before it
     read_after = set().union(*(read[a] for a in after))
-    read_in_step = set().union(*read)
     classes: dict[tuple[str, str], int] = {}
     for s in movable:
         offload = "none" if s not in ever_written else "before" if s in written_before else "any"
@@ -205,6 +203,7 @@ def _phases(forced: _Forced, hardware: Hardware, budget_bytes: int, times: tuple
     upper = [np.inf, np.inf]
     lower = [sum(times[o] for o in forced.before) / tau, sum(times[o] for o in forced.after) / tau]
     for c, (offload, prefetch, nbytes) in enumerate(forced.classes):
+        # o2 only for an offload that may run in either phase; q1 likewise (one "after" runs in the second)
         upper += [nbytes / unit, np.inf, 0.0 if offload != "any" else np.inf, 0.0 if prefetch != "any" else np.inf,
                   np.inf]
         lower += [0.0] * 5
@@ -220,8 +219,6 @@ def _phases(forced: _Forced, hardware: Hardware, budget_bytes: int, times: tuple
             row[x(c)] = -1.0
         eq_rows.append(row)
         eq_rhs.append(0.0)
-        if prefetch == "after":
-            upper[x(c) + 3] = 0.0  # not in the first phase
     row = np.zeros(n_vars)  # enough off
     for c in range(k):
         row[x(c)] = -1.0
@@ -250,10 +247,13 @@ def _phases(forced: _Forced, hardware: Hardware, budget_bytes: int, times: tuple
     return float(result.fun) * tau * (1.0 - SOLVER_MARGIN), d2h, h2d
 
 
-def _made(program: Program) -> set[int]:
-    """Storages the step makes (an op's output that owns its storage)."""
+def _written_and_read(program: Program) -> tuple[set[int], set[int], set[int]]:
+    """(storages the step makes, those it writes, counting what it makes as written as it is made, those it
+    reads)."""
     values = program.values
-    return {o for op in program.ops for o in op.outputs if values[o].owns_storage}
+    _, read, written = op_storages(program)
+    made = {o for op in program.ops for o in op.outputs if values[o].owns_storage}
+    return made, set().union(*written) | made, set().union(*read)
 
 
 _FORCED: WeakKeyDictionary[Program, tuple[_Forced, ...]] = WeakKeyDictionary()
@@ -321,12 +321,11 @@ def _forced_set(program: Program, op: int) -> tuple[set[int], set[int], set[int]
 
 def _pair_of(program: Program, first: int, second: int) -> _Pair:
     values = program.values
-    touched, read, written = op_storages(program)
+    touched, read, _ = op_storages(program)
     before_1, after_1, forced_1 = _forced_set(program, first)
     before_2, after_2, forced_2 = _forced_set(program, second)
     state = state_storages(program)
-    ever_written = set().union(*written) | _made(program)
-    read_in_step = set().union(*read)
+    _, ever_written, read_in_step = _written_and_read(program)
     read_after_1 = set().union(*(read[a] for a in after_1))
     read_after_2 = set().union(*(read[a] for a in after_2))
     read_between = set().union(*(read[o] for o in after_1 & before_2))

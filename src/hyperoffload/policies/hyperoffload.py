@@ -664,7 +664,7 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
     out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed) of chosen spans
     excess = (step.live - budget).astype(np.float64)
     # Selection scores, scaled up for cyclic spans in the state-first start (``PlannerConfig.state_first``).
-    favour = 1.0 + STATE_FIRST_TIE * cyclic if state_first else np.ones(len(spans))
+    favour = 1.0 + STATE_FIRST_TIE * cyclic if state_first else None
 
     def window(i: int, p: int) -> _Choice | None:
         """Lane-aware placement of span i, if it frees position p."""
@@ -719,13 +719,17 @@ def _plan_for_margin(program, hardware, budget, step: _Step, spans: list[Span], 
         covers = (lo1 <= p) & (p < hi1) | (p < hi2)
         candidates = np.flatnonzero(free & covers)
         covered = over[hi1[candidates]] - over[np.minimum(lo1[candidates], hi1[candidates])] + over[hi2[candidates]]
-        bound = covered * np.minimum(size[candidates], need) / (size[candidates] + latency_bytes) * favour[candidates]
+        bound = covered * np.minimum(size[candidates], need) / (size[candidates] + latency_bytes)
+        if favour is not None:
+            bound *= favour[candidates]
         best: tuple[float, int, _Choice] | None = None
         for i in candidates[np.argsort(-bound, kind="stable")][:config.candidates_per_step]:
             choice = window(int(i), p)
             if choice is None:
                 continue
-            score = choice.covered(over, n) * min(size[i], need) / (size[i] + latency_bytes) * favour[i]
+            score = choice.covered(over, n) * min(size[i], need) / (size[i] + latency_bytes)
+            if favour is not None:
+                score *= favour[i]
             if best is None or score > best[0]:
                 best = (score, int(i), choice)
         if best is None:  # nothing hides here: take the span that idles longest around p, unhidden
