@@ -46,7 +46,7 @@ from hyperoffload.workloads import capture_workload, get_workload
 
 SCENARIOS = ("llama3-8b:h100-sxm", "llama3-8b:ascend-910c", "llama3-8b:gh200", "llama3-8b:a100-80g",
              "llama3-70b:h200")
-SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)
 
 
 def traffic_by_order(program, hardware, budget: int) -> dict[tuple[int, ...], float]:

@@ -14,11 +14,12 @@ from hyperoffload.cli import main
 from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import Kind, check_plan
 from hyperoffload.policies import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
-from hyperoffload.policies.hyperoffload import STATE_FIRST_FROM, made_share
+from hyperoffload.ir import ValueKind
+from hyperoffload.policies.hyperoffload import MIN_SPAN_CAP_BYTES, STATE_FIRST_FROM, made_share
 from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
-from programs import random_programs, simple_hardware
+from programs import op, program, random_programs, simple_hardware, value
 
 TINY = get_workload("tiny-llama")
 H100 = get_hardware("h100-sxm")
@@ -82,6 +83,29 @@ def test_infeasible_budget_names_the_smallest_one(tiny_train):
     assert error.value.min_budget_bytes == least
     assert "needs" in str(error.value) and why.split()[1] in str(error.value)  # names the op that sets it
     verify(plan_hyperoffload(program, H100, least), H100)  # and that budget itself works
+
+
+def test_a_large_step_moves_activation_sized_storages_where_its_budget_needs_them():
+    """Candidates are storages from 1/10,000 of the peak up; where the budget is below what those can meet, from
+    ``MIN_SPAN_CAP_BYTES`` up: on a step peaking at hundreds of GiB (``llama3-70b``), a 20 MiB activation is worth
+    moving when nothing else would do."""
+    x, y = 20 * 2**20, 100 * 2**20
+    values = [value(0, 0, ValueKind.INPUT), value(1, x), value(2, 200), value(3, 300 * 2**30), value(4, 100),
+              value(5, 100), value(6, y)]
+    ops = [op(0, [0], [1, 6]), op(1, [0], [2]), op(2, [2], [3]), op(3, [3], [4]), op(4, [1, 4, 6], [5])]
+    prog = program(values, ops, [0], [5])
+    peak = memory_profile(prog).peak_bytes
+    assert y > peak // 10_000 > x > MIN_SPAN_CAP_BYTES
+    hardware = simple_hardware(bw=1e10)
+    least, _ = minimum_budget(prog)
+    assert least == peak - x - y  # both leave while op2 and op3 run
+    assert minimum_budget(prog, PlannerConfig(min_span_bytes=peak // 10_000))[0] == peak - y  # the share alone
+    offloaded = {}
+    for budget in (least, peak - y):
+        plan = plan_hyperoffload(prog, hardware, budget)
+        assert verify(plan, hardware).figures.peak_bytes <= budget
+        offloaded[budget] = {i.target for i in plan.instructions if i.kind is Kind.OFFLOAD}
+    assert offloaded == {least: {1, 6}, peak - y: {6}}  # x only where the budget needs it
 
 
 def test_budget_parsing(tiny_train):
