@@ -58,8 +58,8 @@ class PlannerConfig:
 
     min_span_bytes: int | None = None
     """Storages smaller than this (bytes) stay on the device, where a copy's latency would dominate and
-    the choice would not matter; None: 1/10,000 of the step's no-offload peak, and where the budget is below
-    what the planner can meet with those, that share capped at ``MIN_SPAN_CAP_BYTES``."""
+    the choice would not matter; None: 1/10,000 of the step's no-offload peak, and, in a second set of starts,
+    that share capped at ``MIN_SPAN_CAP_BYTES``."""
     bandwidth_margins: tuple[float, ...] = (1.0, 0.7)
     """Shares of the link bandwidth the schedule assumes; one plan per margin is simulated."""
     candidates_per_step: int = 16
@@ -123,14 +123,16 @@ class _Step:
 
 
 MIN_SPAN_CAP_BYTES = 16 * 2**20
-"""Where a budget is below what the planner can meet with storages from 1/10,000 of the peak up, storages from
-this size (bytes) up are candidates too (the default ``PlannerConfig.min_span_bytes``). A share of the peak grows
-with the model while its activations grow with the hidden size only: ``llama3-70b`` training peaks at 794 GiB, so
-1/10,000 of it (81 MiB) left every 64 MiB activation (sequence x hidden in bf16) on the device, and the smallest
-budget the planner met was 54.8 GiB, 49 GiB of it such storages. With them, its smallest is 11.8 GiB (the
-embedding's AdamW update), and at 54.8 GiB the plan steps in 18.85 s, not 23.37 s. Only there: taken at every
-budget they made the plans at the hideable budget and at 70% of the peak 1.4% and 0.8% slower (the selection
-ranks more spans that tie). Steps that peak under 160 GiB (``llama3-8b``, every tiny model) never cap."""
+"""Where 1/10,000 of a step's peak is more than this (bytes), the planner also starts each order from the storages
+from this size up (the default ``PlannerConfig.min_span_bytes``), and the quick passes pick which to search in
+full. A share of the peak grows with the model while its activations grow with the hidden size only:
+``llama3-70b`` training peaks at 794 GiB, so 1/10,000 of it (81 MiB) left every 64 MiB activation (sequence x
+hidden in bf16) on the device, and the smallest budget the planner met was 54.8 GiB, 49 GiB of it such storages.
+With them its smallest is 11.8 GiB (the embedding's AdamW update), and at 54.9 and 59.6 GiB the plans step in
+18.86 and 18.71 s, not 23.37 and 23.20 s (only the captured order met those budgets without them). Not in place
+of the share: at every budget they made the plans at the hideable budget and at 70% of the peak 1.4% and 0.8%
+slower (the selection ranks more spans that tie). Steps that peak under 160 GiB (``llama3-8b``, every tiny model)
+never get the second set."""
 
 
 def _min_span_bytes(config: PlannerConfig, live: np.ndarray, *, capped: bool) -> int:
@@ -138,6 +140,11 @@ def _min_span_bytes(config: PlannerConfig, live: np.ndarray, *, capped: bool) ->
         return config.min_span_bytes
     share = int(live.max()) // 10_000 if live.size else 0
     return min(share, MIN_SPAN_CAP_BYTES) if capped else share
+
+
+_Hint = tuple[tuple[int, ...], float | None, int | None]
+"""What an earlier search chose: its execution order, bandwidth margin (None: every margin) and smallest candidate
+storage (bytes; None: the usual ones, or smaller ones where the budget needs them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +167,15 @@ def _order_facts(program: Program, order: Sequence[int], config: PlannerConfig, 
     min_span_bytes = _min_span_bytes(config, live, capped=capped)
     uses = storage_uses(program, order)
     return _OrderFacts(order, live, uses, idle_spans(program, uses, min_bytes=min_span_bytes), min_span_bytes)
+
+
+def _with_smaller_storages(program: Program, facts: _OrderFacts, config: PlannerConfig) -> _OrderFacts | None:
+    """``facts`` with storages from the capped share of the peak up as candidates (``MIN_SPAN_CAP_BYTES``); None
+    where that is no smaller."""
+    least = _min_span_bytes(config, facts.live, capped=True)
+    if least >= facts.min_span_bytes:
+        return None
+    return replace(facts, spans=idle_spans(program, facts.uses, min_bytes=least), min_span_bytes=least)
 
 
 def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
@@ -396,11 +412,10 @@ def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, confi
 
 
 def _plan_in_arena(program: Program, hardware: Hardware, budget_bytes: int, config: PlannerConfig,
-                   given: tuple[tuple[int, ...], float | None] | None = None
-                   ) -> tuple[Plan, tuple[tuple[int, ...], float | None], float]:
+                   given: _Hint | None = None) -> tuple[Plan, _Hint, float]:
     """The fastest plan found whose static arena fits ``budget_bytes`` (see ``_plan_program``), searched in
-    the order and margin ``given`` only if given; the order and margin it was made with, and its simulated
-    step time (seconds)."""
+    the order, margin and candidates ``given`` only if given; what it was made with, and its simulated step time
+    (seconds)."""
     plan, hint = _search(program, hardware, budget_bytes, config, given)
     first = _orders(program)[0]
     target: np.ndarray | None = None  # live bytes each position of the hint's order may hold
@@ -412,7 +427,7 @@ def _plan_in_arena(program: Program, hardware: Hardware, budget_bytes: int, conf
             # The arena may have room the live-byte schedule left unused: prefetch into it where that
             # simulates faster (earlier is not always faster: the H2D lane may be busy with more urgent work).
             moved, _ = prefetch_into_arena(plan, layout)
-            chosen = (tuple(hint[0]), hint[1]) if hint else (first, None)
+            chosen = hint or (first, None, None)
             step_s = simulate(plan, hardware).figures.step_s
             moved_s = simulate(moved, hardware).figures.step_s if moved is not plan else step_s
             return (moved, chosen, moved_s) if moved_s < step_s else (plan, chosen, step_s)
@@ -421,7 +436,7 @@ def _plan_in_arena(program: Program, hardware: Hardware, budget_bytes: int, conf
         # Fragmentation: where the packing rises above the budget, plan for fewer live bytes, by what it is
         # over there, and pack again. Only those positions: lowering the whole step's budget by the worst
         # overshoot moved more than the layout needs and cost step time everywhere.
-        hint = hint or (first, None)  # the unplanned step fit; its order, every margin
+        hint = hint or (first, None, None)  # the unplanned step fit; its order, every margin, any candidates
         at = [i for i, ins in enumerate(plan.instructions) if ins.kind is Kind.COMPUTE]
         top, live = arena_use(layout, np.asarray(at))
         over = np.maximum(top - budget_bytes, 0)
@@ -449,10 +464,11 @@ def _plan_in_arena(program: Program, hardware: Hardware, budget_bytes: int, conf
                            f"give a larger budget, or plan without a static layout", layout.arena_bytes)
 
 
-def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tuple[tuple[int, ...], float | None] | None = None):
-    """The fastest plan found whose live bytes never exceed ``budget_bytes``, and the order and margin
-    it was made with. With a ``hint`` from an earlier search, plans only in that order, and in that margin
-    unless it is None. ``budget_bytes`` may be an array: the bytes each position of the hint's order may hold."""
+def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: _Hint | None = None):
+    """The fastest plan found whose live bytes never exceed ``budget_bytes``, and the order, margin and candidates
+    it was made with. With a ``hint`` from an earlier search, plans only in that order, in that margin unless it
+    is None, and with those candidates (smaller ones where the budget needs them). ``budget_bytes`` may be an array:
+    the bytes each position of the hint's order may hold."""
     first, anchored, eager, *partly = _orders(program)
     orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [first]
     budget = np.asarray(budget_bytes, dtype=np.int64)
@@ -462,10 +478,14 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
         return Plan(program=program, instructions=base.instructions, policy=POLICY,
                     budget_bytes=int(budget.max(initial=0))), None
     facts += [_order_facts(program, order, config, capped=False) for order in orders[1:]]
-    smallest, feasible = _feasible(program, facts, budget)
-    if not feasible and any(f.min_span_bytes > _min_span_bytes(config, f.live, capped=True) for f in facts):
-        facts = [_order_facts(program, order, config, capped=True) for order in orders]
-        smallest, feasible = _feasible(program, facts, budget)
+    # On a step peaking above 160 GiB, every order also starts from smaller candidates (MIN_SPAN_CAP_BYTES); the
+    # quick passes rank them with the rest.
+    facts += [f for f in (_with_smaller_storages(program, f, config) for f in facts) if f is not None]
+    if hint and hint[2] is not None:
+        facts = [f for f in facts if f.min_span_bytes <= hint[2]]
+    smallest = [_minimum(program, f) for f in facts]
+    feasible = [f for f, (least, _) in zip(facts, smallest)
+                if (budget >= least if budget.ndim == 0 else budget >= _unavoidable(f)).all()]
     if not feasible:
         least, why = min(smallest, key=lambda r: r[0])
         raise _below_smallest(int(budget.min()), least, why)
@@ -474,7 +494,7 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
         margins = config.bandwidth_margins if hint[1] is None else (hint[1],)
         best, _ = _plan_in_order(program, hardware, budget, feasible[0], times_by_op,
                                  replace(config, bandwidth_margins=margins))
-        return best.plan, (tuple(feasible[0].order), best.margin)
+        return best.plan, (tuple(feasible[0].order), best.margin, feasible[0].min_span_bytes)
     # Every order gets one quick pass (the first margin, no refinement); the full search runs in the
     # fastest and in any other within ``config.quick_tolerance`` of it, where full passes may rank otherwise.
     # One or two full passes instead of one per order keep planning an 8B step within seconds.
@@ -503,16 +523,7 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: tup
     full = [(_plan_in_order(program, hardware, budget, f, times_by_op, config, seeds=tried, simulated=simulated)[0], f)
             for (best, tried), f in quick if best.step_s <= fastest * (1 + config.quick_tolerance)]
     best, facts = min(full, key=lambda t: t[0].step_s)
-    return best.plan, (tuple(facts.order), best.margin)
-
-
-def _feasible(program: Program, facts: list[_OrderFacts], budget: np.ndarray
-              ) -> tuple[list[tuple[int, str]], list[_OrderFacts]]:
-    """The smallest budget of each order in ``facts`` and what sets it, and the facts of the orders that meet
-    ``budget`` (bytes, or bytes per position)."""
-    smallest = [_minimum(program, f) for f in facts]
-    return smallest, [f for f, (least, _) in zip(facts, smallest)
-                      if (budget >= least if budget.ndim == 0 else budget >= _unavoidable(f)).all()]
+    return best.plan, (tuple(facts.order), best.margin, facts.min_span_bytes)
 
 
 def _below_smallest(budget_bytes: int, least: int, why: str) -> InfeasibleBudget:
