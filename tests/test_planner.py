@@ -15,7 +15,7 @@ from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import Kind, check_plan
 from hyperoffload.policies import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
 from hyperoffload.ir import ValueKind
-from hyperoffload.policies.hyperoffload import MIN_SPAN_CAP_BYTES, STATE_FIRST_FROM, made_share
+from hyperoffload.policies.hyperoffload import SMALL_STORAGE_BYTES, STATE_FIRST_FROM, made_share
 from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
@@ -86,16 +86,16 @@ def test_infeasible_budget_names_the_smallest_one(tiny_train):
 
 
 def test_a_large_step_moves_activation_sized_storages_where_its_budget_needs_them():
-    """Candidates are storages from 1/10,000 of the peak up, and in a second set of starts from
-    ``MIN_SPAN_CAP_BYTES`` up: on a step peaking at hundreds of GiB (``llama3-70b``), a 20 MiB activation is worth
-    moving when nothing else would do."""
+    """Candidates are storages from 1/10,000 of the peak up, and near the smallest budget those meet, in a second
+    set of starts, from ``SMALL_STORAGE_BYTES`` up: on a step peaking at hundreds of GiB (``llama3-70b``), a 20 MiB
+    activation is worth moving when nothing else would do."""
     x, y = 20 * 2**20, 100 * 2**20
     values = [value(0, 0, ValueKind.INPUT), value(1, x), value(2, 200), value(3, 300 * 2**30), value(4, 100),
               value(5, 100), value(6, y)]
     ops = [op(0, [0], [1, 6]), op(1, [0], [2]), op(2, [2], [3]), op(3, [3], [4]), op(4, [1, 4, 6], [5])]
     prog = program(values, ops, [0], [5])
     peak = memory_profile(prog).peak_bytes
-    assert y > peak // 10_000 > x > MIN_SPAN_CAP_BYTES
+    assert y > peak // 10_000 > x > SMALL_STORAGE_BYTES
     hardware = simple_hardware(bw=1e10)
     least, _ = minimum_budget(prog)
     assert least == peak - x - y  # both leave while op2 and op3 run

@@ -58,8 +58,8 @@ class PlannerConfig:
 
     min_span_bytes: int | None = None
     """Storages smaller than this (bytes) stay on the device, where a copy's latency would dominate and
-    the choice would not matter; None: 1/10,000 of the step's no-offload peak, and, in a second set of starts,
-    that share capped at ``MIN_SPAN_CAP_BYTES``."""
+    the choice would not matter; None: 1/10,000 of the step's no-offload peak, and at budgets near the smallest
+    those take, also ``SMALL_STORAGE_BYTES`` (``SMALL_STORAGES_BELOW``)."""
     bandwidth_margins: tuple[float, ...] = (1.0, 0.7)
     """Shares of the link bandwidth the schedule assumes; one plan per margin is simulated."""
     candidates_per_step: int = 16
@@ -122,24 +122,28 @@ class _Step:
     live: np.ndarray
 
 
-MIN_SPAN_CAP_BYTES = 16 * 2**20
-"""Where 1/10,000 of a step's peak is more than this (bytes), the planner also starts each order from the storages
-from this size up (the default ``PlannerConfig.min_span_bytes``), and the quick passes pick which to search in
-full. A share of the peak grows with the model while its activations grow with the hidden size only:
-``llama3-70b`` training peaks at 794 GiB, so 1/10,000 of it (81 MiB) left every 64 MiB activation (sequence x
-hidden in bf16) on the device, and the smallest budget the planner met was 54.8 GiB, 49 GiB of it such storages.
-With them its smallest is 11.8 GiB (the embedding's AdamW update), and at 54.9 and 59.6 GiB the plans step in
-18.86 and 18.71 s, not 23.37 and 23.20 s (only the captured order met those budgets without them). Not in place
-of the share: at every budget they made the plans at the hideable budget and at 70% of the peak 1.4% and 0.8%
-slower (the selection ranks more spans that tie). Steps that peak under 160 GiB (``llama3-8b``, every tiny model)
-never get the second set."""
+SMALL_STORAGE_BYTES = 4 * 2**20
+"""Where a budget is below ``SMALL_STORAGES_BELOW`` times the smallest the planner meets with storages from 1/10,000
+of the peak up, it also plans each order with the storages from this size up (bytes; the default
+``PlannerConfig.min_span_bytes``), and the quick passes rank both sets. A share of the peak grows with the model
+while its activations grow with the hidden size only: ``llama3-70b`` training peaks at 794 GiB, so 1/10,000 of it
+(81 MiB) left every 64 MiB activation (sequence x hidden in bf16) on the device, and the smallest budget the
+planner met was 54.8 GiB, 49 GiB of it such storages; with them it is 11.8 GiB (the embedding's AdamW update), and
+at 54.9 and 59.6 GiB the plans step in 18.86 and 18.71 s, not 23.37 and 23.20 s (only the captured order met those
+budgets without them). ``llama3-8b``'s 8 MiB key and value activations, under its 10.9 MiB share, took its
+smallest from 6.89 to 5.89 GiB."""
+SMALL_STORAGES_BELOW = 1.5
+"""See ``SMALL_STORAGE_BYTES``. Not at every budget: the more spans the selection ranks, the more tie, and at
+``llama3-70b``'s hideable budget and 70% of its peak the plans from 16 MiB up were 1.4% and 0.8% slower (the quick
+passes would drop them, for twice the planning); at 1.45 times its smallest (10% of its peak) they were 0.7%
+faster."""
 
 
-def _min_span_bytes(config: PlannerConfig, live: np.ndarray, *, capped: bool) -> int:
+def _min_span_bytes(config: PlannerConfig, live: np.ndarray, *, small: bool) -> int:
     if config.min_span_bytes is not None:
         return config.min_span_bytes
     share = int(live.max()) // 10_000 if live.size else 0
-    return min(share, MIN_SPAN_CAP_BYTES) if capped else share
+    return min(share, SMALL_STORAGE_BYTES) if small else share
 
 
 _Hint = tuple[tuple[int, ...], float | None, int | None]
@@ -160,19 +164,18 @@ class _OrderFacts:
 
 
 def _order_facts(program: Program, order: Sequence[int], config: PlannerConfig, *,
-                 capped: bool = True) -> _OrderFacts:
-    """With ``capped``, the smallest candidate storage is the least this planner takes (``MIN_SPAN_CAP_BYTES``)."""
+                 small: bool = True) -> _OrderFacts:
+    """With ``small``, the candidates are the most this planner takes (``SMALL_STORAGE_BYTES``)."""
     order = list(order)
     live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
-    min_span_bytes = _min_span_bytes(config, live, capped=capped)
+    min_span_bytes = _min_span_bytes(config, live, small=small)
     uses = storage_uses(program, order)
     return _OrderFacts(order, live, uses, idle_spans(program, uses, min_bytes=min_span_bytes), min_span_bytes)
 
 
 def _with_smaller_storages(program: Program, facts: _OrderFacts, config: PlannerConfig) -> _OrderFacts | None:
-    """``facts`` with storages from the capped share of the peak up as candidates (``MIN_SPAN_CAP_BYTES``); None
-    where that is no smaller."""
-    least = _min_span_bytes(config, facts.live, capped=True)
+    """``facts`` with storages from ``SMALL_STORAGE_BYTES`` up as candidates; None where that takes no more."""
+    least = _min_span_bytes(config, facts.live, small=True)
     if least >= facts.min_span_bytes:
         return None
     return replace(facts, spans=idle_spans(program, facts.uses, min_bytes=least), min_span_bytes=least)
@@ -472,15 +475,16 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: _Hi
     first, anchored, eager, *partly = _orders(program)
     orders = [hint[0]] if hint else candidate_orders(program) if config.reorder else [first]
     budget = np.asarray(budget_bytes, dtype=np.int64)
-    facts = [_order_facts(program, orders[0], config, capped=False)]
+    facts = [_order_facts(program, orders[0], config, small=False)]
     if orders[0] == first and (facts[0].live.size == 0 or (facts[0].live <= budget).all()):
         base = plan_without_offload(program, order=first)
         return Plan(program=program, instructions=base.instructions, policy=POLICY,
                     budget_bytes=int(budget.max(initial=0))), None
-    facts += [_order_facts(program, order, config, capped=False) for order in orders[1:]]
-    # On a step peaking above 160 GiB, every order also starts from smaller candidates (MIN_SPAN_CAP_BYTES); the
-    # quick passes rank them with the rest.
-    facts += [f for f in (_with_smaller_storages(program, f, config) for f in facts) if f is not None]
+    facts += [_order_facts(program, order, config, small=False) for order in orders[1:]]
+    # Near the smallest budget the usual candidates meet, every order also starts from smaller ones; the quick
+    # passes rank them with the rest.
+    if budget.min() < SMALL_STORAGES_BELOW * min(_minimum(program, f)[0] for f in facts):
+        facts += [f for f in (_with_smaller_storages(program, f, config) for f in facts) if f is not None]
     if hint and hint[2] is not None:
         facts = [f for f in facts if f.min_span_bytes <= hint[2]]
     smallest = [_minimum(program, f) for f in facts]
@@ -506,10 +510,12 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: _Hi
     # PARTLY_HOISTED); below, it would only cost planning time. Where it is the only order that meets the
     # budget, it gets its pass all the same.
     peak = facts[0].live.max()  # without a hint, the first order is the captured one
-    too_low = set(partly) - {order for order, (_, least) in zip(partly, PARTLY_HOISTED)
+    skipped = set(partly) - {order for order, (_, least) in zip(partly, PARTLY_HOISTED)
                              if budget.min() >= least * peak} - {first, anchored, eager}
-    considered = [f for f in feasible if not (tuple(f.order) == eager != anchored and not _offload_can_be_free(
-        program, hardware, int(budget.min()), first, times_by_op)) and tuple(f.order) not in too_low] or feasible
+    if eager != anchored and any(tuple(f.order) == eager for f in feasible) and not _offload_can_be_free(
+            program, hardware, int(budget.min()), first, times_by_op):
+        skipped.add(eager)
+    considered = [f for f in feasible if tuple(f.order) not in skipped] or feasible
     if any(tuple(f.order) == eager != anchored for f in considered):
         # Where the eager order is worth a pass (links fast enough to offload for free), the stretched start
         # never won; it would cost a pass of its own.
@@ -520,8 +526,14 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: _Hi
         (_plan_in_order(program, hardware, budget, f, times_by_op, quick_config, simulated=simulated), f)
         for f in considered]
     fastest = min(best.step_s for (best, _), _ in quick)
+    # Of an order's two sets of candidates (SMALL_STORAGE_BYTES), only the one whose quick plan is faster.
+    by_order: dict[tuple[int, ...], tuple] = {}
+    for (best, tried), f in quick:
+        kept = by_order.get(tuple(f.order))
+        if kept is None or best.step_s < kept[0][0].step_s:
+            by_order[tuple(f.order)] = ((best, tried), f)
     full = [(_plan_in_order(program, hardware, budget, f, times_by_op, config, seeds=tried, simulated=simulated)[0], f)
-            for (best, tried), f in quick if best.step_s <= fastest * (1 + config.quick_tolerance)]
+            for (best, tried), f in by_order.values() if best.step_s <= fastest * (1 + config.quick_tolerance)]
     best, facts = min(full, key=lambda t: t[0].step_s)
     return best.plan, (tuple(facts.order), best.margin, facts.min_span_bytes)
 
