@@ -50,8 +50,8 @@ and between ``Y`` and the next step's ``X`` (by an op after ``Y``, or, for state
 step, before ``X``); then it comes in twice a step. A parameter off at the peak and again during the optimizer
 phase is read in the backward pass between them and in the forward pass after: on ``gh200`` at 10% of
 ``llama3-8b``'s peak, where the embedding's update alone needs 6 GiB of the 10.6 GiB budget, those second
-prefetches make the bound 1.054 x ``bound_s`` (1.009 at the peak alone), 1.112 at the smallest budget. The
-least copy time over how much of each storage is off at each op is a small linear program (one row per
+prefetches make the bound 1.054 x ``bound_s`` (1.009 at the peak alone), 1.127 at the smallest budget (5.9
+GiB). The least copy time over how much of each storage is off at each op is a small linear program (one row per
 storage and rule; HiGHS, well under a second on an 8B step). It lets every copy share the link, without the
 phases of the one-op bound: looser there, and kept for the parameters it counts twice.
 
