@@ -511,7 +511,7 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: _Hi
     # budget, it gets its pass all the same.
     peak = facts[0].live.max()  # without a hint, the first order is the captured one
     skipped = set(partly) - {order for order, (_, least) in zip(partly, PARTLY_HOISTED)
-                             if budget.min() >= least * peak} - {first, anchored, eager}
+                            if budget.min() >= least * peak} - {first, anchored, eager}
     if eager != anchored and any(tuple(f.order) == eager for f in feasible) and not _offload_can_be_free(
             program, hardware, int(budget.min()), first, times_by_op):
         skipped.add(eager)
