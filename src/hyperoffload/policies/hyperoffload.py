@@ -129,7 +129,7 @@ of the peak up, it also plans each order with the storages from this size up (by
 while its activations grow with the hidden size only: ``llama3-70b`` training peaks at 794 GiB, so 1/10,000 of it
 (81 MiB) left every 64 MiB activation (sequence x hidden in bf16) on the device, and the smallest budget the
 planner met was 54.8 GiB, 49 GiB of it such storages; with them it is 11.8 GiB (the embedding's AdamW update), and
-at 54.9 and 59.6 GiB the plans step in 18.86 and 18.71 s, not 23.37 and 23.20 s (only the captured order met those
+at 54.9 and 59.6 GiB the plans step in 18.86 and 18.73 s, not 23.37 and 23.20 s (only the captured order met those
 budgets without them). ``llama3-8b``'s 8 MiB key and value activations, under its 10.9 MiB share, took its
 smallest from 6.89 to 5.89 GiB."""
 SMALL_STORAGES_BELOW = 1.5
