@@ -524,7 +524,9 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: _Hi
     simulated: dict = {}  # passes often make a plan another made already: one simulation each
     # An order's second set of candidates (SMALL_STORAGE_BYTES; it comes after the usual one in ``considered``)
     # gets a quick pass where the usual set cannot plan that order, or where that order's is the fastest.
-    firsts = {tuple(f.order): f for f in reversed(considered)}
+    firsts: dict[tuple[int, ...], _OrderFacts] = {}
+    for f in considered:  # in their order: on a tie the first order's plan wins
+        firsts.setdefault(tuple(f.order), f)
     quick: list[tuple[tuple[_Tried, tuple[_Tried, ...]], _OrderFacts]] = [
         (_plan_in_order(program, hardware, budget, f, times_by_op, quick_config, simulated=simulated), f)
         for f in firsts.values()]
