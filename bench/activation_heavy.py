@@ -22,16 +22,17 @@ from rich.console import Console
 from rich.table import Table
 
 from hyperoffload.analysis import link_bound, memory_profile
-from hyperoffload.budgets import hideable_budget
 from hyperoffload.hardware import get_hardware
-from hyperoffload.policies import PlannerConfig, minimum_budget, plan_hyperoffload
+from hyperoffload.policies import PlannerConfig, plan_hyperoffload
 from hyperoffload.policies.hyperoffload import made_share
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
+from plan_tables import table_budgets  # bench/, on the path when this script runs
 
 SCENARIOS = ["llama3-8b:h100-sxm:2", "llama3-8b:h100-sxm:4", "deepseek-v2-lite:mi300x:0"]
 """workload:hardware:batch (0: the workload's own; deepseek-v2-lite trains at batch 32, seq 4096)."""
 SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+"""Shares of the no-offload peak, one row each where the planner can meet it (``plan_tables``'s go on to 5%)."""
 
 
 def table_for(scenario: str, console: Console) -> None:
@@ -39,9 +40,7 @@ def table_for(scenario: str, console: Console) -> None:
     hardware = get_hardware(hardware_name)
     program = capture_workload(get_workload(workload), "train", batch=int(batch) or None).program
     peak = memory_profile(program).peak_bytes
-    least, _ = minimum_budget(program)
-    budgets = [("hideable", hideable_budget(program, hardware))] + [
-        (f"{share:.0%}", int(peak * share)) for share in SHARES if peak * share >= least] + [("smallest", least)]
+    budgets = table_budgets(program, hardware, SHARES)
     table = Table(title=f"{workload} training, batch {batch if int(batch) else 'default'}, on {hardware_name}: peak "
                         f"{peak / 2**30:.1f} GiB, {made_share(program):.0%} of it made by the step",
                   title_justify="left")

@@ -55,16 +55,22 @@ def traffic_by_order(program, hardware, budget: int) -> dict[tuple[int, ...], fl
     return {order: traffic_bound(program, hardware, budget, order).seconds for order in candidate_orders(program)}
 
 
+def table_budgets(program, hardware, shares=SHARES) -> list[tuple[str, int]]:
+    """(label, bytes) of each row of a table: the hideable budget, each of ``shares`` of the no-offload peak that
+    the planner can meet, and the smallest it can."""
+    peak = memory_profile(program).peak_bytes
+    least, _ = minimum_budget(program)
+    return ([("hideable", hideable_budget(program, hardware))]
+            + [(f"{share:.0%}", int(peak * share)) for share in shares if peak * share >= least] + [("smallest", least)])
+
+
 def table_for(name: str, console: Console, *, flow: bool = False, traffic: bool = False,
               bounds_only: bool = False) -> None:
     workload, hardware_name = name.split(":")
     hardware = get_hardware(hardware_name)
     program = capture_workload(get_workload(workload), "train").program
     peak = memory_profile(program).peak_bytes
-    least, _ = minimum_budget(program)
-    hideable = hideable_budget(program, hardware)
-    budgets = [("hideable", hideable)] + [(f"{share:.0%}", int(peak * share)) for share in SHARES
-                                          if peak * share >= least] + [("smallest", least)]
+    budgets = table_budgets(program, hardware)
     table = Table(title=f"{workload} training (batch 1, seq 4096, bf16 / fp32 AdamW) on {hardware_name}: "
                         f"no-offload peak {peak / 2**30:.1f} GiB", title_justify="left")
     if bounds_only:

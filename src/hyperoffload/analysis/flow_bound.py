@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows
+from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows, solved
 from hyperoffload.analysis.segments import Segment, order_profile, segments
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
@@ -286,10 +286,8 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
     common = {"compute_s": compute, "bins": k_bins, "instants": tuple(int(p) for p in instants),
               "need_bytes": tuple(int(x) for x in need), "segments": len(charged), "blocks": len(blocks),
               "variables": n_vars, "constraints": len(rhs)}
-    if result.status == 2:
+    if solved(result, "flow bound") is None:
         return FlowBound(seconds=float("inf"), status="infeasible", solve_s=solve_s, **common)
-    if result.status != 0:
-        raise RuntimeError(f"flow bound LP: {result.message}")
     durations = result.x[:slots] * tau
     stall = np.maximum(durations - slot_compute, 0.0)
     total_stall = max(0.0, float(result.fun) * tau - compute)

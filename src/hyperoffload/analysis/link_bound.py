@@ -72,7 +72,7 @@ from weakref import WeakKeyDictionary
 import numpy as np
 
 from hyperoffload.analysis.lifetimes import memory_profile
-from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows
+from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows, solved
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
@@ -237,10 +237,8 @@ def _phases(forced: _Forced, hardware: Hardware, budget_bytes: int, times: tuple
     objective[:2] = 1.0
     result = linprog(objective, A_ub=np.array(ub_rows), b_ub=np.array(ub_rhs), A_eq=np.array(eq_rows),
                      b_eq=np.array(eq_rhs), bounds=np.column_stack([lower, upper]), method="highs")
-    if result.status == 2:
+    if solved(result, "link bound (phases)") is None:
         return None
-    if result.status != 0:
-        raise RuntimeError(f"link bound LP (phases): {result.message}")
     sol = result.x
     d2h = sum(sol[x(c) + 1] + sol[x(c) + 2] for c in range(k)) * unit
     h2d = sum(sol[x(c) + 3] + sol[x(c) + 4] for c in range(k)) * unit
@@ -404,10 +402,8 @@ def _pair_copies(pair: _Pair, hardware: Hardware, budget_bytes: int) -> tuple[fl
     objective[copy] = 1.0
     result = linprog(objective, A_ub=matrix.tocsr(), b_ub=np.concatenate(rhs),
                      bounds=np.column_stack([np.zeros(4 * k + 1), upper]), method="highs")
-    if result.status == 2:
+    if solved(result, "link bound") is None:
         return None
-    if result.status != 0:
-        raise RuntimeError(f"link bound LP: {result.message}")
     seconds = float(result.x[copy]) * unit / hardware.h2d_bw * (1.0 - SOLVER_MARGIN)
     return seconds, float(result.x[d:h].sum()) * unit, float(result.x[h:copy].sum()) * unit
 

@@ -1,5 +1,5 @@
-"""What the LP bounds (``flow_bound``, ``traffic_bound``, ``link_bound``'s two-op bound) share: the link's rows
-and the margin that keeps a solver's optimum on the side of a lower bound."""
+"""What the LP bounds (``flow_bound``, ``traffic_bound``, ``link_bound``) share: the link's rows, the margin that
+keeps a solver's optimum on the side of a lower bound, and how a solve's outcome is read."""
 
 from __future__ import annotations
 
@@ -20,4 +20,14 @@ def link_rows(duplex_share: float) -> tuple[tuple[float, float, float], ...]:
     return ((1.0, 1.0, 1.0),)
 
 
-__all__ = ["SOLVER_MARGIN", "link_rows"]
+def solved(result, what: str):
+    """``result`` (``scipy.optimize.linprog``'s) where the LP has an optimum, None where it is infeasible (no plan
+    meets the budget); a solver failure of any other kind raises, naming ``what`` was solved."""
+    if result.status == 2:
+        return None
+    if result.status != 0:
+        raise RuntimeError(f"{what} LP: {result.message}")
+    return result
+
+
+__all__ = ["SOLVER_MARGIN", "link_rows", "solved"]

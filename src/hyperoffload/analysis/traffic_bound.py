@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows
+from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows, solved
 from hyperoffload.analysis.segments import order_profile, segments
 from hyperoffload.analysis.uses import storage_uses
 from hyperoffload.hardware import Hardware
@@ -208,10 +208,8 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
     result = linprog(objective, A_ub=ub, b_ub=np.zeros(r), A_eq=eq, b_eq=eq_rhs,
                      bounds=np.column_stack([lower, upper]), method="highs-ipm")
     solve_s = time.perf_counter() - started
-    if result.status == 2:
+    if solved(result, "traffic bound") is None:
         return _infeasible(compute, m, n_vars, eq.shape[0] + r, started)
-    if result.status != 0:
-        raise RuntimeError(f"traffic bound LP: {result.message}")
     copy_s = float(result.x[l_var]) * t_h2d * (1.0 - SOLVER_MARGIN)
     return TrafficBound(seconds=max(compute, copy_s), compute_s=compute, copy_s=copy_s, status="optimal",
                         h2d_bytes=float(result.x[r0:l_var].sum()) * unit,

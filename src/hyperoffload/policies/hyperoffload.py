@@ -481,13 +481,14 @@ def _search(program, hardware, budget_bytes: int | np.ndarray, config, hint: _Hi
         return Plan(program=program, instructions=base.instructions, policy=POLICY,
                     budget_bytes=int(budget.max(initial=0))), None
     facts += [_order_facts(program, order, config, small=False) for order in orders[1:]]
+    smallest = [_minimum(program, f) for f in facts]
     # Near the smallest budget the usual candidates meet, every order also starts from smaller ones; the quick
     # passes rank them with the rest.
-    if budget.min() < SMALL_STORAGES_BELOW * min(_minimum(program, f)[0] for f in facts):
-        facts += [f for f in (_with_smaller_storages(program, f, config) for f in facts) if f is not None]
+    if budget.min() < SMALL_STORAGES_BELOW * min(least for least, _ in smallest):
+        more = [g for g in (_with_smaller_storages(program, f, config) for f in facts) if g is not None]
+        facts, smallest = facts + more, smallest + [_minimum(program, g) for g in more]
     if hint and hint[2] is not None:
-        facts = [f for f in facts if f.min_span_bytes <= hint[2]]
-    smallest = [_minimum(program, f) for f in facts]
+        facts, smallest = zip(*[(f, m) for f, m in zip(facts, smallest) if f.min_span_bytes <= hint[2]])
     feasible = [f for f, (least, _) in zip(facts, smallest)
                 if (budget >= least if budget.ndim == 0 else budget >= _unavoidable(f)).all()]
     if not feasible:
