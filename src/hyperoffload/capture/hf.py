@@ -1,9 +1,10 @@
-"""Capture a Hugging Face ``transformers`` causal language model (train, prefill or decode) as a Program.
+"""Capture a Hugging Face ``transformers`` model (train, prefill or decode) as a Program.
 
-``transformers`` is an optional dependency: this module never imports it at import time. It
-works with any ``nn.Module`` that has a ``config.vocab_size`` and a Hugging Face style
-``forward(input_ids, use_cache=..., return_dict=...)`` returning an object with ``.logits``
-(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``, ...).
+``transformers`` is an optional dependency: this module never imports it at import time. The tasks it
+captures, and the example batch of each, are the registry in ``hf_tasks``: causal LMs (``LlamaForCausalLM``,
+``Qwen2ForCausalLM``, ...), masked LMs (BERT), seq2seq LMs (T5, BART), image classifiers (ViT) and speech
+seq2seq models (Whisper). Configs read from disk are checked first (``hf_config``); code from a model folder
+(``auto_map``) runs only when the caller asks for it.
 
 The adapter only makes the example batch and the call pure; the capture itself is the
 project's ``capture_train_step`` / ``capture_prefill_step`` / ``capture_decode_step``, so an HF step
@@ -30,86 +31,125 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 from hyperoffload.capture.fake import default_dtype, fake_build, is_fake
 from hyperoffload.capture.graph_to_program import CaptureError, DataDependentValue
+from hyperoffload.capture.hf_config import check_remote_code, config_dtype, read_config
+from hyperoffload.capture.hf_tasks import TASK_NAMES, call_kwargs, get_task, task_of_config, task_of_model, text_config, vocab_size
 from hyperoffload.capture.steps import Captured, capture_decode_step, capture_prefill_step, capture_train_step
 
 HF_MODES = ("train", "prefill", "decode")
 
-# use_cache=False: no DynamicCache object is created or returned, so the forward is a pure
-# function of (weights, input_ids). return_dict=True: the output has ``.logits``, which
-# ``lm_loss`` and ``capture_prefill_step`` read.
-_CALL_KWARGS = {"use_cache": False, "return_dict": True}
-
 
 def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = None, context: int | None = None,
-               fake_inputs: bool | None = None, name: str | None = None) -> Captured:
-    """Capture one ``mode`` step ("train", "prefill" or "decode") of a Hugging Face causal LM.
+               fake_inputs: bool | None = None, name: str | None = None, task: str | None = None,
+               progress: Callable[[str, int, int], None] | None = None) -> Captured:
+    """Capture one ``mode`` step ("train", "prefill" or "decode") of a Hugging Face model of one of the
+    ``hf_tasks.TASKS``: causal LM, masked LM, seq2seq LM, image classification or speech seq2seq.
 
-    The example batch is ``input_ids`` of ``batch`` sequences of ``seq`` tokens (int64, random
-    ids below ``config.vocab_size``, drawn from torch's global generator: seed it for a
-    reproducible batch). "train" adds next-token targets of the same shape (the input shifted
-    by one token; the last target is the token after the batch) and captures forward,
-    cross-entropy loss, backward and an AdamW update; the model's train/eval mode is kept as
-    given, so dropout (if the config has any) is part of the step. "prefill" captures one
-    forward without gradients returning the logits, and puts the model in eval mode (dropout
-    off) first, as inference runs it; call ``model.train()`` afterwards to train it again.
-    "decode" (``context`` tokens already cached, no ``seq``) captures one token per sequence
-    against a static KV cache of ``context + 1`` slots that is an input of the step and is written
-    in place (``StaticCacheDecoder``; sliding-window layers hold their window), also in eval mode; models
-    whose cache has linear-attention or other non-static layers are refused.
+    ``task`` (one of ``hf_tasks.TASK_NAMES``) defaults to the model's own: its class (``BertForMaskedLM`` is a
+    masked LM), else its config's ``architectures`` or ``model_type``, else causal LM. The example batch is the
+    task's (``hf_tasks``), random, drawn from torch's global generator (seed it for a reproducible batch):
+    ``batch`` sequences of ``seq`` token ids for the text tasks (a seq2seq LM's encoder and decoder both take
+    ``seq``), with the decoder's next tokens as targets for causal and seq2seq LMs and the tokens themselves for a
+    masked LM; ``batch`` images of the config's ``image_size`` and ``num_channels`` with class ids below
+    ``num_labels`` (no ``seq``); ``batch`` log-mel spectrograms of the config's ``num_mel_bins`` by
+    ``2 * max_source_positions`` frames with ``seq`` decoder tokens. "train" captures forward, cross-entropy of
+    the logits against those targets, backward and an AdamW update; the model's train/eval mode is kept as
+    given, so dropout (if the config has any) is part of the step. "prefill" captures one forward without
+    gradients returning the logits, and puts the model in eval mode (dropout off) first, as inference runs it;
+    call ``model.train()`` afterwards to train it again. "decode" (causal LMs; ``context`` tokens already
+    cached, no ``seq``) captures one token per sequence against a static KV cache of ``context + 1`` slots that
+    is an input of the step and is written in place (``StaticCacheDecoder``; sliding-window layers hold their
+    window), also in eval mode; models whose cache has linear-attention or other non-static layers, and the
+    tasks without a decode step of that form, are refused with what to capture instead.
 
     ``fake_inputs``: ``None`` (the default) makes fake inputs exactly when the model's
     parameters are fake (built under ``fake_build()``), in the same fake mode; ``True`` makes
     fake inputs for a real model too (the step can then only be inspected, not run); ``False``
     insists on real inputs and so needs a real model. ``name`` defaults to the model's class.
+    ``progress(phase, done, total)``, when given, is called as the trace reaches each of the model's layers.
     """
     if mode not in HF_MODES:
         raise CaptureError(f"unknown mode {mode!r} for a Hugging Face model; choose one of: {', '.join(HF_MODES)}")
-    vocab = _vocab_size(model)
-    _check_count("batch", batch, "sequences")
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture_hf takes a Hugging Face model instance (an nn.Module such as "
+                           f"LlamaForCausalLM(config)), got {type(model).__name__}")
+    spec = get_task(task) if task is not None else task_of_model(model)
+    if spec.takes_seq:
+        vocab_size(model)  # a model without a vocabulary is refused before any other check
+    _check_count("batch", batch, "sequences" if spec.takes_seq else "images")
     if mode == "decode":
+        if spec.no_decode is not None:
+            raise CaptureError(f"{type(model).__name__} ({spec.name}): {spec.no_decode}")
         if seq is not None:
             raise CaptureError("a decode step feeds one token per sequence: pass context (the tokens already "
                                "cached), not seq")
         if isinstance(context, bool) or not isinstance(context, int) or context < 0:
             raise CaptureError(f"decode needs context, the tokens already in the KV cache: an int >= 0, "
                                f"got {context!r}")
-        _check_positions(model, context + 1, context=context)
+        _check_positions(model, context + 1, spec.positions_field, context=context)
     else:
         if context is not None:
             raise CaptureError(f"context sets the KV cache of a decode step; a {mode} step has none: drop it")
-        _check_count("seq", seq, "tokens")
-        _check_positions(model, seq)
+        if spec.takes_seq:
+            _check_count("seq", seq, "tokens")
+            _check_positions(model, seq, spec.positions_field)
+        elif seq is not None:
+            raise CaptureError(f"seq sets tokens per sequence; a {spec.name} step takes whole images of the config's "
+                               f"image_size: drop seq (--seq)")
     params = list(model.parameters())
     if not params:
         raise CaptureError(f"{type(model).__name__} has no parameters; pass the model itself (e.g. a "
                            f"LlamaForCausalLM), not a wrapper or a config")
     fake_mode = _input_fake_mode(model, fake_inputs)
     inputs_mode = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    meta = {"source": "transformers", "model_type": getattr(model.config, "model_type", None), "batch": batch,
-            "dtype": str(params[0].dtype).removeprefix("torch.")}
-    if mode == "decode":
-        captured = _capture_decode(model, batch, context, vocab, inputs_mode, name, meta)
-    else:
-        # Inputs go where the embedding weights are; under a fake mode they are fake tensors of that mode,
-        # so the trace sees one consistent set of fake tensors.
-        with inputs_mode:
-            stream = torch.randint(0, vocab, (batch, seq + 1), dtype=torch.int64, device=params[0].device)
-            # Clones, not views: the two inputs must own separate storages, or the capture would count one
-            # buffer for both while a caller passing separate tensors holds two.
-            input_ids = stream[:, :-1].clone()
-            targets = stream[:, 1:].clone()
-            del stream
-        meta["seq"] = seq
-        with _unpacked_positions(), _traceable_experts():
-            if mode == "train":
-                captured = capture_train_step(model, (input_ids,), targets, kwargs=dict(_CALL_KWARGS), name=name,
-                                              meta=meta)
-            else:
-                model.eval()
-                captured = capture_prefill_step(model, (input_ids,), kwargs=dict(_CALL_KWARGS), name=name,
-                                                meta=meta)
+    meta = {"source": "transformers", "model_type": getattr(model.config, "model_type", None), "task": spec.name,
+            "batch": batch, "dtype": str(params[0].dtype).removeprefix("torch.")}
+    with _layer_progress(model, progress):
+        if mode == "decode":
+            captured = _capture_decode(model, batch, context, vocab_size(model), inputs_mode, name, meta)
+        else:
+            # Inputs go where the embedding weights are; under a fake mode they are fake tensors of that mode,
+            # so the trace sees one consistent set of fake tensors.
+            with inputs_mode:
+                example = spec.example(model, batch, seq)
+            meta.update(example.meta)
+            kwargs = {**example.inputs, **call_kwargs(model)}
+            with _unpacked_positions(), _traceable_experts():
+                if mode == "train":
+                    captured = capture_train_step(model, (), example.targets, kwargs=kwargs, name=name, meta=meta)
+                else:
+                    model.eval()
+                    captured = capture_prefill_step(model, (), kwargs=kwargs, name=name, meta=meta)
     # The eager step computes the experts the way the graph does (see _traceable_experts).
     return dataclasses.replace(captured, step=_with_traceable_experts(captured.step))
+
+
+@contextlib.contextmanager
+def _layer_progress(model: nn.Module, progress: Callable[[str, int, int], None] | None) -> Iterator[None]:
+    """Within the block, ``progress("tracing layers", done, total)`` as each layer of the model's layer stacks
+    (its outermost ``nn.ModuleList``s: a decoder's layers, an encoder-decoder's two stacks) starts its forward."""
+    if progress is None:
+        yield
+        return
+    stacks: list[str] = []
+    layers: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and not any(name.startswith(f"{stack}.") for stack in stacks):
+            stacks.append(name)
+            layers.extend(module)
+    total = len(layers)
+    done = 0
+
+    def hook(module: nn.Module, args: Any) -> None:
+        nonlocal done
+        done = done % total + 1  # a second forward (the decode step's cache sizing) counts again from 1
+        progress("tracing layers", done, total)
+
+    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _capture_decode(model: nn.Module, batch: int, context: int, vocab: int, inputs_mode, name: str | None,
@@ -243,46 +283,26 @@ class StaticCacheDecoder(nn.Module):
                           position_ids=positions[None], use_cache=True, return_dict=True)
 
 
-def _text_config(model: nn.Module) -> Any:
-    """The config holding the language model's sizes (multimodal configs nest it as a text config)."""
-    config = getattr(model, "config", None)
-    get_text_config = getattr(config, "get_text_config", None)
-    return get_text_config() if callable(get_text_config) else config
-
-
-def _vocab_size(model: nn.Module) -> int:
-    if not isinstance(model, nn.Module):
-        raise CaptureError(f"capture_hf takes a Hugging Face model instance (an nn.Module such as "
-                           f"LlamaForCausalLM(config)), got {type(model).__name__}")
-    vocab = getattr(_text_config(model), "vocab_size", None)
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
-        raise CaptureError(
-            f"{type(model).__name__} has no usable config.vocab_size (got {vocab!r}); capture_hf needs a "
-            f"transformers causal LM (a PreTrainedModel with a config, e.g. LlamaForCausalLM). For any other "
-            f"nn.Module use capture_train_step / capture_prefill_step with your own example inputs")
-    return vocab
-
-
 def _check_count(label: str, value: Any, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CaptureError(f"{label} must be a positive int number of {unit}, got {value!r}")
 
 
-def _check_positions(model: nn.Module, seq: int, *, context: int | None = None) -> None:
-    """``seq`` positions must fit the model; ``context`` is given for a decode step (``seq`` is then
-    ``context + 1``), so that the message names what the caller set."""
+def _check_positions(model: nn.Module, seq: int, field: str | None, *, context: int | None = None) -> None:
+    """``seq`` positions must fit the model's ``config.<field>``; ``context`` is given for a decode step (``seq``
+    is then ``context + 1``), so that the message names what the caller set."""
     # Learned position tables (GPT-2's wpe) fail with an index error past their end; RoPE models
     # would run but outside what they were trained for. Either way the config states the limit.
-    limit = getattr(_text_config(model), "max_position_embeddings", None)
+    limit = getattr(text_config(model), field, None) if field else None
     if not (isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < seq):
         return
-    raise_it = "raise max_position_embeddings in the config if the model really handles longer contexts"
+    raise_it = f"raise {field} in the config if the model really handles longer contexts"
     if context is None:
         raise CaptureError(f"seq={seq} tokens is more than {type(model).__name__} supports "
-                           f"(config.max_position_embeddings={limit}); use seq <= {limit}, or {raise_it}")
+                           f"(config.{field}={limit}); use seq <= {limit}, or {raise_it}")
     # The user set the context, not seq: the new token takes one position past it.
     raise CaptureError(f"a decode step at context={context} needs {seq} positions (the cached tokens and the new "
-                       f"one), more than {type(model).__name__} supports (config.max_position_embeddings={limit}); "
+                       f"one), more than {type(model).__name__} supports (config.{field}={limit}); "
                        f"use a context of at most {limit - 1} (--context on the command line, context= in Python), "
                        f"or {raise_it}")
 
@@ -382,46 +402,46 @@ def _with_traceable_experts(step: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def build_hf_model(config_path: str, *, fake: bool = True, seed: int = 0) -> nn.Module:
-    """A causal LM built from a local Hugging Face ``config.json`` (a file or a folder holding one),
-    with random weights; nothing is downloaded. ``fake=True`` builds it on fake tensors (no memory).
+def build_hf_model(config_path: str, *, fake: bool = True, seed: int = 0, task: str | None = None,
+                   trust_remote_code: bool = False) -> nn.Module:
+    """A model built from a local Hugging Face ``config.json`` (a file or a folder holding one), with random
+    weights; nothing is downloaded. ``fake=True`` builds it on fake tensors (no memory).
 
-    Weights take the config's ``torch_dtype``/``dtype`` when it names one, else float32.
+    ``task`` (one of ``hf_tasks.TASK_NAMES``) picks the auto class; by default the config's: the auto classes
+    its ``auto_map`` names, else its ``architectures``, else its ``model_type`` (``hf_tasks.task_of_config``).
+    Weights take the config's ``torch_dtype``/``dtype`` when it names one, else float32. The file is checked
+    first (``hf_config.read_config``: valid JSON, sane sizes, a known dtype). A config whose ``auto_map`` points
+    at Python files of the model folder is refused unless ``trust_remote_code=True``: with it, transformers
+    imports and runs those files (and copies them to its modules cache, ``HF_MODULES_CACHE``).
     """
-    from pathlib import Path
-
     try:
         import transformers
     except ImportError as error:
         raise CaptureError("Hugging Face models need the optional dependency transformers: "
                            "pip install 'hyperoffload[hf]'") from error
-    path = Path(config_path)
-    folder = path.parent if path.is_file() else path
-    # transformers reads a config from a folder, by the name config.json: a file of another name cannot be
-    # handed on, and its folder may hold some other config.json.
-    rule = ("give a config.json file or a folder that holds one (for example one written by "
-            "config.save_pretrained(folder))")
-    if path.is_file() and path.name != "config.json":
-        raise CaptureError(f"a Hugging Face config must be a file named config.json or a folder that holds one; "
-                           f"{config_path} is named {path.name}: rename or copy it to config.json and give that "
-                           f"file or its folder")
-    if path.is_dir() and not (folder / "config.json").is_file():
-        raise CaptureError(f"no Hugging Face config at {config_path}: the folder holds no config.json; {rule}")
-    if not path.exists():
-        raise CaptureError(f"no Hugging Face config at {config_path}: no such file or folder; {rule}")
+    folder, fields = read_config(config_path)
+    check_remote_code(fields, folder, trust_remote_code)
     try:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as error:
-        raise CaptureError(f"cannot read the Hugging Face config at {folder}/config.json: {error}") from error
-    # Newer transformers name it dtype and warn when torch_dtype is read; older ones have torch_dtype only.
-    dtype = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
-    dtype = dtype or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+        # trust_remote_code is passed as given, never left None: transformers would then ask on stdin.
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True,
+                                                         trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CaptureError(f"cannot read the Hugging Face config at {folder}/config.json: {error}") from None
+    auto_map = fields.get("auto_map") if trust_remote_code else None
+    spec = get_task(task) if task is not None else task_of_config(
+        architectures=fields.get("architectures") if isinstance(fields.get("architectures"), list) else None,
+        model_type=getattr(config, "model_type", None), auto_map=auto_map)
+    if spec is None:
+        raise CaptureError(f"{folder}/config.json names no model class of a task capture_hf knows (architectures "
+                           f"{fields.get('architectures')!r}, model_type {getattr(config, 'model_type', None)!r}); "
+                           f"pick one with task= (--hf-task): {', '.join(TASK_NAMES)}")
+    auto_class = getattr(transformers, spec.auto_class)
     if not fake:
         torch.manual_seed(seed)
-    with fake_build(dtype) if fake else default_dtype(dtype):
+    with fake_build(config_dtype(fields)) if fake else default_dtype(config_dtype(fields)):
         try:
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError as error:
-            raise CaptureError(f"transformers cannot build a causal LM from {folder}/config.json: {error}") from error
+            return auto_class.from_config(config, trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError, TypeError) as error:
+            raise CaptureError(f"transformers cannot build a {spec.name} model ({spec.auto_class}) from "
+                               f"{folder}/config.json: {error}; pick another task with task= (--hf-task): "
+                               f"{', '.join(TASK_NAMES)}") from None
