@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils.flop_counter as flop_counter
@@ -31,6 +32,16 @@ class OpCall:
     """The tensors produced."""
     argument_names: tuple[str, ...] = ()
     """Names of the op schema's arguments, in order (to read an argument by name)."""
+    result: Any = None
+    """The op's result as it returned it: a tensor, or a tuple holding None at each optional output the op did
+    not compute (``convolution_backward`` without the input's gradient). None when not given: then ``outputs``
+    (one tensor, or a tuple of them) stands for it."""
+
+    def returned(self) -> Any:
+        """The op's result, position for position as the op returns it (what torch's FLOP formulas take)."""
+        if self.result is not None:
+            return self.result
+        return self.outputs[0] if len(self.outputs) == 1 else self.outputs
 
     def argument(self, name: str, default=None):
         """The argument called ``name``, whether passed by position or keyword."""
@@ -79,10 +90,11 @@ register_flop_rule(
 
 
 def _torch_formula(name: str) -> FlopRule:
+    """torch's formula for ``name``: it reads outputs by their position in the op's result (``out_val``), so it is
+    handed the result as returned, None at each output not computed, never the tensors alone."""
     packet = getattr(torch.ops.aten, name.removeprefix("aten."))
     formula = flop_counter.flop_registry[packet]
-    return lambda call: formula(*call.args, out_val=call.outputs if len(call.outputs) != 1 else call.outputs[0],
-                                **call.kwargs)
+    return lambda call: formula(*call.args, out_val=call.returned(), **call.kwargs)
 
 
 for _name in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution", "aten.convolution_backward"):
@@ -114,6 +126,25 @@ def sdpa_backward_flops(call: OpCall) -> int:
     """Backward recomputes QK^T and runs 4 more products: 2.5x the forward."""
     forward = _attention_flops(call.argument("query"), call.argument("key"), bool(call.argument("is_causal", False)))
     return forward * 5 // 2
+
+
+# Arguments some kernels write in place although their schema does not mark them written (``Tensor?`` rather
+# than ``Tensor(a!)``): eager batch norm in training updates its running statistics in place. Per op: the
+# flag argument that must be true for the write, and the arguments written.
+_UNDECLARED_WRITES: dict[str, tuple[str, tuple[str, ...]]] = {
+    name: ("training", ("running_mean", "running_var"))
+    for name in ("aten.native_batch_norm", "aten.cudnn_batch_norm", "aten.miopen_batch_norm",
+                 "aten._batch_norm_impl_index")
+}
+
+
+def undeclared_writes(call: OpCall) -> tuple[str, ...]:
+    """Names of the arguments ``call`` writes in place that its schema does not declare written."""
+    rule = _UNDECLARED_WRITES.get(call.target)
+    if rule is None:
+        return ()
+    flag, written = rule
+    return written if call.argument(flag, False) else ()
 
 
 def tensors_bytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -21,7 +21,7 @@ import torch.fx
 from hyperoffload.cache_ops import FETCH_BLOCKS_POOLED, FETCH_MISSING_BLOCKS, LANE_OPS
 from hyperoffload.capture.tags import KIND_KEY, PHASE_KEY
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
-from hyperoffload.op_rules import OpCall, count_bytes, count_flops
+from hyperoffload.op_rules import OpCall, count_bytes, count_flops, undeclared_writes
 
 
 class CaptureError(ValueError):
@@ -148,12 +148,6 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
     for v in input_ids:
         reads.setdefault(b.records[v]["storage"], set()).add(phase)
     schema = target._schema
-    mutated: list[int] = []
-    for index, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        arg = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-        mutated.extend(b.value_of(n, node) for n in _tensor_nodes(arg))
 
     val = node.meta.get("val")
     out_tensors: list[torch.Tensor] = []
@@ -185,7 +179,17 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
         inputs=tuple(example(n) for n in dict.fromkeys(_tensor_nodes((node.args, node.kwargs)))),
         outputs=tuple(out_tensors),
         argument_names=tuple(a.name for a in schema.arguments),
+        result=val,
     )
+    # Written in place: what the schema declares, and what the kernel writes without declaring it (op_rules).
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    written.update(undeclared_writes(call))
+    mutated: list[int] = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.name not in written:
+            continue
+        arg = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+        mutated.extend(b.value_of(n, node) for n in _tensor_nodes(arg))
     if only_aliases and not mutated:
         flops = bytes_read = bytes_written = 0
     else:

@@ -1,0 +1,144 @@
+"""Everyday model classes through capture, planning and execution: convolutional networks (a ResNet-style CNN, a
+ViT's conv patch embedding), activation checkpointing, recurrent layers. Each trains planned at half its peak and
+gives the unplanned step bit for bit (float32, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import hyperoffload
+from hyperoffload.capture import capture_train_step, fake_build
+from hyperoffload.runtime import run_reference
+from hyperoffload.runtime.plan_executor import run_plan
+
+H100 = "h100-sxm"
+
+
+def assert_identical(got, want) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def assert_plans_bit_identical(captured, budget="50%"):
+    """Plan ``captured`` at ``budget`` (a verified plan), run it and the unplanned step on clones of the inputs, and
+    check the loss and every updated input agree bit for bit; returns the plan."""
+    program = captured.program
+    plan = hyperoffload.plan(program, H100, budget)
+    planned_inputs = [t.clone() for t in captured.inputs]
+    reference_inputs = [t.clone() for t in captured.inputs]
+    planned = run_plan(plan, planned_inputs)
+    reference = run_reference(program, reference_inputs)
+    assert_identical(planned.outputs, reference.outputs)
+    assert_identical(planned_inputs, reference_inputs)
+    return plan
+
+
+# --- convolutional networks ---------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN, the input added back, ReLU (in place)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(y)) + x)
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, channels: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                                  nn.ReLU(inplace=True), nn.MaxPool2d(2))
+        self.blocks = nn.Sequential(Block(channels), Block(channels))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        return self.head(self.pool(self.blocks(self.stem(x))).flatten(1))
+
+
+class TinyViT(nn.Module):
+    """A vision transformer: a conv patch embedding (the conv's input needs no gradient), a class token, position
+    embeddings, two encoder layers and a linear head on the class token."""
+
+    def __init__(self, dim: int = 32, patch: int = 4, image: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        tokens = self.embed(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), tokens], dim=1) + self.pos
+        return self.head(self.norm(self.encoder(tokens))[:, 0])
+
+
+def test_resnet_style_cnn_trains_planned_at_half_its_peak_bit_identical():
+    torch.manual_seed(0)
+    captured = capture_train_step(TinyResNet(), (torch.randn(4, 3, 16, 16),), torch.randint(0, 10, (4,)))
+    targets = {op.target for op in captured.program.ops}
+    assert "aten.convolution_backward.default" in targets
+    conv_backward = [op for op in captured.program.ops if op.target == "aten.convolution_backward.default"]
+    assert all(op.flops > 0 for op in conv_backward)
+    assert_plans_bit_identical(captured)
+
+
+def test_vit_with_a_conv_patch_embedding_trains_planned_at_half_its_peak_bit_identical():
+    torch.manual_seed(0)
+    captured = capture_train_step(TinyViT(), (torch.randn(4, 3, 16, 16),), torch.randint(0, 10, (4,)))
+    assert_plans_bit_identical(captured)
+
+
+def test_bfloat16_cnn_captures_and_plans():
+    with fake_build(torch.bfloat16):
+        model = TinyResNet(channels=32)
+        batch = torch.randn(4, 3, 16, 16)
+    captured = capture_train_step(model, (batch,), torch.randint(0, 10, (4,)))
+    program = captured.program
+    convs = [op for op in program.ops if op.target.startswith("aten.convolution")]
+    assert convs and {program.values[o].dtype for op in convs for o in op.outputs} == {"bfloat16"}
+    plan = hyperoffload.plan(program, H100, "50%")
+    assert plan.budget_bytes < hyperoffload.memory_profile(program).peak_bytes
+
+
+@pytest.mark.parametrize("model_class", [TinyResNet, TinyViT])
+def test_cnns_train_through_the_compile_backend_as_eager(model_class):
+    """The backend converts its graphs with the same rules: a conv whose input needs no gradient, BatchNorm (its
+    running statistics updated in place) and in-place ReLU train as eager does, bit for bit."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = model_class()
+    eager = copy.deepcopy(model)
+    backend = hyperoffload.backend(budget="75%", hardware=H100)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    images, labels = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    loss = F.cross_entropy(compiled(images), labels)
+    loss.backward()
+    eager_loss = F.cross_entropy(eager(images), labels)
+    eager_loss.backward()
+    torch._dynamo.reset()
+    assert torch.equal(loss, eager_loss)
+    for p, e in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, e.grad)
+    for b, e in zip(model.buffers(), eager.buffers()):
+        assert torch.equal(b, e)
+    assert backend.last.feasible and backend.last.budget_bytes < backend.last.unplanned_peak_bytes
