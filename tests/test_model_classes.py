@@ -9,11 +9,16 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hyperoffload
+from helpers import assert_matches_eager
 from hyperoffload.capture import capture_train_step, fake_build
+from hyperoffload.policies import InfeasibleBudget
+from hyperoffload.policies.hyperoffload import minimum_budget
 from hyperoffload.runtime import run_reference
 from hyperoffload.runtime.plan_executor import run_plan
 
@@ -142,3 +147,110 @@ def test_cnns_train_through_the_compile_backend_as_eager(model_class):
     for b, e in zip(model.buffers(), eager.buffers()):
         assert torch.equal(b, e)
     assert backend.last.feasible and backend.last.budget_bytes < backend.last.unplanned_peak_bytes
+
+
+# --- activation checkpointing ----------------------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    """A layer, then a checkpointed region (its activations recomputed in the backward), then a head."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.up, self.down = nn.Linear(8, 64), nn.Linear(64, 8)
+        self.head = nn.Linear(8, 2)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        x = self.first(x)
+        x = checkpoint(lambda t: self.down(torch.relu(self.up(t))), x, use_reentrant=self.use_reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_step_recomputes_with_the_steps_parameters_and_plans(use_reentrant):
+    """The recomputation runs during the backward: it must read the step's parameters (inputs of the Program),
+    not the model's own tensors as graph constants, which no plan may start in remote memory."""
+    torch.manual_seed(0)
+    captured = capture_train_step(Checkpointed(use_reentrant), (torch.randn(4, 8),), torch.tensor([0, 1, 0, 1]))
+    program = captured.program
+    assert not program.constants
+    up = [op for op in program.ops if op.target == "aten.addmm.default"]
+    assert len(up) > 4  # first, up, down, head, and the region again in the backward
+    assert_matches_eager(captured)
+    assert_plans_bit_identical(captured)
+    assert_plans_bit_identical(captured, minimum_budget(program)[0])
+
+
+class RandomMLP(nn.Module):
+    """A random small MLP: the batch arrives as a view (a slice, a transpose or a reshape of what is passed in),
+    each layer reads its weight directly or through a view (transposed twice, sliced, reshaped from a flat
+    parameter), and each layer runs plain or in a checkpointed region (reentrant or not)."""
+
+    def __init__(self, width: int, layers: list[tuple[str, str]], batch_view: str) -> None:
+        super().__init__()
+        self.width, self.layers, self.batch_view = width, layers, batch_view
+        self.weights = nn.ParameterList()
+        for _, weight_view in layers:
+            shape = {"plain": (width, width), "transposed": (width, width), "sliced": (width, width + 3),
+                     "reshaped": (width * width,)}[weight_view]
+            self.weights.append(nn.Parameter(torch.randn(shape) / width))
+        self.bias = nn.Parameter(torch.zeros(width))
+        self.head = nn.Linear(width, 2)
+
+    def weight(self, i: int) -> torch.Tensor:
+        w, view = self.weights[i], self.layers[i][1]
+        if view == "transposed":
+            return w.t().t()
+        if view == "sliced":
+            return w[:, 1:self.width + 1]
+        if view == "reshaped":
+            return w.reshape(self.width, self.width)
+        return w
+
+    def forward(self, x):
+        if self.batch_view == "sliced":
+            x = x[1:]
+        elif self.batch_view == "transposed":
+            x = x.t()
+        elif self.batch_view == "reshaped":
+            x = x.reshape(-1, self.width)
+        for i, (mode, _) in enumerate(self.layers):
+            layer = lambda t, i=i: torch.tanh(t @ self.weight(i).t() + self.bias)  # noqa: E731
+            x = layer(x) if mode == "plain" else checkpoint(layer, x, use_reentrant=mode == "reentrant")
+        return self.head(x)
+
+
+def random_batch(width: int, batch: int, view: str) -> torch.Tensor:
+    shape = {"none": (batch, width), "sliced": (batch + 1, width), "transposed": (width, batch),
+             "reshaped": (batch * width,)}[view]
+    return torch.randn(shape)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.sampled_from([4, 8]), batch_view=st.sampled_from(["none", "sliced", "transposed", "reshaped"]),
+       layers=st.lists(st.tuples(st.sampled_from(["plain", "reentrant", "non_reentrant"]),
+                                 st.sampled_from(["plain", "transposed", "sliced", "reshaped"])),
+                       min_size=1, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_captured_checkpointed_steps_plan_validly_or_are_refused(width, batch_view, layers, seed):
+    """Capture then plan at half the peak and at the smallest budget the planner states it meets: each either
+    gives a verified plan whose run is bit-identical to the unplanned step, or is refused with InfeasibleBudget;
+    the planner never fails on its own rules."""
+    torch.manual_seed(seed)
+    model = RandomMLP(width, layers, batch_view)
+    batch = 4
+    captured = capture_train_step(model, (random_batch(width, batch, batch_view),), torch.randint(0, 2, (batch,)))
+    reference_inputs = [t.clone() for t in captured.inputs]
+    reference = run_reference(captured.program, reference_inputs)
+    for budget in ("50%", minimum_budget(captured.program)[0]):
+        try:
+            plan = hyperoffload.plan(captured.program, H100, budget)
+        except InfeasibleBudget:
+            continue
+        hyperoffload.verify(plan, hyperoffload.get_hardware(H100))
+        planned_inputs = [t.clone() for t in captured.inputs]
+        planned = run_plan(plan, planned_inputs)
+        assert_identical(planned.outputs, reference.outputs)
+        assert_identical(planned_inputs, reference_inputs)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -191,22 +192,34 @@ def capture_train_step(model: nn.Module, args: Any, target: torch.Tensor | None 
     sizes = [len(g) for g in groups]
     names = [n for n, _ in trainable] + [n for n, _ in frozen] + [n for n, _ in buffers]
 
-    def step(*flat: torch.Tensor) -> torch.Tensor:
+    def make_step(accumulate: bool) -> Callable[..., torch.Tensor]:
+        """The step; ``accumulate``: gradients by ``loss.backward()`` into the leaves' ``.grad`` rather than by
+        ``torch.autograd.grad`` (reentrant activation checkpointing supports only the former)."""
+        return lambda *flat: step(*flat, accumulate=accumulate)
+
+    def step(*flat: torch.Tensor, accumulate: bool) -> torch.Tensor:
         parts, at = [], 0
         for size in sizes:
             parts.append(list(flat[at:at + size]))
             at += size
         params, frozen_t, buffers_t, m, v, w, (count,), batch_t, target_t = parts
         call_args, call_kwargs = _rebuild(spec, leaves, batch_t)
-        with torch.enable_grad():
-            leaves_t = [p.detach().requires_grad_() for p in params]
-            state = dict(zip(names, [*leaves_t, *frozen_t, *buffers_t]))
-            output = functional_call(model, state, call_args, call_kwargs)
+        leaves_t = [p.detach().requires_grad_() for p in params]
+        state = dict(zip(names, [*leaves_t, *frozen_t, *buffers_t]))
+        # The step's tensors stand in for the model's own through the backward as well as the forward (what
+        # ``functional_call`` does for the forward alone): activation checkpointing runs the forward again
+        # during the backward, and must read the step's parameters there, not the model's.
+        with torch.enable_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False):
+            output = model(*call_args, **call_kwargs)
             loss = loss_fn(output, target_t[0] if target_t else None)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise CaptureError("loss_fn must return a single-element tensor")
             mark_phase(Phase.BACKWARD)
-            grads = torch.autograd.grad(loss, leaves_t, allow_unused=True)
+            if accumulate:
+                loss.backward()
+                grads = tuple(leaf.grad for leaf in leaves_t)
+            else:
+                grads = torch.autograd.grad(loss, leaves_t, allow_unused=True)
         tag_values(grads, ValueKind.GRADIENT)
         mark_phase(Phase.OPTIMIZER)
         with torch.no_grad():
@@ -219,7 +232,20 @@ def capture_train_step(model: nn.Module, args: Any, target: torch.Tensor | None 
                    *(f"master:{n}" for n in trained[:len(masters)]), "adamw_step",
                    *_batch_names(len(batch)), *(["target"] if targets else [])]
     info = {"mode": "train", "optimizer": "adamw", "master_weights": optimizer.master_weights, **(meta or {})}
-    return trace_step(step, flat, kinds, input_names, name=name or type(model).__name__, mode="train", meta=info)
+    name = name or type(model).__name__
+    try:
+        return trace_step(make_step(False), flat, kinds, input_names, name=name, mode="train", meta=info)
+    except CaptureError as error:
+        if not _needs_backward_call(error):
+            raise
+    return trace_step(make_step(True), flat, kinds, input_names, name=name, mode="train", meta=info)
+
+
+def _needs_backward_call(error: CaptureError) -> bool:
+    """Whether tracing failed because the model checkpoints activations reentrantly
+    (``checkpoint(..., use_reentrant=True)``), which refuses ``torch.autograd.grad`` and needs ``.backward()``."""
+    cause = error.__cause__
+    return isinstance(cause, RuntimeError) and "use_reentrant=True" in str(cause) and ".grad()" in str(cause)
 
 
 def capture_prefill_step(model: nn.Module, args: Any, *, kwargs: dict | None = None, name: str | None = None,
