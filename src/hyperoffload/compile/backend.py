@@ -15,7 +15,10 @@ autograd would have saved, nothing is recomputed). Then, inside aot_autograd's `
 6. simulate the plan on the hardware profile and record it (``Backend.compiled``).
 
 aot_autograd then runs the two graphs as the compiled function's forward and backward, so
-``loss.backward()`` and the optimizer work as usual. Graphs run without gradients (``no_grad``,
+``loss.backward()`` and the optimizer work as usual. TorchDynamo and aot_autograd fix the size and
+stride of a graph's inputs, not where they lie in their storages; the joint graph plans each
+tangent as aot_autograd makes it, and an input whose storage the plan moves runs as a copy laid
+out as planned when the caller's tensor lies otherwise (``hyperoffload.compile.layouts``). Graphs run without gradients (``no_grad``,
 inference) are planned alone. The cache operators run synchronously on CPU tensors
 (``hyperoffload.cache_ops``): the graphs say where each transfer starts and where its result is
 first needed, and the results are bit-identical to eager.
@@ -36,6 +39,7 @@ from hyperoffload.analysis import memory_profile
 from hyperoffload.budgets import parse_budget
 from hyperoffload.capture.graph_to_program import program_from_graph
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
+from hyperoffload.compile.layouts import planned_layouts, with_planned_layouts
 from hyperoffload.compile.split import keep_backward_inputs_in_backward, split_lowered
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.ir import Program, ValueKind
@@ -164,7 +168,6 @@ class Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
         from torch._functorch.partitioners import default_partition
 
         names = tuple(_readable_name(n) for n in gm.graph.find_nodes(op="placeholder"))
@@ -180,10 +183,13 @@ class Backend:
             return record.forward, record.backward
 
         def inference(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-            return make_boxed_func(self._plan_inference(index, gm, names).forward)
+            record = self._plan_inference(index, gm, names)
+            return with_planned_layouts(record.forward, planned_layouts(record.forward, record.plan))
 
         def run_as_is(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-            return make_boxed_func(gm)  # already planned and lowered by ``partition``
+            # Already planned and lowered by ``partition``; inputs are laid out as planned when they run.
+            record = next(r for r in reversed(self.compiled) if r.index == index)
+            return with_planned_layouts(gm, planned_layouts(gm, record.plan))
 
         return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, inference_compiler=inference,
                             partition_fn=partition)(gm, example_inputs)

@@ -5,7 +5,9 @@ outputs followed by the tensors saved for backward, and a backward graph, which 
 tensors followed by the tangents (the gradients of the user's outputs) and returns a gradient per
 forward input. ``join_graphs`` glues them into a single fx graph over the same aten nodes:
 
-* placeholders: the forward's inputs (primals), then the backward-only inputs (tangents);
+* placeholders: the forward's inputs (primals), then the backward-only inputs (tangents), each
+  tangent laid out as aot_autograd hands it to the backward (``layouts.compact_tangents``: its own
+  storage, not a view of the storage its forward output views);
 * the forward's nodes;
 * one ``aten.alias`` per tensor the forward returns to the user: a *boundary marker*. It reads the
   output at the end of the forward, where the caller receives it, so a plan keeps it on the device
@@ -30,6 +32,7 @@ import torch.fx
 
 from hyperoffload.capture.graph_to_program import CaptureError
 from hyperoffload.capture.tags import KIND_KEY, PHASE_KEY
+from hyperoffload.compile.layouts import compact_tangents
 from hyperoffload.ir import Phase, ValueKind
 
 MARKER = torch.ops.aten.alias.default
@@ -135,8 +138,10 @@ def join_graphs(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, n
             g.meta[KIND_KEY] = ValueKind.GRADIENT
     graph.output(tuple(gradients))
     module = torch.fx.GraphModule(root, graph, class_name="JointStep")
+    tangents = tuple(env[n].name for n in backward_only)
+    compact_tangents(module, tangents)
     return JointGraph(module=module, primals=tuple(env[n].name for n in primals),
-                      backward_inputs=tuple(env[n].name for n in backward_only), user_outputs=tuple(markers),
+                      backward_inputs=tangents, user_outputs=tuple(markers),
                       constant_outputs=tuple(constants), last_forward=last.name)
 
 

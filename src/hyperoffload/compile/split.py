@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from hyperoffload.compile.joint import JointGraph
+from hyperoffload.compile.layouts import propagate_fake_values
 from hyperoffload.ir import Phase, Program
 from hyperoffload.plans import Instr, Kind, Plan
 
@@ -90,24 +91,12 @@ def _copy_into(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node], env: dict[
         env[n] = graph.node_copy(n, lambda a: env[a])
 
 
-def propagate_fake_values(gm: torch.fx.GraphModule) -> None:
-    """Give every node of ``gm`` a fake tensor in ``meta["val"]`` by running it on its placeholders' fake
-    tensors: aot_autograd reads the backward's placeholders' values, and the cache operators and the
-    views ``lower_plan`` adds have none yet."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-    mode = detect_fake_mode(inputs)
-    if mode is None:
-        raise SplitError("the joint graph's inputs carry no fake tensors to propagate; lower graphs traced by aot_autograd")
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-
-
 def split_lowered(lowered: torch.fx.GraphModule, joint: JointGraph) -> tuple[torch.fx.GraphModule,
                                                                                 torch.fx.GraphModule]:
     """The forward and backward graphs of ``lowered`` (``lower_plan`` of a plan of ``joint``'s program),
     every node with a fake tensor in ``meta["val"]``."""
+    # aot_autograd reads the backward's placeholders' values; the cache operators and the views
+    # ``lower_plan`` adds have none yet.
     propagate_fake_values(lowered)
     nodes = list(lowered.graph.nodes)
     by_name = {n.name: n for n in nodes}
