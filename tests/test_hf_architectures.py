@@ -230,3 +230,146 @@ def test_architecture_decode_captures_on_fake_weights(tmp_path, arch: str) -> No
     model = build_hf_model(_config_path(tmp_path, arch), fake=True)
     program = capture_hf(model, "decode", batch=2, context=12).program
     assert program.mode == "decode" and any(program.values[v].kind.value == "kv_cache" for v in program.inputs)
+
+
+# One tiny config of each task beyond causal LMs, by model type: (sizes, the task capture_hf takes it as, the model
+# class that task builds). Dropout is kept at each config's default (BERT and T5 train with 0.1).
+TASK_ARCHITECTURES = {
+    "bert": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  max_position_embeddings=64, vocab_size=128), "masked-lm", "BertForMaskedLM"),
+    "t5": (dict(d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2, vocab_size=128,
+                decoder_start_token_id=0), "seq2seq-lm", "T5ForConditionalGeneration"),
+    "bart": (dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                  decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                  vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2), "seq2seq-lm",
+             "BartForConditionalGeneration"),
+    "vit": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
+                 patch_size=8, num_labels=5), "image-classification", "ViTForImageClassification"),
+    "whisper": (dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+                     max_source_positions=16, max_target_positions=32, vocab_size=128, decoder_start_token_id=1,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2), "speech-seq2seq",
+                "WhisperForConditionalGeneration"),
+}
+# The batch each task's capture feeds its model, by keyword, with its shape at batch=2, seq=SEQ.
+TASK_INPUTS = {
+    "bert": {"input_ids": (2, SEQ)},
+    "t5": {"input_ids": (2, SEQ), "decoder_input_ids": (2, SEQ)},
+    "bart": {"input_ids": (2, SEQ), "decoder_input_ids": (2, SEQ)},
+    "vit": {"pixel_values": (2, 3, 32, 32)},
+    "whisper": {"input_features": (2, 16, 32), "decoder_input_ids": (2, SEQ)},  # 2 x max_source_positions frames
+}
+
+
+def _task_config_path(tmp_path, arch: str) -> str:
+    sizes, _, _ = TASK_ARCHITECTURES[arch]
+    try:
+        config = transformers.AutoConfig.for_model(arch, **sizes)
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no {arch} architecture")
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _task_seq(arch: str) -> int | None:
+    return None if TASK_ARCHITECTURES[arch][1] == "image-classification" else SEQ
+
+
+@pytest.mark.parametrize("mode", ["train", "prefill"])
+@pytest.mark.parametrize("arch", list(TASK_ARCHITECTURES))
+def test_task_plans_and_runs_bit_identical(tmp_path, arch: str, mode: str) -> None:
+    """Each task's model is built from its config alone (the task from its model type), fed its own kind of batch,
+    planned under half its peak and run: planned and unplanned steps bit-identical, the graph the eager step."""
+    _, task, model_class = TASK_ARCHITECTURES[arch]
+    model = build_hf_model(_task_config_path(tmp_path, arch), fake=False)
+    assert type(model).__name__ == model_class
+    torch.manual_seed(0)
+    captured = capture_hf(model, mode, batch=2, seq=_task_seq(arch))
+    program = captured.program
+    assert program.meta["model_type"] == arch and program.meta["task"] == task and program.mode == mode
+    batch = [program.values[v] for v in program.inputs if program.values[v].name.startswith("batch")]
+    assert [tuple(v.shape) for v in batch] == list(TASK_INPUTS[arch].values())
+    if mode == "train":  # the targets: class ids per image, else a token id per (decoder) position
+        target = captured.inputs[-1]
+        assert target.dtype == torch.int64
+        assert target.shape == ((2,) if task == "image-classification" else (2, SEQ))
+    assert_matches_eager(captured)
+    peak = memory_profile(program).peak_bytes
+    planned = plan(program, "h100-sxm", "50%")
+    assert planned.budget_bytes <= peak // 2 + 1
+    reference_inputs = [t.clone() for t in captured.inputs]
+    planned_inputs = [t.clone() for t in captured.inputs]
+    torch.manual_seed(1)  # the same random state for both runs: BERT's and T5's dropout draw from it
+    reference = run_plan(plan_without_offload(program), reference_inputs)
+    torch.manual_seed(1)
+    planned_run = run_plan(planned, planned_inputs)
+    assert planned_run.peak_bytes <= planned.budget_bytes
+    assert all(torch.equal(a, b) for a, b in zip(planned_run.outputs, reference.outputs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(planned_inputs, reference_inputs, strict=True))
+    if mode == "train":  # the update did land
+        assert not all(torch.equal(a, b) for a, b in zip(reference_inputs, captured.inputs))
+
+
+@pytest.mark.parametrize("arch", list(TASK_ARCHITECTURES))
+def test_task_captures_on_fake_weights(tmp_path, arch: str) -> None:
+    """As ``hf:PATH`` captures by default: weights and batch on fake tensors (ViT's truncated-normal init draws by
+    rejection, which a fake tensor cannot: the fake build skips it)."""
+    model = build_hf_model(_task_config_path(tmp_path, arch), fake=True)
+    program = capture_hf(model, "train", batch=2, seq=_task_seq(arch)).program
+    assert program.meta["task"] == TASK_ARCHITECTURES[arch][1] and program.mode == "train"
+
+
+@pytest.mark.parametrize("arch", list(TASK_ARCHITECTURES))
+def test_decode_of_a_task_without_one_says_what_works(tmp_path, arch: str) -> None:
+    from hyperoffload.capture import CaptureError
+
+    model = build_hf_model(_task_config_path(tmp_path, arch), fake=True)
+    with pytest.raises(CaptureError, match=r"decode .*--mode train or --mode prefill"):
+        capture_hf(model, "decode", batch=1, context=4)
+
+
+def test_the_task_follows_architectures_and_can_be_overridden(tmp_path) -> None:
+    """BART is a seq2seq LM, a masked LM and a causal LM in transformers' tables: by default its main task, by its
+    config's architectures where they name one, and by task= where the caller picks one."""
+    path = _task_config_path(tmp_path, "bart")
+    assert type(build_hf_model(path)).__name__ == "BartForConditionalGeneration"
+    assert type(build_hf_model(path, task="causal-lm")).__name__ == "BartForCausalLM"
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.architectures = ["BartForCausalLM"]
+    config.save_pretrained(tmp_path)
+    model = build_hf_model(path, fake=False)
+    assert type(model).__name__ == "BartForCausalLM"
+    torch.manual_seed(0)
+    assert capture_hf(model, "prefill", batch=1, seq=SEQ).program.meta["task"] == "causal-lm"
+    from hyperoffload.capture import CaptureError
+
+    with pytest.raises(CaptureError, match="unknown Hugging Face task 'vision'; choose one of: .*masked-lm"):
+        build_hf_model(path, task="vision")
+    with pytest.raises(CaptureError, match="no image-classification model .* of model_type 'bart' .*; the tasks of "
+                                           "that model type: seq2seq-lm, masked-lm, causal-lm"):
+        build_hf_model(path, task="image-classification")
+    with pytest.raises(CaptureError, match="drop seq"):
+        capture_hf(build_hf_model(_task_config_path(tmp_path / "vit", "vit")), "train", batch=1, seq=SEQ)
+
+
+@pytest.mark.parametrize("arch", ["t5", "vit", "whisper"])
+def test_cli_inspects_and_runs_a_task_config(tmp_path, capsys, arch: str) -> None:
+    """``--workload hf:PATH`` of a non-causal config: inspected with --verify (graph against eager, real weights),
+    and run planned at half its peak, bit-identical to the unplanned step."""
+    import json
+
+    from hyperoffload.cli import main
+
+    sizes, task, _ = TASK_ARCHITECTURES[arch]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": arch, **sizes}))
+    step = ["--workload", f"hf:{tmp_path}", "--mode", "train", "--batch", "2"]
+    if arch != "vit":
+        step += ["--seq", str(SEQ)]
+    assert main(["inspect", *step, "--verify", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["task"] == task and figures["model_type"] == arch
+    assert figures["verify"]["identical_to_eager"]
+    assert main(["run", *step, "--budget", "50%", "--link", "10GB/s", "--steps", "1", "--warmup", "0",
+                 "--json"]) == 0
+    ran = json.loads(capsys.readouterr().out)
+    assert ran["max_abs_diff"] == 0.0 and ran["feasible"]

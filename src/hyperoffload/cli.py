@@ -7,10 +7,12 @@ clear line on stderr and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch
 from rich.console import Console
 
 from hyperoffload.capture import CaptureError
+from hyperoffload.capture.hf_tasks import TASK_NAMES, get_task, task_of_model
 from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_hardware
 from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
@@ -27,6 +30,8 @@ from hyperoffload.workloads import MODES, WORKLOADS, UnknownWorkload, capture_wo
 from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+"""As a shell reports a command stopped by Ctrl-C (128 + SIGINT)."""
 
 
 def _positive(text: str) -> int:
@@ -94,8 +99,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True, metavar="NAME",
-                        help=f"one of: {', '.join(WORKLOADS)}; or hf:PATH for a Hugging Face causal LM built "
-                             f"from a local config.json (random weights, nothing downloaded)")
+                        help=f"one of: {', '.join(WORKLOADS)}; or hf:PATH for a Hugging Face model built from a "
+                             f"local config.json (random weights, nothing downloaded)")
     parser.add_argument("--mode", required=True, choices=MODES, help="which step to capture")
     parser.add_argument("--batch", type=_positive, help="sequences per step (default: the workload's)")
     parser.add_argument("--seq", type=_positive, help="tokens per sequence for train and prefill")
@@ -109,6 +114,12 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DeepSeek-style decode: the stated share of a step's selected blocks that the previous "
                              "step also selected, which sets how much a remote KV cache's block pool saves "
                              f"(default {DEFAULT_RESELECTION}, measured on tiny-deepseek)")
+    parser.add_argument("--hf-task", choices=TASK_NAMES,
+                        help="hf:PATH: which kind of model to build and what batch to feed it (default: from the "
+                             "config's architectures or model_type)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="hf:PATH: import and run the Python files that the config's auto_map names in the model "
+                             "folder (off by default: such a config is refused)")
 
 
 def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,6 +301,40 @@ def _deepseek_decode(args: argparse.Namespace) -> bool:
     return isinstance(get_workload(args.workload).config, DeepSeekConfig)
 
 
+@contextlib.contextmanager
+def _capture_progress(console: Console, message: str, quiet_s: float = 2.0):
+    """A ``progress(phase, done, total)`` callback for a capture: ``message`` and a bar on a terminal; on a pipe or
+    a log (where rich shows neither spinner nor bar), a line at each tenth of the layers once the phase has run
+    ``quiet_s`` seconds, so that a long capture shows it is moving and a short one prints nothing."""
+    if console.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      console=console, transient=True) as bar:
+            bar.add_task(message, total=None)
+            tasks: dict[str, int] = {}
+
+            def report(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(phase, total=total)
+                bar.update(tasks[phase], completed=done)
+
+            yield report
+        return
+    shown: set[tuple[str, int]] = set()
+    started: dict[str, float] = {}
+
+    def report(phase: str, done: int, total: int) -> None:
+        tenth = done * 10 // total
+        if time.monotonic() - started.setdefault(phase, time.monotonic()) < quiet_s or (phase, tenth) in shown:
+            return
+        if done == total or (done * 10) % total < 10:
+            shown.add((phase, tenth))
+            console.print(f"{phase}: {done} of {total}", highlight=False)
+
+    yield report
+
+
 def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
     """Capture the step the flags describe: a built-in workload, or a Hugging Face config (``hf:PATH``)."""
     kind = "fake" if fake else "real"
@@ -303,13 +348,20 @@ def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
             raise ValueError("--nsa-block applies to the built-in DeepSeek-style workloads (NSA), not a Hugging Face "
                              "model: drop it")
         path = args.workload.removeprefix(HF_PREFIX)
-        with console.status(f"Capturing the {args.mode} step of {path} on {kind} tensors..."):
-            model = build_hf_model(path, fake=fake)
+        with _capture_progress(console, f"Capturing the {args.mode} step of {path} on {kind} tensors...") as progress:
+            model = build_hf_model(path, fake=fake, task=args.hf_task, trust_remote_code=args.trust_remote_code)
+            task = get_task(args.hf_task) if args.hf_task else task_of_model(model)
             torch.manual_seed(0)  # the example batch
             if args.mode == "decode":
                 return capture_hf(model, "decode", batch=args.batch or 1, context=128 if args.context is None
-                                  else args.context, name=args.workload)
-            return capture_hf(model, args.mode, batch=args.batch or 1, seq=args.seq or 128, name=args.workload)
+                                  else args.context, name=args.workload, task=task.name, progress=progress)
+            seq = (args.seq or 128) if task.takes_seq else args.seq
+            return capture_hf(model, args.mode, batch=args.batch or 1, seq=seq, name=args.workload, task=task.name,
+                              progress=progress)
+    for flag, given in (("--hf-task", getattr(args, "hf_task", None)),
+                        ("--trust-remote-code", getattr(args, "trust_remote_code", False))):
+        if given:
+            raise ValueError(f"{flag} applies to Hugging Face models (--workload hf:PATH), not {args.workload}: drop it")
     workload = get_workload(args.workload)
     workload = with_nsa_block(workload, getattr(args, "nsa_block", None))
     with console.status(f"Capturing the {args.mode} step of {workload.name} on {kind} tensors..."):
@@ -834,6 +886,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_output_paths(args)
         return COMMANDS[args.command](args, out, err)
+    except KeyboardInterrupt:
+        err.print("interrupted", highlight=False)
+        return EXIT_INTERRUPTED
     except (UnknownWorkload, CaptureError, HardwareError, PlanError, InfeasibleBudget, ValueError, OSError) as error:
         # soft_wrap: one line, however long, rather than rich's wrapping at 80 columns on a pipe or a log.
         err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)

@@ -32,7 +32,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from hyperoffload.capture.fake import default_dtype, fake_build, is_fake
 from hyperoffload.capture.graph_to_program import CaptureError, DataDependentValue
 from hyperoffload.capture.hf_config import check_remote_code, config_dtype, read_config
-from hyperoffload.capture.hf_tasks import TASK_NAMES, call_kwargs, get_task, task_of_config, task_of_model, text_config, vocab_size
+from hyperoffload.capture.hf_tasks import (TASK_NAMES, call_kwargs, get_task, task_of_config, task_of_model,
+                                           tasks_of_model_type, text_config, vocab_size)
 from hyperoffload.capture.steps import Captured, capture_decode_step, capture_prefill_step, capture_train_step
 
 HF_MODES = ("train", "prefill", "decode")
@@ -393,6 +394,27 @@ def _patched(module: str, name: str, replacement: Callable[[Any], Any]) -> Itera
         setattr(target, name, original)
 
 
+@contextlib.contextmanager
+def _fake_safe_init() -> Iterator[None]:
+    """Within the block, a truncated-normal initialization of a fake tensor leaves it as it is.
+
+    torch's ``trunc_normal_`` draws by rejection (redrawing until no value is out of bounds), which reads values
+    (``.item()``, ``mask.any()``) that a fake tensor does not have, so building a model that uses it (ViT, Swin,
+    DeiT, ...) under ``fake_build()`` fails. A fake weight has no values to initialize: skipping the draw is exact.
+    Real tensors are drawn as before. transformers' own ``initialization.trunc_normal_`` (what its models call)
+    and torch's are both covered."""
+    def skip_fake(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def trunc_normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return tensor if is_fake(tensor) else original(tensor, *args, **kwargs)
+
+        return trunc_normal_
+
+    with _patched("torch.nn.init", "trunc_normal_", skip_fake), \
+            _patched("transformers.initialization", "trunc_normal_", skip_fake):
+        yield
+
+
 def _with_traceable_experts(step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(step)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -435,13 +457,19 @@ def build_hf_model(config_path: str, *, fake: bool = True, seed: int = 0, task: 
         raise CaptureError(f"{folder}/config.json names no model class of a task capture_hf knows (architectures "
                            f"{fields.get('architectures')!r}, model_type {getattr(config, 'model_type', None)!r}); "
                            f"pick one with task= (--hf-task): {', '.join(TASK_NAMES)}")
+    model_type = getattr(config, "model_type", None)
+    if auto_map is None and spec not in tasks_of_model_type(model_type):
+        fitting = ", ".join(task.name for task in tasks_of_model_type(model_type)) or "none"
+        raise CaptureError(f"transformers has no {spec.name} model ({spec.auto_class}) of model_type {model_type!r} "
+                           f"({folder}/config.json); the tasks of that model type: {fitting} (task=, --hf-task)")
     auto_class = getattr(transformers, spec.auto_class)
     if not fake:
         torch.manual_seed(seed)
-    with fake_build(config_dtype(fields)) if fake else default_dtype(config_dtype(fields)):
+    with fake_build(config_dtype(fields)) if fake else default_dtype(config_dtype(fields)), _fake_safe_init():
         try:
             return auto_class.from_config(config, trust_remote_code=trust_remote_code)
         except (ValueError, KeyError, TypeError) as error:
+            detail = " ".join(str(error).split())  # one line: transformers' messages run over several
             raise CaptureError(f"transformers cannot build a {spec.name} model ({spec.auto_class}) from "
-                               f"{folder}/config.json: {error}; pick another task with task= (--hf-task): "
+                               f"{folder}/config.json: {detail}; pick another task with task= (--hf-task): "
                                f"{', '.join(TASK_NAMES)}") from None

@@ -196,6 +196,11 @@ def task_of_config(*, architectures: Iterable[str] | None, model_type: str | Non
     return None
 
 
+def tasks_of_model_type(model_type: str | None) -> list[HfTask]:
+    """The tasks whose auto class builds a model of ``model_type``, in precedence order."""
+    return [task for task in TASKS if model_type in _mapping(task)]
+
+
 def task_of_model(model: nn.Module) -> HfTask:
     """The task of a model instance: its class's, else its config's, else causal LM (any module with a
     ``config.vocab_size`` and an HF-style ``forward(input_ids)``)."""
