@@ -20,8 +20,10 @@ row stores of a remote KV cache) run on the link's copy lanes too, overlapping c
 models them; on CUDA they run inline on the compute stream (see ``cuda_streams``). Every step measures device-tier bytes
 after every instruction and fails with ``BudgetExceeded`` if they pass the plan's budget; a copy
 that fails, or a step stopped by an exception (``KeyboardInterrupt`` included), raises on the
-caller's thread only after every copy of that step has stopped, and the executor can run the next
-step.
+caller's thread only after every copy of that step has stopped (on an emulated link, also one the
+link accepted just before the step was stopped, whose handle the step never kept), and the executor can run
+the next step. Executors may share one link, in several threads at once: each issues its copies through a
+client of its own (``EmulatedLink.client``), with its own remote buffers.
 """
 
 from __future__ import annotations
@@ -74,7 +76,13 @@ class AsyncExecutor:
     """Runs steps of plans over one transfer backend, carrying a step's last offloads into the next."""
 
     def __init__(self, link: Transfers | Hardware | str) -> None:
-        self.transfers, self._owned = make_transfers(link)
+        """``link``: see ``make_transfers``. A backend with clients (``EmulatedLink.client``) gives this executor
+        one of its own: executors sharing a link, even in several threads, then never share a remote buffer, and a
+        failed step settles every copy this executor's client accepted."""
+        self._backend, self._owned = make_transfers(link)
+        # A method of the backend's class: a wrapper that forwards attributes to a link keeps getting the calls.
+        has_clients = callable(getattr(type(self._backend), "client", None))
+        self.transfers = self._backend.client() if has_clients else self._backend
         self._carried: dict[int, Any] = {}
         self._arena: list[torch.UntypedStorage] = []  # the last donated step's arena (at most one), for the next
         self._prepared: dict[int, PreparedPlan] = {}
@@ -162,13 +170,16 @@ class AsyncExecutor:
                 pass
 
     def close(self) -> None:
-        """Complete carried copies and stop a backend this executor made."""
+        """Complete carried copies, let go of this executor's client of the backend, and stop a backend this
+        executor made."""
         self._arena.clear()
         try:
             self.synchronize()
         finally:
-            if self._owned and hasattr(self.transfers, "close"):
+            if self.transfers is not self._backend:
                 self.transfers.close()
+            if self._owned and hasattr(self._backend, "close"):
+                self._backend.close()
 
     def __enter__(self) -> Self:
         return self

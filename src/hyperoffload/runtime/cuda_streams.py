@@ -39,7 +39,8 @@ semantics" note on streams and ``record_stream``):
   the op with compute as the simulator's copy lanes do; running it on a side stream would need the
   compute stream's work on its inputs recorded before it and an event for its readers, as ``prefetch`` has.
 * **Errors.** CUDA reports a failed copy when its event is synchronized; ``synchronize`` raises it
-  as ``TransferError``. Copies cannot be cancelled, so ``abort`` waits for them.
+  as ``TransferError``. Copies cannot be cancelled, so ``abort`` waits for them, and then for both side
+  streams: a step stopped after a copy was queued but before it kept the handle leaves nothing running.
 
 Importing this module never touches CUDA; making a ``CudaStreams`` without a GPU raises a clear error.
 """
@@ -168,10 +169,17 @@ class CudaStreams:
                                 f"{error}") from error
 
     def abort(self, handles: Sequence[CudaTransfer]) -> None:
-        # Queued copies cannot be taken back; waiting for them is what makes their buffers safe to drop.
+        # Queued copies cannot be taken back; waiting for them is what makes their buffers safe to drop. Then both
+        # side streams: a copy queued there whose handle the step never kept (it was stopped between ``offload``
+        # or ``prefetch`` queuing the copy and keeping what it returned) has finished too.
         for handle in handles:
             try:
                 handle.event.synchronize()
+            except RuntimeError:
+                pass
+        for stream in (self.h2d, self.d2h):
+            try:
+                stream.synchronize()
             except RuntimeError:
                 pass
 

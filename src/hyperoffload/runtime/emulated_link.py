@@ -27,11 +27,18 @@ or as long after as the kernel's CPU time, whichever is later. The kernel runs P
 thread, so it shares the GIL with compute: on this emulation a lane op's kernel time is taken from the
 compute thread, which a copy engine's DMA would not do; its link time still overlaps compute.
 
+Clients: a ``LinkClient`` (``EmulatedLink.client()``; each ``AsyncExecutor`` takes one) issues copies on the
+link's engines into remote buffers of its own, so executors sharing one link, in several threads at once, never
+write each other's buffers; used directly, the link is one more client, for one user at a time. A client records
+every copy and lane op before it is queued and forgets it once the engine is through with it (``in_flight``).
+
 Faults: an exception in a copy is caught on the engine's thread and stored in the copy's
 ``Transfer``; ``Transfer.wait`` raises it on the waiting thread as a ``TransferError`` naming
 the copy. A copy that depends on a failed one fails too. ``cancel`` drops copies the engine has not
-reached, so a step that stops hands the link back idle. Engines are daemon threads; ``close`` stops
-them.
+reached, and ``abort``, after cancelling and joining the handles it is given, waits for every other copy
+the calling thread handed that client (``drain``): a step stopped after the link accepted a copy but before
+the executor kept its handle (an asynchronous ``KeyboardInterrupt`` in between) still hands the link back
+idle. Engines are daemon threads; ``close`` stops them.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import ctypes
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,7 +62,7 @@ class Transfer:
     """One copy on an engine: a handle the issuing thread can poll or wait on."""
 
     __slots__ = ("label", "direction", "nbytes", "what", "issued_s", "start_s", "end_s", "error", "cancelled",
-                 "_copied")
+                 "thread", "_accepted", "_copied")
 
     def __init__(self, label: str, direction: str, nbytes: int, what: str = "copy of") -> None:
         self.label, self.direction, self.nbytes = label, direction, nbytes
@@ -65,6 +73,9 @@ class Transfer:
         """Ideal start and end on the engine's clock (``time.perf_counter`` seconds), set once copied."""
         self.error: BaseException | None = None
         self.cancelled = False
+        self.thread = threading.get_ident()
+        """The thread that issued it."""
+        self._accepted: set[Transfer] | None = None  # the client's record of its unsettled copies, left when settled
         # Held until the engine is through with the copy (bytes moved, or failed): a bare lock costs the engine
         # one C call to signal, where an Event would run Python code under the GIL.
         self._copied = threading.Lock()
@@ -105,6 +116,17 @@ class Transfer:
         return f"Transfer({self.direction} {self.label}, {self.nbytes} bytes, {state})"
 
 
+class _Fence:
+    """A marker in an engine's queue: released when the engine reaches it, so every job queued before it has
+    settled by then. It takes no link time."""
+
+    __slots__ = ("reached",)
+
+    def __init__(self) -> None:
+        self.reached = threading.Lock()
+        self.reached.acquire()
+
+
 class _Job:
     __slots__ = ("transfer", "src", "dst", "after", "work")
 
@@ -141,26 +163,42 @@ class CopyEngine:
         self._thread.start()
 
     def submit(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
-               after: Transfer | None = None) -> Transfer:
-        """Queue a copy of ``src`` into ``dst`` (same size) that starts after ``after`` has finished."""
+               after: Transfer | None = None, *, accepted: set[Transfer] | None = None) -> Transfer:
+        """Queue a copy of ``src`` into ``dst`` (same size) that starts after ``after`` has finished. ``accepted``:
+        a set the copy joins before it is queued and leaves once the engine is through with it."""
         if src.nbytes() != dst.nbytes():
             raise ValueError(f"copy of {label}: source has {src.nbytes()} bytes, destination {dst.nbytes()}")
-        if not self._thread.is_alive():
-            raise TransferError(f"the {self.direction} copy engine is closed; create a new link")
-        transfer = Transfer(label, self.direction, src.nbytes())
-        self._queue.put(_Job(transfer, src, dst, () if after is None else (after,)))
-        return transfer
+        return self._enqueue(_Job(Transfer(label, self.direction, src.nbytes()), src, dst,
+                                  () if after is None else (after,)), accepted)
 
     def submit_work(self, label: str, nbytes: int, work: Callable[[], int | None],
-                    after: Sequence[Transfer] = ()) -> Transfer:
+                    after: Sequence[Transfer] = (), *, accepted: set[Transfer] | None = None) -> Transfer:
         """Queue a lane op: ``work()`` runs on this engine once every transfer in ``after`` has moved its bytes,
         and returns the bytes it moved (None: ``nbytes``); the op completes when a copy of that many bytes
-        would (see the module docstring)."""
+        would (see the module docstring). ``accepted``: as for ``submit``."""
+        return self._enqueue(_Job(Transfer(label, self.direction, nbytes, "lane op"), None, None, tuple(after), work),
+                             accepted)
+
+    def _enqueue(self, job: _Job, accepted: set[Transfer] | None) -> Transfer:
         if not self._thread.is_alive():
             raise TransferError(f"the {self.direction} copy engine is closed; create a new link")
-        transfer = Transfer(label, self.direction, nbytes, "lane op")
-        self._queue.put(_Job(transfer, None, None, tuple(after), work))
+        transfer = job.transfer
+        if accepted is not None:
+            # Recorded before it is queued: whatever stops the issuing thread from here on (an asynchronous
+            # KeyboardInterrupt included) cannot leave a queued copy that its client does not know of.
+            transfer._accepted = accepted
+            accepted.add(transfer)
+        self._queue.put(job)
         return transfer
+
+    def fence(self) -> _Fence | None:
+        """A marker queued behind every job queued so far; ``fence.reached`` is released once all of them have
+        settled (None if the engine is closed, which it is only after running everything queued before)."""
+        if not self._thread.is_alive():
+            return None
+        fence = _Fence()
+        self._queue.put(fence)
+        return fence
 
     def close(self) -> None:
         self._queue.put(None)
@@ -171,6 +209,9 @@ class CopyEngine:
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, _Fence):
+                job.reached.release()
+                continue
             transfer = job.transfer
             try:
                 self._copy(job)
@@ -178,6 +219,8 @@ class CopyEngine:
                 transfer.error = error
             finally:
                 job.src = job.dst = job.after = job.work = None  # let go of the buffers before anyone is told
+                if transfer._accepted is not None:
+                    transfer._accepted.discard(transfer)
                 transfer._copied.release()
 
     def _copy(self, job: _Job) -> None:
@@ -213,11 +256,109 @@ class CopyEngine:
         self._clock = end
 
 
+class LinkClient:
+    """One user's side of an ``EmulatedLink`` (a ``Transfers`` backend): copies on the link's two engines, into
+    remote buffers of its own, recorded as they are accepted.
+
+    Each ``AsyncExecutor`` on a link takes a client of its own (``EmulatedLink.client``), so executors sharing
+    a link, in one thread or several, never write each other's remote buffers; the link's own ``Transfers``
+    methods are those of one more client, for a single user at a time. A client is for one step at a time. It
+    issues copies itself; the rest (``device_storage``, ``wait``, ``arena_storage`` of a link that has one, ...)
+    is the link's.
+
+    Every copy and lane op the client hands an engine joins its record before it is queued and leaves it once
+    the engine is through with it, so ``abort`` (the executor's cleanup when a step fails) also settles copies
+    the step never recorded: one accepted just before the step was stopped (an asynchronous
+    ``KeyboardInterrupt`` between ``offload`` returning and the executor keeping the handle, say).
+    """
+
+    def __init__(self, link: EmulatedLink) -> None:
+        self.link = link
+        self._remote: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self._accepted: set[Transfer] = set()  # added to by the issuing thread, left by the engines' threads
+        link._clients.add(self)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name == "link":
+            raise AttributeError(name)
+        return getattr(self.link, name)
+
+    def in_flight(self) -> int:
+        """How many of this client's copies and lane ops the engines are not through with (that may still touch
+        a buffer); 0 once a step has returned without carrying offloads, or has failed."""
+        return len(self._accepted)
+
+    def drain(self) -> None:
+        """Block until the engines are through with every copy and lane op this thread handed this client,
+        recorded by the step or not (it cancels none: ``abort`` cancels those it is given). Never raises."""
+        me = threading.get_ident()
+        mine = [t for t in tuple(self._accepted) if t.thread == me]
+        if not mine:
+            return
+        # Everything this thread queued is ahead of a fence queued now (an engine runs its queue in order).
+        link = self.link
+        fences = [engine.fence() for engine in (link.h2d, link.d2h) if any(t.direction == engine.direction
+                                                                             for t in mine)]
+        for fence in fences:
+            if fence is not None:
+                fence.reached.acquire()
+        for t in mine:
+            if not t.settled():  # stopped between joining the record and being queued: it never will run
+                t.error = TransferError("stopped before it was queued")
+                self._accepted.discard(t)
+                t._copied.release()
+
+    def close(self) -> None:
+        """Let the engines finish this client's copies and let go of its remote buffers (the link stays open)."""
+        self.drain()
+        self._remote.clear()
+
+    # --- the Transfers protocol: issuing copies ----------------------------------------------------
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        # One buffer of this client's per storage id and size, reused by its later offloads, in this step and the
+        # next: a storage's next offload comes after the wait for its previous prefetch (``check_plan``), and the
+        # executor returns copies, never these buffers. Another client's steps have their own buffers.
+        buffer = self._remote.get((key, nbytes))
+        if buffer is None:
+            buffer = self._remote[(key, nbytes)] = torch.UntypedStorage(nbytes)
+        return buffer
+
+    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Transfer:
+        # Ops run synchronously on the caller's thread, so whatever last wrote ``src`` has finished.
+        return self.link.d2h.submit(label, src, dst, accepted=self._accepted)
+
+    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
+                 after: Transfer | None) -> Transfer:
+        return self.link.h2d.submit(label, src, dst, after, accepted=self._accepted)
+
+    def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None],
+                after: Sequence[Transfer]) -> Transfer:
+        """Run a lane op's ``work`` on the engine of ``lane`` (``"h2d"`` or ``"d2h"``), after ``after``; see
+        ``hyperoffload.runtime.plan_executor.Transfers.lane_op``."""
+        engine = self.link.h2d if lane == H2D else self.link.d2h if lane == D2H else None
+        if engine is None:
+            raise ValueError(f"lane op {label}: lane must be {H2D!r} or {D2H!r}, got {lane!r}")
+        return engine.submit_work(label, nbytes, work, after, accepted=self._accepted)
+
+    def abort(self, handles: Sequence[Transfer]) -> None:
+        # Copies the engines have not reached are dropped; the bytes of the others are already moved, so once
+        # the engines are through with them nothing touches a buffer again (their ideal end need not pass). Then
+        # the copies this thread handed the client that ``handles`` misses (its caller stopped before keeping
+        # them) are waited for too.
+        for t in handles:
+            t.cancel()
+        for t in handles:
+            t.join()
+        self.drain()
+
+
 class EmulatedLink:
     """Two copy engines, remote -> device (H2D) and device -> remote (D2H), each with its own bandwidth.
 
     A transfer backend for ``hyperoffload.runtime.plan_executor.execute_plan``: both tiers are host
-    memory, so storages are plain CPU storages and only the copies cost link time.
+    memory, so storages are plain CPU storages and only the copies cost link time. Used directly, the link
+    issues copies as one ``LinkClient`` of its engines, for one user at a time; ``client()`` gives each further
+    user (each ``AsyncExecutor``) its own.
     """
 
     def __init__(self, *, h2d_bw: float, d2h_bw: float, h2d_latency_s: float = 0.0, d2h_latency_s: float = 0.0,
@@ -226,7 +367,8 @@ class EmulatedLink:
         engine's thread before each copy; what it raises fails that copy (for testing fault handling)."""
         self.h2d = CopyEngine(H2D, h2d_bw, h2d_latency_s, fault)
         self.d2h = CopyEngine(D2H, d2h_bw, d2h_latency_s, fault)
-        self._remote: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self._clients: weakref.WeakSet[LinkClient] = weakref.WeakSet()
+        self._own = LinkClient(self)
 
     @classmethod
     def for_hardware(cls, hardware: Hardware, **kwargs) -> EmulatedLink:
@@ -239,11 +381,21 @@ class EmulatedLink:
         return (f"EmulatedLink(h2d {self.h2d.bandwidth:.3g} B/s + {self.h2d.latency_s:.3g} s, "
                 f"d2h {self.d2h.bandwidth:.3g} B/s + {self.d2h.latency_s:.3g} s)")
 
+    def client(self) -> LinkClient:
+        """A new client of this link's engines, with remote buffers and a record of its copies of its own."""
+        return LinkClient(self)
+
+    def in_flight(self) -> int:
+        """How many copies and lane ops of this link's clients (its own use included) the engines are not
+        through with."""
+        return sum(c.in_flight() for c in list(self._clients))
+
     def close(self) -> None:
-        """Stop both engines (after the copies already queued) and let go of the remote buffers."""
+        """Stop both engines (after the copies already queued) and let go of every client's remote buffers."""
         self.h2d.close()
         self.d2h.close()
-        self._remote.clear()
+        for c in list(self._clients):
+            c._remote.clear()
 
     def __enter__(self) -> EmulatedLink:
         return self
@@ -256,30 +408,19 @@ class EmulatedLink:
         return torch.UntypedStorage(nbytes)
 
     def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        # One buffer per storage id and size, reused by its later offloads, in this step and the next: a
-        # storage's next offload comes after the wait for its previous prefetch (``check_plan``), and the
-        # executor returns copies, never these buffers.
-        buffer = self._remote.get((key, nbytes))
-        if buffer is None:
-            buffer = self._remote[(key, nbytes)] = torch.UntypedStorage(nbytes)
-        return buffer
+        return self._own.remote_storage(key, nbytes, like)
 
     def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Transfer:
-        # Ops run synchronously on the caller's thread, so whatever last wrote ``src`` has finished.
-        return self.d2h.submit(label, src, dst)
+        return self._own.offload(label, src, dst)
 
     def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
                  after: Transfer | None) -> Transfer:
-        return self.h2d.submit(label, src, dst, after)
+        return self._own.prefetch(label, src, dst, after)
 
     def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None],
                 after: Sequence[Transfer]) -> Transfer:
-        """Run a lane op's ``work`` on the engine of ``lane`` (``"h2d"`` or ``"d2h"``), after ``after``; see
-        ``hyperoffload.runtime.plan_executor.Transfers.lane_op``."""
-        engine = self.h2d if lane == H2D else self.d2h if lane == D2H else None
-        if engine is None:
-            raise ValueError(f"lane op {label}: lane must be {H2D!r} or {D2H!r}, got {lane!r}")
-        return engine.submit_work(label, nbytes, work, after)
+        """Run a lane op's ``work`` on the engine of ``lane``; see ``LinkClient.lane_op``."""
+        return self._own.lane_op(label, lane, nbytes, work, after)
 
     def wait(self, handle: Transfer) -> None:
         handle.wait()
@@ -291,12 +432,12 @@ class EmulatedLink:
         handle.wait()
 
     def abort(self, handles: Sequence[Transfer]) -> None:
-        # Copies the engines have not reached are dropped; the bytes of the others are already moved, so once
-        # the engines are through with them nothing touches a buffer again (their ideal end need not pass).
-        for t in handles:
-            t.cancel()
-        for t in handles:
-            t.join()
+        """Stop or finish ``handles`` and every other copy this thread handed the link; see ``LinkClient.abort``."""
+        self._own.abort(handles)
+
+    def drain(self) -> None:
+        """See ``LinkClient.drain``."""
+        self._own.drain()
 
 
-__all__ = ["D2H", "H2D", "CopyEngine", "EmulatedLink", "Transfer"]
+__all__ = ["D2H", "H2D", "CopyEngine", "EmulatedLink", "LinkClient", "Transfer"]
