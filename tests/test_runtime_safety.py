@@ -82,16 +82,20 @@ def test_two_executors_on_one_link_in_two_threads_each_get_their_own_steps(captu
 
 
 def test_each_executor_on_a_link_has_its_own_remote_buffers(captured):
+    """An executor reuses its remote buffer of a storage from step to step; another executor on the same link
+    gets a buffer of its own for the same storage id and size."""
     program = captured.program
     like = captured.inputs[0].untyped_storage()
-    with EmulatedLink(**SLOW) as link:
-        first, second = AsyncExecutor(link), AsyncExecutor(link)
+    with EmulatedLink(**SLOW) as link, AsyncExecutor(link) as first, AsyncExecutor(link) as second:
         mine = first.transfers.remote_storage(program.inputs[0], like.nbytes(), like).data_ptr()
-        assert first.transfers.remote_storage(program.inputs[0], like.nbytes(), like).data_ptr() == mine  # reused
+        assert first.transfers.remote_storage(program.inputs[0], like.nbytes(), like).data_ptr() == mine
         assert second.transfers.remote_storage(program.inputs[0], like.nbytes(), like).data_ptr() != mine
 
 
 # --- a step stopped right after the link accepted a copy --------------------------------------------
+
+
+DIRECTION = {"offload": "d2h", "prefetch": "h2d"}
 
 
 class StopsAfterAccepting:
@@ -160,9 +164,6 @@ def test_copy_accepted_just_before_the_step_stopped_is_not_left_running(captured
     assert_identical(inputs, reference[1])
 
 
-DIRECTION = {"offload": "d2h", "prefetch": "h2d"}
-
-
 class _StopsOnce:
     """Stands in for an engine's queue whose next ``put`` is stopped by an interrupt before it queues anything."""
 
@@ -187,11 +188,13 @@ def test_copy_stopped_between_being_recorded_and_queued_is_settled_by_abort():
         source = torch.randn(1024).untyped_storage()
         remote = client.remote_storage(0, source.nbytes(), source)
         queue, link.d2h._queue = link.d2h._queue, _StopsOnce(link.d2h._queue)
-        with pytest.raises(Interrupt):
-            client.offload("x", source, remote)
+        try:
+            with pytest.raises(Interrupt):
+                client.offload("x", source, remote)
+        finally:
+            link.d2h._queue = queue
         assert client.in_flight() == 1
         client.abort([])
         assert client.in_flight() == link.in_flight() == 0
-        link.d2h._queue = queue
         client.offload("x", source, remote).wait()
         assert bytes(remote) == bytes(source)

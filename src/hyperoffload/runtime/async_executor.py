@@ -20,10 +20,12 @@ row stores of a remote KV cache) run on the link's copy lanes too, overlapping c
 models them; on CUDA they run inline on the compute stream (see ``cuda_streams``). Every step measures device-tier bytes
 after every instruction and fails with ``BudgetExceeded`` if they pass the plan's budget; a copy
 that fails, or a step stopped by an exception (``KeyboardInterrupt`` included), raises on the
-caller's thread only after every copy of that step has stopped (on an emulated link, also one the
-link accepted just before the step was stopped, whose handle the step never kept), and the executor can run
-the next step. Executors may share one link, in several threads at once: each issues its copies through a
-client of its own (``EmulatedLink.client``), with its own remote buffers.
+caller's thread only after every copy of that step has stopped (on the emulated link and on CUDA streams,
+also one the backend accepted just before the step was stopped, whose handle the step never kept), and the
+executor can run the next step. Executors may share one emulated link, in several threads at once: each issues its copies
+through a client of its own (``EmulatedLink.client``), with its own remote buffers. A ``CudaStreams`` has no
+clients: give each executor its own (its pinned remote buffers are per storage id and size, so two executors'
+steps on one would share them).
 """
 
 from __future__ import annotations

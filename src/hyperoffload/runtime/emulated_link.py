@@ -155,7 +155,7 @@ class CopyEngine:
             raise ValueError(f"{direction} latency must be >= 0 seconds, got {latency_s}")
         self.direction, self.bandwidth, self.latency_s = direction, bandwidth, latency_s
         self._fault = fault
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | _Fence | None] = queue.SimpleQueue()
         self._clock = 0.0  # ideal end of the previous copy
         self.busy_s = 0.0
         """Ideal seconds this engine spent copying (latency included), over its life."""
