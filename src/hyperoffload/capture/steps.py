@@ -20,8 +20,9 @@ Steps:
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,32 @@ def adamw_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | 
         weights.sub_(update.to(weights.dtype))
         if masters is not None:
             param.copy_(weights)
+
+
+@contextlib.contextmanager
+def recurrent_layers_without_onednn(model: nn.Module) -> Iterator[None]:
+    """Inside the block, ``model``'s recurrent layers (``nn.RNNBase``: LSTM, GRU, RNN) run without oneDNN.
+
+    In training, oneDNN's CPU LSTM layer (``aten.mkldnn_rnn_layer``) keeps a workspace for its backward whose size
+    only the kernel knows: the fake kernel states it empty, so a captured step would hold bytes its Program does
+    not count, and a planned run would exceed its budget. Without oneDNN the layer is traced as the plain ops it
+    runs (matrix products and pointwise gates), every byte counted, and the eager step runs the same kernels.
+    Other layers (convolutions) keep oneDNN: the flag is off only while a recurrent layer's forward runs."""
+    layers = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
+    enabled = torch.backends.mkldnn.enabled
+    if not layers or not enabled:
+        yield
+        return
+    handles = []
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(lambda *_: torch._C._set_mkldnn_enabled(False)))
+        handles.append(layer.register_forward_hook(lambda *_: torch._C._set_mkldnn_enabled(enabled)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _split_state(model: nn.Module):
@@ -209,7 +236,8 @@ def capture_train_step(model: nn.Module, args: Any, target: torch.Tensor | None 
         # The step's tensors stand in for the model's own through the backward as well as the forward (what
         # ``functional_call`` does for the forward alone): activation checkpointing runs the forward again
         # during the backward, and must read the step's parameters there, not the model's.
-        with torch.enable_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False):
+        with (torch.enable_grad(), _reparametrize_module(model, state, tie_weights=True, strict=False),
+              recurrent_layers_without_onednn(model)):
             output = model(*call_args, **call_kwargs)
             loss = loss_fn(output, target_t[0] if target_t else None)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

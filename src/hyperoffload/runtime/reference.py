@@ -10,6 +10,7 @@ against reality.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,16 +40,42 @@ def op_arguments(node: torch.fx.Node, lookup) -> tuple[tuple, dict]:
 
 def run_op(program: Program, op, node: torch.fx.Node, lookup) -> list[torch.Tensor]:
     """Run one captured op on real tensors (``lookup`` maps an fx node to its tensor); return the
-    tensors it produced, in the order of ``op.outputs``. Shared by every executor of captured graphs."""
+    tensors it produced, in the order of ``op.outputs``. Shared by every executor of captured graphs.
+
+    Outputs are matched to the capture's by their position in the op's result, as the capture recorded them
+    (``program_from_graph``): an output the trace had as None and the kernel returns is dropped, and an empty
+    one the trace had and the kernel leaves out (None) is an empty tensor of the recorded shape and dtype."""
     args, kwargs = op_arguments(node, lookup)
     result = node.target(*args, **kwargs)
-    # Most ops return one tensor: skip flattening it (a few microseconds an op, which the executor pays on
+    # Most ops return one tensor: skip matching positions (a few microseconds an op, which the executor pays on
     # every op of every step).
-    produced = [result] if isinstance(result, torch.Tensor) else [
-        x for x in tree_flatten(result)[0] if isinstance(x, torch.Tensor)]
+    if isinstance(result, torch.Tensor):
+        produced = [result]
+    else:
+        recorded = node.meta.get("val")
+        if isinstance(recorded, (tuple, list)) and isinstance(result, (tuple, list)) and len(result) == len(recorded):
+            produced = [_output_at(op, node, i, result[i], item, result)
+                        for i, item in enumerate(recorded) if isinstance(item, torch.Tensor)]
+        else:
+            produced = [x for x in tree_flatten(result)[0] if isinstance(x, torch.Tensor)]
     if len(produced) != len(op.outputs):
         raise RuntimeError(f"{op.name} produced {len(produced)} tensors, the capture recorded {len(op.outputs)}")
     return produced
+
+
+def _output_at(op, node: torch.fx.Node, position: int, got, recorded: torch.Tensor, result) -> torch.Tensor:
+    """The kernel's output at ``position`` of its result, where the capture recorded the tensor ``recorded``. An
+    output left out (None) stands as an empty tensor only where the capture recorded it empty and no op reads it:
+    an op handed an empty tensor for one it needs might read past it."""
+    if isinstance(got, torch.Tensor):
+        return got
+    read = any(user.target is operator.getitem and user.args[1] == position and user.users for user in node.users)
+    if got is None and recorded.numel() == 0 and not read:
+        device = next((t.device for t in result if isinstance(t, torch.Tensor)), recorded.device)
+        return torch.empty(recorded.shape, dtype=recorded.dtype, device=device)
+    raise RuntimeError(f"{op.name} returned {type(got).__name__} at output {position}, where the capture recorded "
+                       f"a {recorded.dtype} tensor of shape {tuple(recorded.shape)}"
+                       + (" that later ops read" if read else ""))
 
 
 def live_storage_bytes(tensors) -> int:
