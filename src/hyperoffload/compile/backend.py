@@ -16,10 +16,10 @@ autograd would have saved, nothing is recomputed). Then, inside aot_autograd's `
 
 aot_autograd then runs the two graphs as the compiled function's forward and backward, so
 ``loss.backward()`` and the optimizer work as usual. TorchDynamo and aot_autograd fix the size and
-stride of a graph's inputs, not where they lie in their storages; the joint graph plans each
+stride of a graph's inputs, not where they lie in their storages: the joint graph plans each
 tangent as aot_autograd makes it, and an input whose storage the plan moves runs as a copy laid
-out as planned when the caller's tensor lies otherwise (``hyperoffload.compile.layouts``). Graphs run without gradients (``no_grad``,
-inference) are planned alone. The cache operators run synchronously on CPU tensors
+out as planned when the caller's tensor lies otherwise (``hyperoffload.compile.layouts``). Graphs
+run without gradients (``no_grad``, inference) are planned alone. The cache operators run synchronously on CPU tensors
 (``hyperoffload.cache_ops``): the graphs say where each transfer starts and where its result is
 first needed, and the results are bit-identical to eager.
 """
