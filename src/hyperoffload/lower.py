@@ -56,7 +56,10 @@ def lower_plan(plan: Plan) -> torch.fx.GraphModule:
     """A new GraphModule running ``plan``: its compute ops in plan order, with the cache operators.
 
     Called like the captured graph, with the step's inputs in ``program.inputs`` order, it returns
-    the same outputs and leaves the same in-place updates in the inputs. The plan is checked with
+    the same outputs and leaves the same in-place updates in the inputs. An input whose storage the
+    plan moves must lie in its storage as the captured one did (the same storage offset and storage
+    size): its views are rebuilt on the transferred copy from the captured fake tensors
+    (``hyperoffload.compile.layouts`` sees to it for compiled graphs). The plan is checked with
     ``check_plan`` first (``PlanError`` if it breaks a rule); the program must carry its fx graph.
     """
     program = plan.program
