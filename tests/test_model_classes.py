@@ -20,6 +20,7 @@ from hyperoffload.capture import capture_prefill_step, capture_train_step, fake_
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.policies.hyperoffload import minimum_budget
 from hyperoffload.runtime import run_reference
+from hyperoffload.runtime.reference import replayed_random_numbers
 from hyperoffload.runtime.plan_executor import run_plan
 
 H100 = "h100-sxm"
@@ -38,7 +39,8 @@ def assert_plans_bit_identical(captured, budget="50%"):
     plan = hyperoffload.plan(program, H100, budget)
     planned_inputs = [t.clone() for t in captured.inputs]
     reference_inputs = [t.clone() for t in captured.inputs]
-    planned = run_plan(plan, planned_inputs)
+    with replayed_random_numbers():  # both runs draw the same dropout masks
+        planned = run_plan(plan, planned_inputs)
     reference = run_reference(program, reference_inputs)
     assert_identical(planned.outputs, reference.outputs)
     assert_identical(planned_inputs, reference_inputs)
