@@ -114,6 +114,23 @@ def test_input_passed_as_a_view_elsewhere_on_a_later_call_trains_like_eager():
         or x in record.plan.initial_remote
 
 
+def test_inference_input_passed_as_a_view_elsewhere_on_a_later_call_matches_eager():
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    rows = torch.randn(256 + 7, WIDTH)
+    with torch.no_grad():
+        for x in (torch.randn(256, WIDTH), rows[3:259], rows[7:]):
+            assert torch.equal(compiled(x), model(x))
+    assert len(backend.compiled) == 1
+    record = backend.last
+    program = record.program
+    x = program.values[program.inputs[record.input_names.index("x")]].storage
+    assert program.values[x].shape == (256, WIDTH)
+    assert any(i.target == x and i.kind is Kind.PREFETCH for i in record.plan.instructions)  # the rows move
+
+
 def test_input_laid_out_otherwise_runs_on_a_copy_and_its_update_reaches_the_caller():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
