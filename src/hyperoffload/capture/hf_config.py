@@ -3,7 +3,7 @@
 A config file is input from the user's disk, so it is checked as such: valid JSON holding one object, nested no
 deeper than configs are, every size a positive whole number within what real models use (a config with a million
 layers would otherwise be built and traced for ever while memory grows), a dtype that names a floating-point torch
-dtype, and no ``auto_map`` (Python files of the model folder that transformers would import and run) unless the
+dtype, no attention kernel named by a Hub repository, and no ``auto_map`` (Python files of the model folder that transformers would import and run) unless the
 caller asked for remote code explicitly. Each refusal is one ``CaptureError`` naming the file, the field and the fix.
 """
 
@@ -109,6 +109,7 @@ def read_config(config_path: str) -> tuple[Path, dict[str, Any]]:
     for where, fields in _subconfigs(config):
         _check_sizes(fields, where, file)
         _check_dtype(fields, where, file)
+        _check_attention(fields, where, file)
     return folder, config
 
 
@@ -185,6 +186,17 @@ def _check_sizes(fields: dict[str, Any], where: str, file: Path) -> None:
             if size > rule.most:
                 raise CaptureError(f"{file}: field {where}{field} = {size:,} is more than any real model has (at "
                                    f"most {rule.most:,} {rule.what} accepted); fix the config")
+
+
+def _check_attention(fields: dict[str, Any], where: str, file: Path) -> None:
+    # transformers takes "org/repo" (or "org/repo:kernel") as a kernel to fetch from the Hub and load: code from
+    # outside, which an offline build never needs.
+    for field in ("attn_implementation", "_attn_implementation"):
+        value = fields.get(field)
+        if value is not None and (not isinstance(value, str) or "/" in value or ":" in value):
+            raise CaptureError(f"{file}: field {where}{field} is {json.dumps(value)}; a kernel named by repository "
+                               f"would be downloaded and run: use one of transformers' own attention "
+                               f"implementations (eager, sdpa) or leave the field out")
 
 
 def _check_dtype(fields: dict[str, Any], where: str, file: Path) -> None:
