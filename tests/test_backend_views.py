@@ -81,7 +81,7 @@ def test_tangent_and_saved_activation_viewing_larger_storages_train_like_eager()
     fake = next(n for n in record.backward.graph.find_nodes(op="placeholder")
                 if n.name == record.joint.backward_inputs[-1]).meta["val"]
     assert fake.storage_offset() == 0 and fake.stride() == (4 * WIDTH, WIDTH, 1)
-    # The view ``sin`` saves (offset WIDTH into the body's output) leaves in the forward and comes back.
+    # The view ``sin`` saves (offset WIDTH into the first layer's output) leaves in the forward and comes back.
     window = next(n for n in record.joint.module.graph.nodes if n.target is torch.ops.aten.sin.default).args[0]
     assert window.meta["val"].storage_offset() == WIDTH
     assert storage_of(record, window.name) in offloaded & prefetched
