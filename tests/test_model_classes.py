@@ -188,11 +188,13 @@ def test_checkpointed_step_recomputes_with_the_steps_parameters_and_plans(use_re
 class RandomMLP(nn.Module):
     """A random small MLP: the batch arrives as a view (a slice, a transpose or a reshape of what is passed in),
     each layer reads its weight directly or through a view (transposed twice, sliced, reshaped from a flat
-    parameter), and each layer runs plain or in a checkpointed region (reentrant or not)."""
+    parameter), and each layer runs plain or in a checkpointed region (reentrant or not). With ``constant`` the
+    batch is first scaled by a plain tensor attribute (neither parameter nor buffer: a graph constant)."""
 
-    def __init__(self, width: int, layers: list[tuple[str, str]], batch_view: str) -> None:
+    def __init__(self, width: int, layers: list[tuple[str, str]], batch_view: str, constant: bool = False) -> None:
         super().__init__()
         self.width, self.layers, self.batch_view = width, layers, batch_view
+        self.scale = torch.rand(width) + 0.5 if constant else None
         self.weights = nn.ParameterList()
         for _, weight_view in layers:
             shape = {"plain": (width, width), "transposed": (width, width), "sliced": (width, width + 3),
@@ -218,6 +220,8 @@ class RandomMLP(nn.Module):
             x = x.t()
         elif self.batch_view == "reshaped":
             x = x.reshape(-1, self.width)
+        if self.scale is not None:
+            x = x * self.scale
         for i, (mode, _) in enumerate(self.layers):
             layer = lambda t, i=i: torch.tanh(t @ self.weight(i).t() + self.bias)  # noqa: E731
             x = layer(x) if mode == "plain" else checkpoint(layer, x, use_reentrant=mode == "reentrant")
@@ -236,13 +240,13 @@ def random_batch(width: int, batch: int, view: str) -> torch.Tensor:
        layers=st.lists(st.tuples(st.sampled_from(["plain", "reentrant", "non_reentrant"]),
                                  st.sampled_from(["plain", "transposed", "sliced", "reshaped"])),
                        min_size=1, max_size=3),
-       seed=st.integers(0, 2**16))
-def test_captured_checkpointed_steps_plan_validly_or_are_refused(width, batch_view, layers, seed):
+       constant=st.booleans(), seed=st.integers(0, 2**16))
+def test_captured_checkpointed_steps_plan_validly_or_are_refused(width, batch_view, layers, constant, seed):
     """Capture then plan at half the peak and at the smallest budget the planner states it meets: each either
     gives a verified plan whose run is bit-identical to the unplanned step, or is refused with InfeasibleBudget;
     the planner never fails on its own rules."""
     torch.manual_seed(seed)
-    model = RandomMLP(width, layers, batch_view)
+    model = RandomMLP(width, layers, batch_view, constant)
     batch = 4
     captured = capture_train_step(model, (random_batch(width, batch, batch_view),), torch.randint(0, 2, (batch,)))
     reference_inputs = [t.clone() for t in captured.inputs]
@@ -257,6 +261,20 @@ def test_captured_checkpointed_steps_plan_validly_or_are_refused(width, batch_vi
         planned = run_plan(plan, planned_inputs)
         assert_identical(planned.outputs, reference.outputs)
         assert_identical(planned_inputs, reference_inputs)
+
+
+def test_a_step_reading_a_graph_constant_plans_with_the_constant_kept_on_the_device():
+    """A plain tensor attribute becomes a constant of the graph, not an input: no plan may start it in remote
+    memory (the planner gave it a cyclic span as if the caller handed it over each step)."""
+    torch.manual_seed(0)
+    model = RandomMLP(64, [("plain", "plain")] * 3, "none", constant=True)
+    model.scale = torch.rand(2**16) + 0.5  # large enough to be worth moving
+    model.forward = lambda x: model.head(torch.tanh(x @ model.weights[0].t()) * model.scale[:64].sum())
+    captured = capture_train_step(model, (torch.randn(4, 64),), torch.tensor([0, 1, 0, 1]))
+    assert captured.program.constants
+    for budget in ("90%", minimum_budget(captured.program)[0]):
+        plan = assert_plans_bit_identical(captured, budget)
+        assert not plan.initial_remote & {captured.program.values[v].storage for v in captured.program.constants}
 
 
 # --- recurrent layers ------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import numpy as np
 
 from hyperoffload.analysis.uses import Uses, storage_uses
 from hyperoffload.ir import Program
-from hyperoffload.plans import state_storages
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -41,7 +40,10 @@ class Span:
 def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
     """Every span of at least one position between two uses of a storage of ``min_bytes`` or more."""
     values = program.values
-    on_device_at_start = state_storages(program)
+    # Only step inputs can start the step in remote memory (``Plan.initial_remote``): the caller hands them
+    # over each step. Graph constants (tensor attributes of a model that are neither parameters nor buffers)
+    # are the graph's own, so they have spans between their uses but no cyclic one.
+    persistent = frozenset(values[v].storage for v in program.inputs)
     spans = []
     for s, positions in uses.positions.items():
         size = values[s].alloc_bytes
@@ -52,7 +54,7 @@ def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
         for previous, p in zip(positions, positions[1:]):
             if p - previous >= 2:
                 spans.append(Span(s, previous, p, size))
-        if s in on_device_at_start:
+        if s in persistent:
             spans.append(Span(s, positions[-1], positions[0], size))
     return spans
 
