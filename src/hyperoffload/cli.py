@@ -361,7 +361,8 @@ def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
     for flag, given in (("--hf-task", getattr(args, "hf_task", None)),
                         ("--trust-remote-code", getattr(args, "trust_remote_code", False))):
         if given:
-            raise ValueError(f"{flag} applies to Hugging Face models (--workload hf:PATH), not {args.workload}: drop it")
+            raise ValueError(f"{flag} applies to Hugging Face models (--workload hf:PATH), not {args.workload}: "
+                             f"drop it")
     workload = get_workload(args.workload)
     workload = with_nsa_block(workload, getattr(args, "nsa_block", None))
     with console.status(f"Capturing the {args.mode} step of {workload.name} on {kind} tensors..."):

@@ -94,8 +94,8 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
             _check_count("seq", seq, "tokens")
             _check_positions(model, seq, spec.positions_field)
         elif seq is not None:
-            raise CaptureError(f"seq sets tokens per sequence; a {spec.name} step takes whole images of the config's "
-                               f"image_size: drop seq (--seq)")
+            raise CaptureError(f"seq sets tokens per sequence; {type(model).__name__} ({spec.name}) takes whole "
+                               f"images of the config's image_size: drop seq (--seq)")
     params = list(model.parameters())
     if not params:
         raise CaptureError(f"{type(model).__name__} has no parameters; pass the model itself (e.g. a "

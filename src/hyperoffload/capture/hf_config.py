@@ -3,8 +3,9 @@
 A config file is input from the user's disk, so it is checked as such: valid JSON holding one object, nested no
 deeper than configs are, every size a positive whole number within what real models use (a config with a million
 layers would otherwise be built and traced for ever while memory grows), a dtype that names a floating-point torch
-dtype, no attention kernel named by a Hub repository, and no ``auto_map`` (Python files of the model folder that transformers would import and run) unless the
-caller asked for remote code explicitly. Each refusal is one ``CaptureError`` naming the file, the field and the fix.
+dtype, no attention kernel named by a Hub repository, and no ``auto_map`` (Python files of the model folder that
+transformers would import and run) unless the caller asked for remote code explicitly. Each refusal is one
+``CaptureError`` naming the file, the field and the fix.
 """
 
 from __future__ import annotations

@@ -143,11 +143,13 @@ _ENCODER_DECODER_DECODE = ("decode capture of encoder-decoder models is not supp
                            "(--mode train or --mode prefill)")
 
 TASKS = (
-    HfTask(name="speech-seq2seq", auto_class="AutoModelForSpeechSeq2Seq", mapping="MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
-           takes_seq=True, positions_field="max_target_positions", example=_speech_seq2seq,
+    HfTask(name="speech-seq2seq", auto_class="AutoModelForSpeechSeq2Seq",
+           mapping="MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", takes_seq=True, positions_field="max_target_positions",
+           example=_speech_seq2seq,
            no_decode=_ENCODER_DECODER_DECODE),
-    HfTask(name="seq2seq-lm", auto_class="AutoModelForSeq2SeqLM", mapping="MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-           takes_seq=True, positions_field="max_position_embeddings", example=_seq2seq_lm,
+    HfTask(name="seq2seq-lm", auto_class="AutoModelForSeq2SeqLM",
+           mapping="MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", takes_seq=True,
+           positions_field="max_position_embeddings", example=_seq2seq_lm,
            no_decode=_ENCODER_DECODER_DECODE),
     HfTask(name="masked-lm", auto_class="AutoModelForMaskedLM", mapping="MODEL_FOR_MASKED_LM_MAPPING_NAMES",
            takes_seq=True, positions_field="max_position_embeddings", example=_masked_lm,
