@@ -38,19 +38,103 @@ with ``aten.as_strided`` using its original size, stride and storage offset. The
 dtype of the tensor passed in and ``storage bytes // element size`` elements; a lowered plan
 always passes the storage owner's tensor, or a flat buffer of it, so buffers have the owner's dtype.
 
-Kernels copy synchronously and exist for CPU tensors, where "remote memory" is simply another
-host allocation; the graph still says where a real transfer would start and where its result is
-first needed. A CUDA kernel must put the remote buffer in pinned host memory. Every operator has
-a fake (meta) implementation, so graphs using them trace under ``make_fx`` and ``FakeTensorMode``
-without touching data, and all four are marked side-effectful so dead-code elimination keeps them.
+Kernels exist for CPU tensors, where "remote memory" is simply another host allocation. They copy
+synchronously unless the caller runs the graph inside ``copies_on(copies)``: then ``offload`` and
+``prefetch`` start their copy on the copy engines of ``copies.client`` (an emulated link's
+``LinkClient``) and return the destination buffer at once, ``wait`` blocks until the copy that made
+its argument has completed, and ``release`` drops nothing itself: the engine holds both buffers of a
+copy until it is through with them, so the device copy goes when the graph's last reference and the
+copy are both gone. The ``torch.compile`` backend installs its ``AsyncCopies`` around each call of
+a compiled graph (``hyperoffload.backend(..., link=...)``); nothing else finds it. A CUDA kernel must
+put the remote buffer in pinned host memory. Every operator has a fake (meta) implementation, so
+graphs using them trace under ``make_fx`` and ``FakeTensorMode`` without touching data, and all four
+are marked side-effectful so dead-code elimination (fx's, and Inductor's, which keeps them as
+fallback kernels) keeps them.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
 
 NAMESPACE = "hyperoffload"
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class AsyncCopies:
+    """Where the cache operators' copies run while a graph is called inside ``copies_on(self)``.
+
+    ``client`` issues the copies (the ``Transfers`` protocol of ``hyperoffload.runtime``: ``offload(label,
+    src, dst)`` and ``prefetch(label, src, dst, after)`` return a handle with ``wait()`` and ``done()``;
+    an ``EmulatedLink.client()``). A copy started in one call may be waited for in a later one (a saved
+    activation offloaded in the forward and waited for in the backward), so one ``AsyncCopies`` serves
+    every call of a compiled step, one call at a time.
+    """
+
+    client: Any
+    pending: dict[int, tuple[Any, torch.UntypedStorage]] = field(default_factory=dict)
+    """The copy in flight into each destination buffer not yet waited for, by the buffer's storage address
+    (the storage is held with it, so no other buffer can take that address meanwhile)."""
+    waits: int = 0
+    """How many ``wait`` calls found a copy of theirs to wait for."""
+    in_flight_at_waits: list[int] = field(default_factory=list)
+    """For each such wait: how many *other* copies started by these operators had not completed yet when it
+    began (copies of the link overlapping the graph's compute and each other; always 0 when synchronous)."""
+
+    def started(self, handle: Any, dst: torch.Tensor) -> None:
+        """Record ``handle``, the copy into ``dst``; forget copies that completed and were never waited for."""
+        # A failed copy stays, so that its wait raises the failure.
+        for key in [k for k, (h, _) in self.pending.items() if h.done() and getattr(h, "error", None) is None]:
+            del self.pending[key]
+        storage = dst.untyped_storage()
+        self.pending[storage.data_ptr()] = (handle, storage)
+
+    def wait_for(self, x: torch.Tensor) -> None:
+        """Block until the copy into ``x``'s storage has completed (nothing to do if none is pending)."""
+        entry = self.pending.pop(x.untyped_storage().data_ptr(), None)
+        if entry is None:
+            return
+        self.waits += 1
+        self.in_flight_at_waits.append(sum(1 for h, _ in self.pending.values() if not h.done()))
+        entry[0].wait()
+
+
+_ACTIVE: contextvars.ContextVar[AsyncCopies | None] = contextvars.ContextVar("hyperoffload_async_copies",
+                                                                            default=None)
+
+
+@contextlib.contextmanager
+def copies_on(copies: AsyncCopies | None) -> Iterator[None]:
+    """Run the cache operators called inside this block on ``copies`` (synchronously when None)."""
+    token = _ACTIVE.set(copies)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _start_copy(kind: str, src: torch.Tensor) -> torch.Tensor:
+    """A new flat buffer of ``src``'s whole storage: copied now, or started on the active ``AsyncCopies``."""
+    copies = _ACTIVE.get()
+    storage = src.untyped_storage()
+    if copies is None or storage.nbytes() % src.element_size():
+        return _flat_storage(src).clone()
+    dst = torch.empty((_storage_elements(src),), dtype=src.dtype, device=src.device)
+    label = f"{kind} of a {src.dtype} storage of {storage.nbytes()} bytes"
+    if kind == "offload":
+        handle = copies.client.offload(label, storage, dst.untyped_storage())
+    else:
+        # A remote buffer whose own offload is still in flight is read once that copy has landed.
+        entry = copies.pending.get(storage.data_ptr())
+        handle = copies.client.prefetch(label, storage, dst.untyped_storage(), None if entry is None else entry[0])
+    copies.started(handle, dst)
+    return dst
 
 
 def _storage_elements(x: torch.Tensor) -> int:
@@ -72,7 +156,7 @@ def offload(x: torch.Tensor) -> torch.Tensor:
     the elements ``x`` views). ``x`` is neither changed nor freed: dropping the device copy is
     ``release``'s job. Call ``wait`` on the result before reading it.
     """
-    return _flat_storage(x).clone()
+    return _start_copy("offload", x)
 
 
 @offload.register_fake
@@ -88,7 +172,7 @@ def prefetch(remote: torch.Tensor) -> torch.Tensor:
     storage of its own: views of the offloaded storage are rebuilt on it with ``aten.as_strided``.
     Call ``wait`` on the result before reading it.
     """
-    return _flat_storage(remote).clone()
+    return _start_copy("prefetch", remote)
 
 
 @prefetch.register_fake
@@ -106,12 +190,16 @@ torch.library.define(f"{NAMESPACE}::wait", "(Tensor(a) x) -> Tensor(a)")
 def wait(x: torch.Tensor) -> torch.Tensor:
     """Complete the transfer that produced ``x`` (an ``offload`` or ``prefetch`` result).
 
-    Copies here are synchronous, so there is nothing left to wait for. The result is an alias of
+    Inside ``copies_on(copies)`` this blocks until that copy has completed (raising its
+    ``TransferError`` if it failed); a synchronous copy has nothing left to wait for. The result is an alias of
     ``x`` (``aten.alias``: the same storage, size, stride and offset); it is a new tensor object
     rather than ``x`` itself because a kernel whose schema says ``Tensor(a) -> Tensor(a)`` must
     return a view, as ``aten.alias`` does. Readers of the transferred data read the result, which
     is what orders them after the wait.
     """
+    copies = _ACTIVE.get()
+    if copies is not None:
+        copies.wait_for(x)
     return torch.ops.aten.alias.default(x)
 
 
@@ -124,7 +212,10 @@ def release(x: torch.Tensor) -> None:
 
     The kernel does nothing: in a lowered graph no node after the release reads ``x`` or any
     alias of its storage, so the graph's own reference is its last and the memory is returned
-    when the executor lets go of it (``torch.fx`` code drops a value after its last use).
+    when the executor lets go of it (``torch.fx`` code drops a value after its last use; Inductor
+    code compiled by the backend reuses no buffer). A copy still reading the storage (an
+    asynchronous ``offload``) holds it until the copy is through, so the device copy is dropped
+    once that copy has completed.
     """
 
 
@@ -323,6 +414,6 @@ STORE_ROWS = torch.ops.hyperoffload.store_rows.default
 FETCH_BLOCKS_POOLED = torch.ops.hyperoffload.fetch_blocks_pooled.default
 FETCH_MISSING_BLOCKS = torch.ops.hyperoffload.fetch_missing_blocks.default
 
-__all__ = ["FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE",
+__all__ = ["AsyncCopies", "copies_on", "FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE",
            "STORE_ROWS", "WAIT", "fetch_blocks_pooled", "offload", "prefetch", "prefetch_blocks", "release",
            "store_rows", "wait", "fetch_missing_blocks"]

@@ -19,9 +19,16 @@ aot_autograd then runs the two graphs as the compiled function's forward and bac
 stride of a graph's inputs, not where they lie in their storages: the joint graph plans each
 tangent as aot_autograd makes it, and an input whose storage the plan moves runs as a copy laid
 out as planned when the caller's tensor lies otherwise (``hyperoffload.compile.layouts``). Graphs
-run without gradients (``no_grad``, inference) are planned alone. The cache operators run synchronously on CPU tensors
-(``hyperoffload.cache_ops``): the graphs say where each transfer starts and where its result is
-first needed, and the results are bit-identical to eager.
+run without gradients (``no_grad``, inference) are planned alone.
+
+How the planned graphs run (``compiler``): ``"eager"`` runs them op by op, and the results are
+bit-identical to eager; ``"inductor"`` compiles them with Inductor by the route ``torch.compile(model)``
+takes, with this partition (``hyperoffload.compile.inductor``), so compute runs as fused kernels and
+the results are bit-identical to plain Inductor's with nothing offloaded. The cache operators run on
+CPU tensors (``hyperoffload.cache_ops``): synchronously, or, given ``link`` (an ``EmulatedLink``),
+asynchronously on its copy engines: each call of a compiled graph runs inside
+``cache_ops.copies_on(backend.copies)``, so offloads and prefetches overlap the compute and waits block
+until their copy has completed.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
 from hyperoffload.budgets import parse_budget
 from hyperoffload.capture.graph_to_program import program_from_graph
+from hyperoffload.compile.inductor import compile_planned
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
 from hyperoffload.compile.layouts import planned_layouts, with_planned_layouts
 from hyperoffload.compile.split import keep_backward_inputs_in_backward, split_lowered
@@ -46,9 +54,13 @@ from hyperoffload.ir import Program, ValueKind
 from hyperoffload.lower import lower_plan
 from hyperoffload.plans import Kind, Plan, check_plan
 from hyperoffload.policies import get_policy
+from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.simulate import Figures, simulate
 from hyperoffload.units import parse_bytes
 from hyperoffload.verify import verify
+
+COMPILERS = ("eager", "inductor")
+"""How a backend runs its planned graphs: op by op, or compiled by Inductor."""
 
 CACHE_OPERATORS = {cache_ops.OFFLOAD: Kind.OFFLOAD, cache_ops.PREFETCH: Kind.PREFETCH, cache_ops.WAIT: Kind.WAIT,
                    cache_ops.RELEASE: Kind.RELEASE}
@@ -156,6 +168,11 @@ class Backend:
     """The profile plans are made and simulated for."""
     policy: str = "hyperoffload"
     """A name in ``hyperoffload.policies.POLICIES``."""
+    compiler: str = "eager"
+    """A name in ``COMPILERS``: ``"eager"`` runs the planned graphs op by op, ``"inductor"`` compiles them."""
+    copies: cache_ops.AsyncCopies | None = None
+    """Where the cache operators copy (asynchronously, on a link client's engines) while a compiled graph
+    runs; None: synchronous copies."""
     compiled: list[CompiledGraph] = field(default_factory=list)
     __name__ = "hyperoffload"  # TorchDynamo names a backend by this attribute in its messages (not a field)
 
@@ -184,15 +201,42 @@ class Backend:
 
         def inference(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
             record = self._plan_inference(index, gm, names)
-            return with_planned_layouts(record.forward, planned_layouts(record.forward, record.plan))
+            return self._runner(record.forward, record.forward, record.plan)
 
         def run_as_is(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
             # Already planned and lowered by ``partition``; inputs are laid out as planned when they run.
-            record = next(r for r in reversed(self.compiled) if r.index == index)
-            return with_planned_layouts(gm, planned_layouts(gm, record.plan))
+            return self._runner(gm, gm, self._record_of(index).plan)
 
+        if self.compiler == "inductor":
+            def plan_inference(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+                return self._plan_inference(index, gm, names).forward
+
+            def finish(gm: torch.fx.GraphModule, compiled: Callable) -> Callable:
+                return self._runner(gm, compiled, self._record_of(index).plan)
+
+            return compile_planned(gm, example_inputs, partition=partition, plan_inference=plan_inference,
+                                   finish=finish)
         return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, inference_compiler=inference,
                             partition_fn=partition)(gm, example_inputs)
+
+    def _record_of(self, index: int) -> CompiledGraph:
+        """The latest record of graph ``index`` (planned by its partition, or as an inference graph)."""
+        return next(r for r in reversed(self.compiled) if r.index == index)
+
+    def _runner(self, gm: torch.fx.GraphModule, run: Callable, plan: Plan) -> Callable:
+        """What aot_autograd calls for the planned graph ``gm`` (run by ``run``, called like ``gm``): inputs laid
+        out as planned, and the cache operators copying on ``self.copies`` for the duration of each call."""
+        laid_out = with_planned_layouts(run, planned_layouts(gm, plan))
+        copies = self.copies
+        if copies is None:
+            return laid_out
+
+        def call(args: list) -> object:
+            with cache_ops.copies_on(copies):
+                return laid_out(args)
+
+        call._boxed_call = True  # aot_autograd's calling convention: one list of inputs
+        return call
 
     # --- planning ------------------------------------------------------------------------------------
     def _plan(self, program: Program) -> tuple[Plan, int]:
@@ -267,7 +311,8 @@ def _static_input_indices() -> list[int]:
     return list(getattr(metadata, "static_input_indices", None) or ())
 
 
-def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", policy: str = "hyperoffload") -> Backend:
+def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", policy: str = "hyperoffload", *,
+            compiler: str = "eager", link: EmulatedLink | None = None) -> Backend:
     """A ``torch.compile`` backend that plans offloads of each compiled step under ``budget``.
 
     ``torch.compile(model, backend=hyperoffload.backend(budget="50%", hardware="h100-sxm"))``: forward
@@ -275,13 +320,22 @@ def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", po
     and come back for the backward), the cache operators run inside the compiled graphs, and loss
     and gradients equal eager. ``budget`` is bytes, ``"40GiB"``, ``"50%"`` of the step's no-offload
     peak, or ``"hideable"``; ``hardware`` a profile or its name; ``policy`` a registered policy.
+    ``compiler="inductor"`` compiles the planned graphs with Inductor (loss and gradients then equal
+    ``torch.compile(model)``'s); ``"eager"`` runs them op by op. ``link`` (an ``EmulatedLink``): the cache
+    operators copy asynchronously on a client of its engines; without one they copy synchronously.
     Bad values raise ``ValueError`` here (``TypeError`` for a budget that is neither an int nor text); a budget below what the policy can meet raises
     ``InfeasibleBudget`` when the graph is compiled (TorchDynamo wraps it in ``BackendCompilerFailed``).
     """
     check_budget_text(budget)
     get_policy(policy)
+    if compiler not in COMPILERS:
+        raise ValueError(f"unknown compiler {compiler!r}; choose one of {', '.join(COMPILERS)}")
+    if link is not None and not isinstance(link, EmulatedLink):
+        raise TypeError(f"link must be an EmulatedLink (hyperoffload.runtime.EmulatedLink.for_hardware(...)), "
+                        f"got {type(link).__name__}")
     return Backend(budget=budget, hardware=get_hardware(hardware) if isinstance(hardware, str) else hardware,
-                   policy=policy)
+                   policy=policy, compiler=compiler,
+                   copies=None if link is None else cache_ops.AsyncCopies(client=link.client()))
 
 
-__all__ = ["Backend", "CompiledGraph", "backend", "check_budget_text"]
+__all__ = ["COMPILERS", "Backend", "CompiledGraph", "backend", "check_budget_text"]
