@@ -5,6 +5,7 @@ from __future__ import annotations
 from hyperoffload.analysis import memory_profile
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware, as_hardware
+from hyperoffload.hardware.profile import MAX_MEMORY_BYTES
 from hyperoffload.ir import Program
 from hyperoffload.units import format_bytes, parse_bytes, unitless
 
@@ -38,9 +39,28 @@ def _hideable(program: Program, hardware: Hardware) -> tuple[int, bool]:
     return max(peak - movable, least), peak - movable < least
 
 
-def parse_budget(text: str, program: Program, hardware: Hardware | str) -> int:
-    """``"40GiB"``, ``"60GB"``, ``"50%"`` (of the no-offload peak) or ``"hideable"`` -> bytes."""
-    text = text.strip()
+def parse_budget(text: str | int, program: Program, hardware: Hardware | str) -> int:
+    """``"40GiB"``, ``"60GB"``, ``"50%"`` (of the no-offload peak) or ``"hideable"`` -> bytes; a bare int is bytes
+    already. A budget is at least one byte and at most ``MAX_MEMORY_BYTES`` (4 EiB): anything more would overflow
+    the 64-bit integers the planners count bytes in, and no device comes near it."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return _in_range(text, str(text))
+    if not isinstance(text, str):
+        raise ValueError(f"a budget is text such as 40GiB, 60GB, 50% or hideable, or an int of bytes; got "
+                         f"{type(text).__name__}")
+    return _in_range(_parse(text.strip(), program, hardware), text.strip())
+
+
+def _in_range(budget: int, text: str) -> int:
+    if budget < 1:
+        raise ValueError(f"a budget of {text} is {budget} bytes; a budget must be at least one byte")
+    if budget > MAX_MEMORY_BYTES:
+        raise ValueError(f"a budget of {text} is more than {format_bytes(MAX_MEMORY_BYTES)} (2**62 bytes), more than "
+                         f"any device has; give a size such as 40GiB or a share of the no-offload peak such as 50%")
+    return budget
+
+
+def _parse(text: str, program: Program, hardware: Hardware | str) -> int:
     if text.lower() == "hideable":
         return hideable_budget(program, hardware)
     if text.endswith("%"):

@@ -22,6 +22,7 @@ from rich.console import Console
 from hyperoffload.capture import CaptureError
 from hyperoffload.capture.hf_tasks import TASK_NAMES, get_task, task_of_model
 from hyperoffload.hardware import PRESET_NAMES, Hardware, HardwareError, get_hardware
+from hyperoffload.hardware.profile import field_problem
 from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth, parse_bytes, parse_duration
@@ -34,14 +35,26 @@ EXIT_INTERRUPTED = 130
 """As a shell reports a command stopped by Ctrl-C (128 + SIGINT)."""
 
 
-def _positive(text: str) -> int:
+MAX_COUNT = 2**31 - 1
+"""The largest whole number a count flag takes (sequences, tokens, steps, list lengths): the most a 32-bit index
+holds, which many kernels use; a step with more sequences or tokens than that cannot be captured anyway."""
+
+
+def _whole(text: str, least: int, rule: str) -> int:
+    """``text`` as an int in [least, MAX_COUNT] for argparse; ``rule`` says what is wrong below ``least``."""
     try:
         value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    except ValueError:  # also a number of more than 4300 digits
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{rule}, got {value}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT} (2**31 - 1), got {value}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1, "must be positive")
 
 
 def _share(text: str) -> float:
@@ -55,20 +68,15 @@ def _share(text: str) -> float:
 
 
 def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+    return _whole(text, 0, "must be 0 or more")
 
 
-def _units_type(parse, *, positive: bool = False):
-    """``parse`` (a ``units`` parser) as an argparse type. argparse shows a ValueError only as "invalid
-    parse_bandwidth value: 'abc'"; an ArgumentTypeError's own text ("write it like 25GB/s") reaches the user.
-    With ``positive``, zero is refused here, where the message names the flag (a profile would say only that
-    its own field must be positive)."""
+def _units_type(parse, field: str, *, positive: bool = False):
+    """``parse`` (a ``units`` parser) as an argparse type for a flag that sets the profile field ``field``.
+    argparse shows a ValueError only as "invalid parse_bandwidth value: 'abc'"; an ArgumentTypeError's own text
+    ("write it like 25GB/s") reaches the user. With ``positive``, zero is refused here, and any value the profile
+    would refuse (a latency of 1e30s) too, where the message names the flag (a profile would name only its own
+    field)."""
     def convert(text: str):
         try:
             value = parse(text)
@@ -76,14 +84,17 @@ def _units_type(parse, *, positive: bool = False):
             raise argparse.ArgumentTypeError(str(error)) from None
         if positive and value <= 0:
             raise argparse.ArgumentTypeError(f"must be more than zero, got {text!r}")
+        problem = field_problem(field, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text!r} {problem.removeprefix(field + ' ')}")
         return value
 
     return convert
 
 
-_bandwidth = _units_type(parse_bandwidth, positive=True)
-_duration = _units_type(parse_duration)
-_size = _units_type(parse_bytes, positive=True)
+_bandwidth = _units_type(parse_bandwidth, "h2d_bw", positive=True)
+_duration = _units_type(parse_duration, "h2d_latency_s")
+_size = _units_type(parse_bytes, "memory_bytes", positive=True)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,9 +149,11 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cpu_cache_path() -> Path:
-    """Where the CPU calibration is cached: $XDG_CACHE_HOME/hyperoffload (or ~/.cache/hyperoffload)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hyperoffload" / "cpu-calibration.json"
+    """Where the CPU calibration is cached: $XDG_CACHE_HOME/hyperoffload (or ~/.cache/hyperoffload). A relative
+    $XDG_CACHE_HOME is ignored, as the XDG base directory spec says: it would put the cache wherever the command
+    happens to run."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "hyperoffload" / "cpu-calibration.json"
 
 
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
@@ -538,7 +551,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.graph:
         from hyperoffload.lower import plan_code
 
-        Path(args.graph).write_text(plan_code(plan))
+        with _writing("--graph", args.graph):
+            Path(args.graph).write_text(plan_code(plan))
         err.print(f"planned graph written to {args.graph}")
     # A policy may not meet the budget (``none`` never offloads): say so rather than hide it.
     feasible = figures.peak_bytes <= budget
@@ -613,7 +627,8 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     title = (f"{program.name} {program.mode} on {hardware.name}, budget {format_bytes(budget)} "
              f"({args.budget})")
     if args.plot:
-        plot_compare(results, args.plot, title=title)
+        with _writing("--plot", args.plot):
+            plot_compare(results, args.plot, title=title)
         err.print(f"plot written to {args.plot}")
     if args.json:
         print(json.dumps([{"workload": program.meta.get("workload", program.name), "mode": program.mode,
@@ -651,7 +666,8 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     budget = f", budget {args.budget}" if args.vary != "budget" else ""
     title = f"{program.name} {program.mode} on {hardware.name}{budget}: simulated step time against {args.vary}"
     if args.plot:
-        plot_sweep(points, args.plot, vary=args.vary, title=title)
+        with _writing("--plot", args.plot):
+            plot_sweep(points, args.plot, vary=args.vary, title=title)
         err.print(f"plot written to {args.plot}")
     if args.json:
         print(json.dumps([{"workload": program.meta.get("workload", program.name), "mode": program.mode,
@@ -678,7 +694,10 @@ def _check_sweep_values(args: argparse.Namespace, values: list[str]) -> None:
                                  f"write e.g. --values 16,32,64") from None
     if args.vary in ("h2d-bw", "d2h-bw"):
         for value in values:
-            parse_bandwidth(value)  # before the capture, not after it
+            # before the capture, not after it
+            problem = field_problem(args.vary.replace("-", "_"), parse_bandwidth(value))
+            if problem:
+                raise ValueError(f"--values {value!r}: {problem}")
 
 
 def _check_output_paths(args: argparse.Namespace) -> None:
@@ -702,17 +721,29 @@ def _check_writable(flag: str, path: Path) -> None:
         raise ValueError(f"{flag} {path}: the folder {folder} is not writable; write the file elsewhere")
 
 
+@contextlib.contextmanager
+def _writing(flag: str, path: str):
+    """Name the flag and the file when a write fails after the checks (a full disk, a folder removed meanwhile):
+    the work before it took minutes, and a bare "[Errno 28] No space left on device" says neither."""
+    try:
+        yield
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot write the file: {error.strerror or error}; write it "
+                         f"elsewhere") from None
+
+
 def _write_outputs(args: argparse.Namespace, timeline, *, title: str, limit_bytes: int | None, err: Console,
                    limit_label: str = "budget") -> None:
     if args.trace:
         from hyperoffload.report.trace import write_trace
 
-        write_trace(timeline, args.trace, name=title, budget_bytes=limit_bytes)
+        with _writing("--trace", args.trace):
+            write_trace(timeline, args.trace, name=title, budget_bytes=limit_bytes)
         err.print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if args.plot:
         from hyperoffload.report.plot import plot_timeline
 
-        with err.status("Plotting..."):
+        with err.status("Plotting..."), _writing("--plot", args.plot):
             plot_timeline(timeline, args.plot, title=title, budget_bytes=limit_bytes, budget_label=limit_label)
         err.print(f"plot written to {args.plot}")
 
@@ -758,6 +789,11 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.units import format_bandwidth, format_seconds
     from hyperoffload.verify import verify
 
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cores:
+        # More compute threads than cores only slows the step and starves the copy engines; millions would
+        # never start.
+        raise ValueError(f"--threads {args.threads} is more than this machine's {cores} cores; give at most {cores}")
     threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)
     policy = _policy_from_args(args, "has no static layout to run from")

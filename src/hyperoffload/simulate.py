@@ -27,6 +27,7 @@ instruction and is never simulated. Results are deterministic.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 from weakref import WeakKeyDictionary
@@ -224,6 +225,22 @@ def _op_facts(program: Program) -> tuple[tuple[int, ...], tuple[tuple[int, ...],
 _OP_FACTS: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()
 
 
+_EVENTS_PER_INSTRUCTION = 3
+"""The most events one instruction makes the simulator stop at (its compute ends, or its copy's latency and then its
+data phase end); the event loop gives up past a generous multiple of this."""
+
+
+def _stuck(program, instrs, hardware: Hardware, t: float, nxt: float, running: int, active) -> PlanError:
+    """The error for an event loop that cannot advance: the time it is stuck at and what was running then."""
+    busy = [i for i in (running, *(c.instr for c in active if c is not None)) if i >= 0]
+    where = "; ".join(instrs[i].describe(program) for i in busy) or "nothing"
+    return PlanError(busy[0] if busy else -1,
+                     f"the simulation cannot advance from t = {t!r} s to the next event at {nxt!r} s (running: "
+                     f"{where}): some time is not a finite number of seconds. Every latency, launch cost, "
+                     f"bandwidth and FLOP rate of the hardware profile {hardware.name!r} and every op's cost must be "
+                     f"finite (the profile's own checks refuse them; was it changed after it was made?)")
+
+
 def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> Timeline:
     """Simulate ``plan``; figures that count one step's work (compute, bytes) come from ``per_step``."""
     check = check_plan(plan)
@@ -381,6 +398,10 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         if not needs:  # released before anything read or copied it this step: free from the start
             free(values[storage].alloc_bytes, 0.0)
 
+    # Every event ends something (an op, a copy's latency, a copy's data phase): at most three per instruction.
+    # More means a time that never advances (NaN, or an infinite latency that slipped past the profile's checks):
+    # refuse it rather than loop for ever.
+    events_left = 4 * _EVENTS_PER_INSTRUCTION * n + 16
     while True:
         # At time t, run the five steps below in turn until none of them changes anything: the loop ends at a
         # step that changes nothing and was the last to change something, the other four having changed
@@ -498,6 +519,9 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 nxt = end if nxt is None or end < nxt else nxt
         if nxt is None:
             break
+        events_left -= 1
+        if not t <= nxt < math.inf or events_left < 0:  # also NaN, which compares false
+            raise _stuck(program, instrs, hardware, t, nxt, compute_running, active)
         for copy, moving, bw in ((h2d, moving_h2d, bandwidth[0]), (d2h, moving_d2h, bandwidth[1])):
             if moving:
                 rate = bw * share

@@ -9,17 +9,20 @@ are parameters: the CPU runtime throttles its copy threads to them.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
-from hyperoffload.hardware.profile import Hardware
+from hyperoffload.hardware.profile import Hardware, field_problem
 
 DEFAULT_LINK_BW = 2e9
 """Default emulated link bandwidth each way (bytes/s): slow enough that transfers matter on a CPU."""
@@ -84,19 +87,71 @@ def measure_cpu() -> CpuCalibration:
 
 def load_or_measure(cache_path: Path | None) -> CpuCalibration:
     """The cached calibration for this setting if ``cache_path`` holds one, else a fresh measurement
-    (written to ``cache_path`` when given)."""
+    (written to ``cache_path`` when given).
+
+    A cache from another setting is measured again without a word; one that cannot be read or whose numbers
+    are not what a calibration measures (text, NaN, a negative rate, tables nested in tables) is measured again
+    with a warning naming the file, so that a hand-edited or damaged file never feeds the cost model. A cache
+    that cannot be written is a warning too: the measurement is used, and repeated next time.
+    """
     if cache_path is not None and cache_path.is_file():
-        try:
-            cached = CpuCalibration(**json.loads(cache_path.read_text()))
-            if cached.key == _key():
-                return cached
-        except (ValueError, TypeError):
-            pass  # a corrupt or old cache is replaced by a new measurement
+        cached, problem = _read_cache(cache_path)
+        if cached is not None and cached.key == _key():
+            return cached
+        if problem:
+            warnings.warn(f"ignoring the CPU calibration cache {cache_path}: {problem}; measuring this machine again",
+                          CalibrationCacheWarning, stacklevel=2)
     calibration = measure_cpu()
     if cache_path is not None:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_text(json.dumps(asdict(calibration), indent=2))
+        _write_cache(cache_path, calibration)
     return calibration
+
+
+class CalibrationCacheWarning(UserWarning):
+    """A CPU calibration cache was unusable (it is measured again) or could not be written."""
+
+
+def _read_cache(path: Path) -> tuple[CpuCalibration | None, str | None]:
+    """(the calibration ``path`` holds, None) or (None, what is wrong with it)."""
+    try:
+        data = json.loads(path.read_text())
+    except RecursionError:
+        return None, "it nests arrays or objects too deeply"
+    except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON
+        return None, f"it is not a readable JSON file ({getattr(error, 'strerror', None) or error})"
+    names = [f.name for f in fields(CpuCalibration)]
+    if not isinstance(data, dict) or sorted(data) != sorted(names):
+        return None, f"it is not an object with exactly the keys {names}"
+    if not isinstance(data["key"], str):
+        return None, "key is not text"
+    # The numbers follow the rules of the profile fields they become.
+    for name, field in (("memory_bw", "hbm_bw"), ("op_overhead_s", "launch_s"), ("memory_bytes", "memory_bytes")):
+        problem = field_problem(field, data[name])
+        if problem:
+            return None, f"{name} {problem.removeprefix(field + ' ')}"
+    flops = data["matmul_flops"]
+    if not isinstance(flops, dict) or not flops or not all(_is_rate(v) for v in flops.values()):
+        return None, "matmul_flops is not an object of dtype name -> a finite FLOP/s > 0"
+    return CpuCalibration(**data), None
+
+
+def _is_rate(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _write_cache(path: Path, calibration: CpuCalibration) -> None:
+    """Write ``calibration`` to ``path`` whole or not at all (a reader never sees half a file; a link at ``path``
+    is replaced, not followed)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(asdict(calibration), indent=2))
+        os.replace(partial, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        warnings.warn(f"cannot cache the CPU calibration at {path} ({error.strerror or error}); it will be measured "
+                      f"again next time", CalibrationCacheWarning, stacklevel=3)
 
 
 def cpu_emulated(calibration: CpuCalibration, *, h2d_bw: float = DEFAULT_LINK_BW, d2h_bw: float = DEFAULT_LINK_BW,

@@ -9,14 +9,17 @@ where each number comes from.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import reprlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
-from hyperoffload.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops, unitless
+from hyperoffload.units import bare_number, parse_bandwidth, parse_bytes, parse_duration, parse_flops, unitless
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,6 +29,61 @@ else:  # pragma: no cover - Python 3.10
 
 class HardwareError(ValueError):
     """A profile is unknown, malformed or inconsistent; the message says what to fix."""
+
+
+MAX_MEMORY_BYTES = 2**62
+"""The most device memory (and budget) accepted, bytes: 4 EiB, far beyond any device, and small enough that sums
+of a few such sizes still fit the signed 64-bit integers the analyses count bytes in."""
+MAX_EVENT_S = 3600.0
+"""The longest fixed cost of one event accepted (a copy's latency, a kernel launch, an issue), seconds: an hour
+per copy is a slip of units (us, ms), and the simulator's clock keeps its resolution well past a step of such
+events."""
+
+
+class _Rule(NamedTuple):
+    """What one numeric field must be: ``what`` completes "<field> must be ..."; ``ok`` is tested on a finite
+    real number; ``whole`` asks for an integer."""
+
+    what: str
+    ok: Callable[[float], bool]
+    whole: bool = False
+
+
+_BANDWIDTH = _Rule("a finite number > 0 bytes/s", lambda v: v > 0)
+_EVENT = _Rule(f"a finite number >= 0 s and at most {MAX_EVENT_S:g} s", lambda v: 0 <= v <= MAX_EVENT_S)
+_SHARE = _Rule("in (0, 1]", lambda v: 0 < v <= 1)
+_RULES: dict[str, _Rule] = {
+    "memory_bytes": _Rule("a whole number of bytes > 0 and at most 2**62 (4 EiB)", lambda v: 0 < v <= MAX_MEMORY_BYTES,
+                          whole=True),
+    "hbm_bw": _BANDWIDTH, "h2d_bw": _BANDWIDTH, "d2h_bw": _BANDWIDTH,
+    "h2d_latency_s": _EVENT, "d2h_latency_s": _EVENT, "launch_s": _EVENT, "issue_s": _EVENT,
+    "duplex_share": _SHARE, "compute_efficiency": _SHARE, "memory_efficiency": _SHARE,
+}
+"""Field name -> the rule its number follows (``peak_flops``, a table, has its own check)."""
+
+_SHOWN = reprlib.Repr()  # keyword arguments to Repr() are Python 3.12's
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 2, 40, 40
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, cut short: a profile may hold a long string or a table nested deep."""
+    plain = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return _SHOWN.repr(value) + ("" if plain else f" ({type(value).__name__}, not a number)")
+
+
+def _bad_number(value: Any, whole: bool = False) -> bool:
+    """Whether ``value`` is not a finite real number (a bool is not one: TOML's ``true`` would read as 1)."""
+    kind = numbers.Integral if whole else numbers.Real
+    return isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value)
+
+
+def field_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for the numeric field ``name`` (``"h2d_latency_s must be a finite number >= 0 s
+    ..., got nan"``), or None where it is fine; every way a profile is built or changed goes through this."""
+    rule = _RULES[name]
+    if _bad_number(value, rule.whole) or not rule.ok(value):
+        return f"{name} must be {rule.what}, got {_shown(value)}"
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,17 +122,24 @@ class Hardware:
     """Where each field's number comes from, keyed by field name."""
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "hbm_bw", "h2d_bw", "d2h_bw"):
-            if not getattr(self, name) > 0:
-                raise HardwareError(f"{self.name}: {name} must be positive, got {getattr(self, name)}")
-        for name in ("h2d_latency_s", "d2h_latency_s", "launch_s", "issue_s"):
-            if getattr(self, name) < 0:
-                raise HardwareError(f"{self.name}: {name} must be >= 0 seconds, got {getattr(self, name)}")
-        for name in ("duplex_share", "compute_efficiency", "memory_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
-                raise HardwareError(f"{self.name}: {name} must be in (0, 1], got {getattr(self, name)}")
-        if not self.peak_flops or any(not v > 0 for v in self.peak_flops.values()):
-            raise HardwareError(f"{self.name}: peak_flops needs a positive FLOP/s for at least one dtype")
+        # One rule per field, whoever built the profile (a TOML file, the API, a command-line override).
+        for name in _RULES:
+            value = getattr(self, name)
+            problem = field_problem(name, value)
+            if problem:
+                raise HardwareError(f"{self.name}: {problem}")
+            # Plain Python numbers from here on (a numpy integer would wrap around in the analyses' sums).
+            object.__setattr__(self, name, int(value) if _RULES[name].whole else float(value))
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise HardwareError(f"{self.name}: peak_flops needs a positive FLOP/s for at least one dtype, e.g. "
+                                f"{{\"bfloat16\": 989e12}}")
+        for dtype, rate in self.peak_flops.items():
+            if not isinstance(dtype, str):
+                raise HardwareError(f"{self.name}: peak_flops is keyed by dtype name (such as 'bfloat16'), got "
+                                    f"{_shown(dtype)}")
+            if _bad_number(rate) or not 0 < rate:
+                raise HardwareError(f"{self.name}: peak_flops[{dtype!r}] must be a finite number > 0 FLOP/s, got "
+                                    f"{_shown(rate)}")
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; dtypes without a figure use float32's (or the slowest listed)."""
@@ -94,13 +159,30 @@ def _read_memory(value: Any) -> int:
     """``memory``: a size with a unit, or a bare number (a TOML number or "80"), which is bytes; but
     "memory = 80" surely meant 80 GiB, not 80 bytes: a bare number under a mebibyte is refused rather than
     planned for a device with no room."""
-    bare = unitless(value) if isinstance(value, str) else float(value)
+    if isinstance(value, str):
+        bare = unitless(value)
+    else:  # a TOML number (an int, or a float such as 8.6e10, inf or nan), never a bool or a table
+        bare = bare_number(value, "a size", 'write it with a unit, e.g. memory = "80GiB"')
     if bare is None:
         return parse_bytes(value)
+    if bare > MAX_MEMORY_BYTES:  # also int()'s limit: refuse it here, naming the key, not as an OverflowError
+        raise ValueError(f"{bare:g} bytes is more than {MAX_MEMORY_BYTES} (4 EiB); write it with a unit, e.g. "
+                         f'memory = "80GiB"')
     if bare < 2**20:
         raise ValueError(f"a bare number is bytes, so this device would have {bare:g} bytes; write the size with a "
                          f"unit, e.g. memory = \"{bare:g}GiB\"")
     return int(bare)
+
+
+def _read_share(value: Any) -> float:
+    """A share (``duplex_share``, the efficiencies): a TOML number, or text that is one ("0.8", as ``hyperoffload
+    hardware NAME`` shows it); not a bool (``true`` would read as 1), nor "nan" or "inf"."""
+    number = unitless(value) if isinstance(value, str) else None
+    if number is not None:
+        return number
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"a share is a number in (0, 1], e.g. 0.8; got {_shown(value)}")
+    return float(value)
 
 
 # How each TOML key is read: field name -> parser from a TOML value to the field's base unit.
@@ -111,10 +193,10 @@ _READERS = {
     "d2h_bw": ("d2h_bw", parse_bandwidth),
     "h2d_latency": ("h2d_latency_s", parse_duration),
     "d2h_latency": ("d2h_latency_s", parse_duration),
-    "duplex_share": ("duplex_share", float),
+    "duplex_share": ("duplex_share", _read_share),
     "launch": ("launch_s", parse_duration),
-    "compute_efficiency": ("compute_efficiency", float),
-    "memory_efficiency": ("memory_efficiency", float),
+    "compute_efficiency": ("compute_efficiency", _read_share),
+    "memory_efficiency": ("memory_efficiency", _read_share),
 }
 # Keys a profile may leave out (the field's default applies).
 _OPTIONAL = {"issue": ("issue_s", parse_duration)}
@@ -132,14 +214,17 @@ def hardware_from_dict(data: Mapping[str, Any], *, origin: str) -> Hardware:
     missing = [k for k in ("name", "peak_flops", *_READERS) if k not in data]
     if missing:
         raise HardwareError(f"{origin}: missing key(s) {missing}")
-    fields: dict[str, Any] = {"name": str(data["name"]), "description": str(data.get("description", ""))}
+    for key in ("name", "description"):
+        if not isinstance(data.get(key, ""), str):
+            raise HardwareError(f'{origin}: {key} must be text, e.g. {key} = "my-gpu", got {_shown(data[key])}')
+    fields: dict[str, Any] = {"name": data["name"], "description": data.get("description", "")}
     for key, (name, read) in [*_READERS.items(), *_OPTIONAL.items()]:
         if key not in data:
             continue  # only optional keys can be missing here
         try:
             fields[name] = read(data[key])
         except (TypeError, ValueError) as error:
-            raise HardwareError(f"{origin}: {key} = {data[key]!r}: {error}") from None
+            raise HardwareError(f"{origin}: {key} = {_shown(data[key])}: {error}") from None
     if not isinstance(data["peak_flops"], Mapping):
         raise HardwareError(f"{origin}: peak_flops must be a table of dtype = FLOP/s, e.g. bfloat16 = \"989TFLOP/s\"")
     try:
@@ -174,4 +259,14 @@ def load_hardware_file(path: str | Path) -> Hardware:
                             f"file") from None
     except tomllib.TOMLDecodeError as error:
         raise HardwareError(f"{path} is not valid TOML: {error}") from None
-    return hardware_from_dict(data, origin=str(path))
+    except RecursionError:  # the parser recurses once per level of nested arrays or tables
+        raise HardwareError(_too_deep(path)) from None
+    try:
+        return hardware_from_dict(data, origin=str(path))
+    except RecursionError:  # nested just shallowly enough to parse
+        raise HardwareError(_too_deep(path)) from None
+
+
+def _too_deep(path: Path) -> str:
+    return (f"{path} nests arrays or tables too deeply to be a hardware profile, which is key = value lines and two "
+            f"flat tables (hyperoffload hardware NAME shows one)")
