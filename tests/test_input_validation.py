@@ -296,3 +296,17 @@ def test_a_write_that_fails_after_the_work_names_the_flag(capsys, command, flag)
     err = user_error(capsys, [command, *TINY, *H100, *budget, flag, "/dev/full"])
     assert err.startswith(f"error: {flag} /dev/full: cannot write the file: No space left on device")
 
+
+
+def test_the_command_line_shows_a_bad_cache_as_one_warning_line(capsys, tmp_path, monkeypatch):
+    from hyperoffload.hardware import cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "hyperoffload" / "cpu-calibration.json"
+    cache.parent.mkdir()
+    cache.write_text(json.dumps({"key": _key(), **GOOD_CACHE, "memory_bw": math.nan}))
+    monkeypatch.setattr(cpu, "measure_cpu", lambda: cpu.CpuCalibration(key=_key(), **GOOD_CACHE))
+    assert main(["hardware", "cpu-emulated", "--json"]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err == (f"warning: ignoring the CPU calibration cache {cache}: memory_bw must be a finite number > 0 "
+                   f"bytes/s, got nan; measuring this machine again")

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -915,6 +916,25 @@ COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate,
             "hardware": _hardware, "compare": _compare, "sweep": _sweep, "run": _run}
 
 
+@contextlib.contextmanager
+def _one_line_cache_warnings(err: Console):
+    """Show a calibration cache's warning (measured again, or not written) as one ``warning: ...`` line, not with
+    the library's file and line; other warnings as Python shows them."""
+    from hyperoffload.hardware.cpu import CalibrationCacheWarning
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, *rest, **kwargs):
+            if issubclass(category, CalibrationCacheWarning):
+                err.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
+            else:
+                shown(message, category, *rest, **kwargs)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Tables piped to a file or another program keep their columns whole (rich would assume 80 columns).
@@ -922,7 +942,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True)
     try:
         _check_output_paths(args)
-        return COMMANDS[args.command](args, out, err)
+        with _one_line_cache_warnings(err):
+            return COMMANDS[args.command](args, out, err)
     except KeyboardInterrupt:
         err.print("interrupted", highlight=False)
         return EXIT_INTERRUPTED
