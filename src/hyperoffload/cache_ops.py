@@ -219,6 +219,18 @@ def release(x: torch.Tensor) -> None:
     """
 
 
+# ``release.live``: the same release, naming the values computed from ``x`` before the release that are
+# read after it. A compiler that computes a value where it is read rather than where it is defined
+# (Inductor inlines pointwise ops into their readers) would read ``x`` after its release; as arguments
+# of the release they are computed by then (``hyperoffload.compile.inductor``).
+torch.library.define(f"{NAMESPACE}::release.live", "(Tensor x, Tensor[] live) -> ()")
+
+
+@torch.library.impl(f"{NAMESPACE}::release.live", "CompositeExplicitAutograd")
+def release_live(x: torch.Tensor, live: list[torch.Tensor]) -> None:
+    """``release(x)``, after every tensor of ``live`` (values computed before the release) has been computed."""
+
+
 def _check_blocks(remote: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> int:
     """Check the shapes ``prefetch_blocks`` takes; return the number of blocks in ``remote``."""
     if block_size <= 0:
@@ -399,6 +411,7 @@ them as lane ops (``Op.lane``) and the simulator runs them on that copy lane."""
 
 for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.prefetch.default,
             torch.ops.hyperoffload.wait.default, torch.ops.hyperoffload.release.default,
+            torch.ops.hyperoffload.release.live,
             torch.ops.hyperoffload.prefetch_blocks.default, torch.ops.hyperoffload.store_rows.default,
             torch.ops.hyperoffload.fetch_blocks_pooled.default, torch.ops.hyperoffload.fetch_missing_blocks.default):
     # Transfers and frees are the point of the schedule even when nothing reads their result.
@@ -409,11 +422,12 @@ OFFLOAD = torch.ops.hyperoffload.offload.default
 PREFETCH = torch.ops.hyperoffload.prefetch.default
 WAIT = torch.ops.hyperoffload.wait.default
 RELEASE = torch.ops.hyperoffload.release.default
+RELEASE_LIVE = torch.ops.hyperoffload.release.live
 PREFETCH_BLOCKS = torch.ops.hyperoffload.prefetch_blocks.default
 STORE_ROWS = torch.ops.hyperoffload.store_rows.default
 FETCH_BLOCKS_POOLED = torch.ops.hyperoffload.fetch_blocks_pooled.default
 FETCH_MISSING_BLOCKS = torch.ops.hyperoffload.fetch_missing_blocks.default
 
-__all__ = ["AsyncCopies", "copies_on", "FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE",
+__all__ = ["AsyncCopies", "copies_on", "FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE", "RELEASE_LIVE",
            "STORE_ROWS", "WAIT", "fetch_blocks_pooled", "offload", "prefetch", "prefetch_blocks", "release",
            "store_rows", "wait", "fetch_missing_blocks"]

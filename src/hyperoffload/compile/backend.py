@@ -2,7 +2,9 @@
 
 For each graph TorchDynamo hands it, the backend runs aot_autograd, which traces the forward and
 the backward and partitions them (``default_partition``: the backward reads exactly what eager
-autograd would have saved, nothing is recomputed). Then, inside aot_autograd's ``partition_fn``:
+autograd would have saved, nothing is recomputed; with ``compiler="inductor"``, Inductor's own
+``min_cut_rematerialization_partition``, which recomputes cheap ops in the backward, so the kernels
+are those of plain Inductor). Then, inside aot_autograd's ``partition_fn``:
 
 1. join the forward and backward graphs into one step (``join_graphs``): saved activations are
    values produced in the forward and read in the backward;
@@ -43,7 +45,7 @@ import torch.fx
 
 from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
-from hyperoffload.budgets import parse_budget
+from hyperoffload.budgets import check_budget_bytes, parse_budget
 from hyperoffload.capture.graph_to_program import program_from_graph
 from hyperoffload.compile.inductor import compile_planned
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
@@ -132,8 +134,7 @@ def check_budget_text(budget: int | str) -> None:
         raise TypeError(f"budget must be bytes (an int) or text such as '40GiB', '50%' or 'hideable', "
                          f"got {type(budget).__name__}")
     if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"a budget must be a positive number of bytes, got {budget}")
+        check_budget_bytes(budget)
         return
     text = budget.strip()
     if text.lower() == "hideable":
@@ -185,16 +186,19 @@ class Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import default_partition
+        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+        # Inductor's own partition for Inductor (it recomputes cheap ops in the backward, whose kernels
+        # round as plain Inductor's do); for op-by-op graphs, the backward reads what eager saves.
+        base = min_cut_rematerialization_partition if self.compiler == "inductor" else default_partition
 
         names = tuple(_readable_name(n) for n in gm.graph.find_nodes(op="placeholder"))
         index = len(self.compiled)
 
         def partition(joint_module, joint_inputs, *, num_fwd_outputs: int, static_lifetime_input_indices=None,
                       **kwargs):
-            forward, backward = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                                  static_lifetime_input_indices=static_lifetime_input_indices,
-                                                  **kwargs)
+            forward, backward = base(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                     static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
             record = self._plan_training(index, forward, backward, num_fwd_outputs,
                                          static_lifetime_input_indices or (), names)
             return record.forward, record.backward

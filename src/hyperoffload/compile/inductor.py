@@ -19,6 +19,7 @@ nothing offloaded, bit for bit.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +63,52 @@ class PlannedPartition(CustomPartitionerFn):
         return (str, (self.uuid(),))
 
 
+def realize_before_releases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the planned graph ``gm`` whose releases name what must be computed before them.
+
+    Inductor computes a pointwise value inside the kernels that read it rather than where the graph
+    defines it, so a value computed from a released storage and read after the release would read the
+    storage after its release (a weight released right after an embedding gathers from it, say, while
+    the embedding is still read three layers later). Each ``release(x)`` becomes
+    ``release.live(x, live)``: ``live`` lists the tensors computed (directly or through other values)
+    from ``x`` before the release and read after it. Inductor computes a fallback kernel's inputs
+    before it, so later readers read those values, never ``x``. The values are live across the
+    release anyway, so no tensor lives longer than in ``gm``.
+    """
+    from hyperoffload import cache_ops
+
+    graph = torch.fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in gm.graph.nodes:  # node_copy shares each node's meta (its fake values) with ``gm``'s
+        env[n] = graph.node_copy(n, env.__getitem__)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    transfers = {cache_ops.OFFLOAD, cache_ops.PREFETCH, cache_ops.WAIT, cache_ops.RELEASE}
+    for release in list(graph.find_nodes(op="call_function", target=cache_ops.RELEASE)):
+        at = position[release]
+        released = release.args[0]
+        live, seen, stack = [], {released}, [released]
+        while stack:
+            for user in stack.pop().users:
+                if user in seen or position[user] >= at or user.op != "call_function" or user.target in transfers:
+                    continue
+                seen.add(user)
+                stack.append(user)
+                if isinstance(user.meta.get("val"), torch.Tensor) and any(position[u] > at for u in user.users):
+                    live.append(user)
+        if not live:
+            continue
+        live.sort(key=position.__getitem__)
+        with graph.inserting_before(release):
+            new = graph.call_function(cache_ops.RELEASE_LIVE, (released, live))
+        new.meta = dict(release.meta)
+        position[new] = at
+        release.replace_all_uses_with(new)
+        graph.erase_node(release)
+    graph.lint()
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
 def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, partition: Partition,
                     plan_inference: Callable[[torch.fx.GraphModule], torch.fx.GraphModule],
                     finish: Callable[[torch.fx.GraphModule, Callable], Callable]) -> Callable:
@@ -80,7 +127,7 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, parti
         if kwargs.get("is_inference"):
             graph = plan_inference(graph)
         with config.patch(PLANNED_GRAPH_CONFIG):
-            compiled = compile_fx_inner(graph, inputs, **kwargs)
+            compiled = compile_fx_inner(realize_before_releases(graph), inputs, **kwargs)
         return finish(graph, _boxed(compiled))
 
     # aot_autograd's cache would hand back graphs compiled for another backend (or budget) without planning.
