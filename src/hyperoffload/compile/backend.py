@@ -45,7 +45,7 @@ import torch.fx
 
 from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
-from hyperoffload.budgets import check_budget_bytes, parse_budget
+from hyperoffload.budgets import parse_budget
 from hyperoffload.capture.graph_to_program import program_from_graph
 from hyperoffload.compile.inductor import compile_planned
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
@@ -134,7 +134,8 @@ def check_budget_text(budget: int | str) -> None:
         raise TypeError(f"budget must be bytes (an int) or text such as '40GiB', '50%' or 'hideable', "
                          f"got {type(budget).__name__}")
     if isinstance(budget, int):
-        check_budget_bytes(budget)
+        if budget <= 0:
+            raise ValueError(f"a budget must be a positive number of bytes, got {budget}")
         return
     text = budget.strip()
     if text.lower() == "hideable":
