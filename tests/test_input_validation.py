@@ -171,6 +171,29 @@ def test_a_huge_budget_on_the_command_line_is_one_line(capsys, budget):
     assert err.startswith("error: a budget of ") and "more than 4.00 EiB" in err
 
 
+@pytest.mark.parametrize("budget", [2**63, 2**62 + 1, 0, True])
+def test_every_planning_entry_refuses_a_budget_out_of_range(tiny_program, budget):
+    """``hyperoffload.plan``, the planner itself and the compile backend check a budget of bytes as the command line
+    does (the planner counted bytes in 64-bit integers and overflowed past 2**63)."""
+    import hyperoffload
+
+    for entry in (lambda: hyperoffload.plan(tiny_program, H100_PROFILE, budget),
+                  lambda: hyperoffload.plan_hyperoffload(tiny_program, H100_PROFILE, budget),
+                  lambda: hyperoffload.backend(budget)):
+        with pytest.raises((ValueError, TypeError), match="budget"):
+            entry()
+
+
+@pytest.mark.parametrize("command", [
+    ["--mode", "train", "--batch", "2147483647", "--seq", "2147483647"],
+    ["--mode", "decode", "--batch", "65536", "--context", "2147483647"],
+])
+def test_a_step_of_more_tokens_than_any_real_one_is_refused_before_tracing(capsys, command):
+    """Each size fits its flag's range, the product does not: torch failed on a size overflow with a traceback."""
+    err = user_error(capsys, ["inspect", "--workload", "tiny-llama", *command])
+    assert err.startswith("error: batch x ") and "no real step is that large" in err
+
+
 # -- command-line flags ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command, flag, value, message", [

@@ -28,7 +28,7 @@ def plan(program: Program, hardware: Hardware | str, budget: int | str, *, polic
     from hyperoffload.policies import get_policy
 
     hardware = as_hardware(hardware)
-    budget_bytes = parse_budget(budget, program, hardware) if isinstance(budget, str) else int(budget)
+    budget_bytes = parse_budget(budget, program, hardware)
     result = get_policy(policy)(program, hardware, budget_bytes)
     verify(result)
     return result

@@ -44,14 +44,19 @@ def parse_budget(text: str | int, program: Program, hardware: Hardware | str) ->
     already. A budget is at least one byte and at most ``MAX_MEMORY_BYTES`` (4 EiB): anything more would overflow
     the 64-bit integers the planners count bytes in, and no device comes near it."""
     if isinstance(text, int) and not isinstance(text, bool):
-        return _in_range(text, str(text))
+        return check_budget_bytes(text)
     if not isinstance(text, str):
         raise ValueError(f"a budget is text such as 40GiB, 60GB, 50% or hideable, or an int of bytes; got "
                          f"{type(text).__name__}")
-    return _in_range(_parse(text.strip(), program, hardware), text.strip())
+    return check_budget_bytes(_parse(text.strip(), program, hardware), text.strip())
 
 
-def _in_range(budget: int, text: str) -> int:
+def check_budget_bytes(budget: int, text: str | None = None) -> int:
+    """``budget`` (bytes, an int) if it is one byte to ``MAX_MEMORY_BYTES``, else a ``ValueError`` naming it as
+    written (``text``, default the number)."""
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(f"a budget in bytes must be an int, got {type(budget).__name__} {budget!r}")
+    text = str(budget) if text is None else text
     if budget < 1:
         raise ValueError(f"a budget of {text} is {budget} bytes; a budget must be at least one byte")
     if budget > MAX_MEMORY_BYTES:

@@ -34,7 +34,8 @@ from hyperoffload.capture.graph_to_program import CaptureError, DataDependentVal
 from hyperoffload.capture.hf_config import check_remote_code, config_dtype, read_config
 from hyperoffload.capture.hf_tasks import (TASK_NAMES, call_kwargs, get_task, task_of_config, task_of_model,
                                            tasks_of_model_type, text_config, vocab_size)
-from hyperoffload.capture.steps import Captured, capture_decode_step, capture_prefill_step, capture_train_step
+from hyperoffload.capture.steps import (Captured, capture_decode_step, capture_prefill_step, capture_train_step,
+                                        check_step_tokens)
 
 HF_MODES = ("train", "prefill", "decode")
 
@@ -87,12 +88,14 @@ def capture_hf(model: nn.Module, mode: str, *, batch: int, seq: int | None = Non
             raise CaptureError(f"decode needs context, the tokens already in the KV cache: an int >= 0, "
                                f"got {context!r}")
         _check_positions(model, context + 1, spec.positions_field, context=context)
+        check_step_tokens(batch, context + 1, "context")
     else:
         if context is not None:
             raise CaptureError(f"context sets the KV cache of a decode step; a {mode} step has none: drop it")
         if spec.takes_seq:
             _check_count("seq", seq, "tokens")
             _check_positions(model, seq, spec.positions_field)
+            check_step_tokens(batch, seq, "seq")
         elif seq is not None:
             raise CaptureError(f"seq sets tokens per sequence; {type(model).__name__} ({spec.name}) takes whole "
                                f"images of the config's image_size: drop seq (--seq)")

@@ -39,6 +39,20 @@ from hyperoffload.capture.tags import mark_phase, tag_values
 from hyperoffload.ir import Phase, Program, ValueKind
 
 
+MAX_STEP_TOKENS = 2**32
+"""The most tokens (sequences x tokens each) one captured step may hold: about 250 times the largest published
+training batches (16M tokens), and small enough that no activation's element count overflows 64 bits."""
+
+
+def check_step_tokens(batch: int, tokens_per_sequence: int, flag: str) -> None:
+    """Refuse a step of more than ``MAX_STEP_TOKENS`` tokens, naming ``--batch`` and ``--<flag>``: tracing it
+    would fail inside torch on sizes that overflow (real tensors) or plan a step no device runs (fake ones)."""
+    tokens = batch * tokens_per_sequence
+    if tokens > MAX_STEP_TOKENS:
+        raise CaptureError(f"batch x {flag} is {tokens:,} tokens in one step, more than {MAX_STEP_TOKENS:,}: no real "
+                           f"step is that large; give a smaller --batch or --{flag}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdamW:
     """AdamW hyper-parameters (PyTorch's defaults, decoupled weight decay)."""

@@ -35,6 +35,7 @@ import numpy as np
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.window_bound import window_bound
+from hyperoffload.budgets import check_budget_bytes
 from hyperoffload.cost import op_times
 from hyperoffload.gc_pause import collector_paused
 from hyperoffload.hardware import Hardware, as_hardware
@@ -357,6 +358,7 @@ def plan_hyperoffload(program: Program, hardware: Hardware | str, budget_bytes: 
 
     The cyclic garbage collector is paused while planning (``gc_pause``): planning makes no cycles, and the
     collector's walks over the captured program took about a fifth of the planning time."""
+    check_budget_bytes(budget_bytes)
     with collector_paused():
         return _plan_forms(program, as_hardware(hardware), budget_bytes, config)
 

@@ -8,6 +8,7 @@ import torch
 
 from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_step, capture_prefill_step,
                                   capture_train_step, default_dtype, fake_build)
+from hyperoffload.capture.steps import check_step_tokens
 from hyperoffload.workloads.deepseek import DeepSeekConfig
 from hyperoffload.variants import register_remote_kv
 from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION, capture_remote_decode_step, pool_facts
@@ -56,6 +57,7 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
         if isinstance(size, bool) or not isinstance(size, int) or size < least:
             unit = "sequences" if label == "batch" else "tokens"
             raise CaptureError(f"{label} (--{label}) must be a whole number of {unit}, at least {least}; got {size!r}")
+    check_step_tokens(batch, context + 1 if mode == "decode" else seq, "context" if mode == "decode" else "seq")
     meta = {"workload": workload.name, "batch": batch, "dtype": str(workload.dtype).removeprefix("torch.")}
     vocab = workload.config.vocab_size
     if not fake:
