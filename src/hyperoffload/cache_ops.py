@@ -26,6 +26,11 @@ step's selection with the blocks it missed; and ``store_rows`` writes a step's n
 capture marks these four as *lane ops* (``LANE_OPS``, ``ir.Op.lane``): data movement that is part of
 the step itself, which the simulator runs on a copy lane.
 
+``release.live(x, live)`` is ``release(x)`` that also names ``live``, the values computed from ``x``
+before the release and read after it, so that a compiler computing values where they are read
+(Inductor) computes those before the release; the backend's Inductor route writes it
+(``hyperoffload.compile.inductor.realize_before_releases``), lowered plans never do.
+
 The first four are the smallest set that lets a plan say everything it needs: a copy in each direction, a
 point where the compute stream depends on a copy (so copies can be issued early and overlap
 compute), and a point where device memory is given back (separate from the copy, so a tensor

@@ -137,12 +137,13 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, parti
 
 
 def _boxed(compiled: Callable) -> Callable:
-    """``compiled`` (Inductor's output: called with one list of inputs, which it empties) as a function
-    of positional inputs."""
+    """``compiled`` (Inductor's output: called with one list of inputs, which it empties as it drops each
+    input after its last use) as a plain function marked boxed (``_boxed_call``)."""
 
-    def run(*args):
-        return compiled(list(args))
+    def run(args: list):
+        return compiled(args)
 
+    run._boxed_call = True
     return run
 
 

@@ -125,11 +125,14 @@ def planned_layouts(gm: torch.fx.GraphModule, plan: Plan) -> tuple[InputLayout |
     return tuple(layouts)
 
 
-def with_planned_layouts(gm: torch.fx.GraphModule, layouts: Sequence[InputLayout | None]) -> Callable:
+def with_planned_layouts(gm: Callable, layouts: Sequence[InputLayout | None]) -> Callable:
     """``gm`` as a boxed function (called with a list of its inputs) that first copies each input whose layout
     differs from ``layouts`` into one laid out as planned, and after the call copies every such copy the step
-    updates in place back into the caller's tensor."""
+    updates in place back into the caller's tensor. ``gm`` is called with its inputs as arguments, or, if it is
+    boxed itself (``gm._boxed_call``, as Inductor's compiled graphs are), with a list of them, which it may
+    empty to drop each input after its last use; the caller's list is emptied first, so that holds nothing."""
     checked = [(i, layout) for i, layout in enumerate(layouts) if layout is not None]
+    boxed = getattr(gm, "_boxed_call", False)
 
     def run(args: list) -> object:
         written: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -142,7 +145,12 @@ def with_planned_layouts(gm: torch.fx.GraphModule, layouts: Sequence[InputLayout
             inputs[i] = layout.relaid(x)
             if layout.written:
                 written.append((x, inputs[i]))
-        out = gm(*(args if inputs is None else inputs))
+        if boxed:
+            inputs = list(args) if inputs is None else inputs
+            args.clear()
+            out = gm(inputs)
+        else:
+            out = gm(*(args if inputs is None else inputs))
         for x, copy in written:
             with torch.no_grad():
                 x.copy_(copy)
