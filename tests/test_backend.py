@@ -283,7 +283,7 @@ def test_tangent_prefetch_issued_in_the_forward_moves_to_the_backward(compiled_t
     ("half", "cannot read 'half' as a budget"),
     ("0%", "must be in (0, 100]"),
     ("150%", "must be in (0, 100]"),
-    (-5, "positive number of bytes"),
+    (-5, "at least one byte"),
 ])
 def test_bad_budget_is_refused_when_the_backend_is_made(budget, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
