@@ -88,9 +88,11 @@ class AsyncCopies:
     (the storage is held with it, so no other buffer can take that address meanwhile)."""
     waits: int = 0
     """How many ``wait`` calls found a copy of theirs to wait for."""
-    in_flight_at_waits: list[int] = field(default_factory=list)
-    """For each such wait: how many *other* copies started by these operators had not completed yet when it
-    began (copies of the link overlapping the graph's compute and each other; always 0 when synchronous)."""
+    overlapped_waits: int = 0
+    """How many of those found *other* copies started by these operators not completed yet when they began:
+    copies in flight together, overlapping the graph's compute (never, when copies are synchronous)."""
+    most_in_flight: int = 0
+    """The most other copies not completed yet that one of those waits found."""
 
     def started(self, handle: Any, dst: torch.Tensor) -> None:
         """Record ``handle``, the copy into ``dst``; forget copies that completed and were never waited for."""
@@ -105,8 +107,10 @@ class AsyncCopies:
         entry = self.pending.pop(x.untyped_storage().data_ptr(), None)
         if entry is None:
             return
+        others = sum(1 for h, _ in self.pending.values() if not h.done())
         self.waits += 1
-        self.in_flight_at_waits.append(sum(1 for h, _ in self.pending.values() if not h.done()))
+        self.overlapped_waits += others > 0
+        self.most_in_flight = max(self.most_in_flight, others)
         entry[0].wait()
 
 

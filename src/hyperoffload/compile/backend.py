@@ -45,7 +45,7 @@ import torch.fx
 
 from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
-from hyperoffload.budgets import parse_budget
+from hyperoffload.budgets import check_budget_bytes, parse_budget
 from hyperoffload.capture.graph_to_program import program_from_graph
 from hyperoffload.compile.inductor import compile_planned
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
@@ -134,8 +134,7 @@ def check_budget_text(budget: int | str) -> None:
         raise TypeError(f"budget must be bytes (an int) or text such as '40GiB', '50%' or 'hideable', "
                          f"got {type(budget).__name__}")
     if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"a budget must be a positive number of bytes, got {budget}")
+        check_budget_bytes(budget)
         return
     text = budget.strip()
     if text.lower() == "hideable":
@@ -229,8 +228,9 @@ class Backend:
         return next(r for r in reversed(self.compiled) if r.index == index)
 
     def _runner(self, gm: torch.fx.GraphModule, run: Callable, plan: Plan) -> Callable:
-        """What aot_autograd calls for the planned graph ``gm`` (run by ``run``, called like ``gm``): inputs laid
-        out as planned, and the cache operators copying on ``self.copies`` for the duration of each call."""
+        """What aot_autograd calls for the planned graph ``gm``, run by ``run`` (``gm`` itself, or Inductor's
+        compiled function): inputs laid out as planned, and the cache operators copying on ``self.copies`` for
+        the duration of each call."""
         laid_out = with_planned_layouts(run, planned_layouts(gm, plan))
         copies = self.copies
         if copies is None:
