@@ -216,6 +216,7 @@ def test_inductor_code_keeps_every_cache_operator_where_the_plan_needs_it():
     for code, gm in zip(codes, (record.forward, record.backward)):
         assert check_cache_op_order(code) == graph_counts(gm)
         assert "# reuse" not in code
+        assert "cpp_fused_" in code  # the compute runs as Inductor's fused C++ kernels
 
 
 def test_order_check_catches_a_release_before_a_reader_and_a_read_before_the_wait():

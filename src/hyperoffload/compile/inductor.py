@@ -32,6 +32,7 @@ PLANNED_GRAPH_CONFIG = {
     "reorder_for_locality": False,
     "allow_buffer_reuse": False,  # an asynchronous copy may still read or write the buffer
     "inplace_buffers": False,
+    "memory_planning": False,  # nor pool buffers in one arena it hands out again
 }
 """``torch._inductor.config`` settings every planned graph is compiled with (see the module docstring)."""
 
