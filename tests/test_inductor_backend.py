@@ -246,6 +246,31 @@ def test_order_check_catches_a_release_before_a_reader_and_a_read_before_the_wai
         check_cache_op_order(released_early)
 
 
+def test_a_release_names_the_values_computed_from_its_storage_and_read_after_it():
+    """``realize_before_releases``: a weight released right after an embedding gathers from it, while the
+    embedding is read after the release, is released by ``release.live`` naming the embedding (and nothing
+    read only before the release); the graph computes the same."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hyperoffload.compile.inductor import realize_before_releases
+
+    def step(weight, tokens):
+        embedded = torch.ops.aten.embedding.default(weight, tokens)
+        scaled = embedded * 3  # read only before the release
+        total = scaled.sum()
+        cache_ops.RELEASE(weight)
+        return embedded + total
+
+    weight, tokens = torch.randn(5, 3), torch.tensor([4, 0, 4])
+    gm = make_fx(step)(weight, tokens)
+    realized = realize_before_releases(gm)
+    (release,) = realized.graph.find_nodes(op="call_function", target=cache_ops.RELEASE_LIVE)
+    assert [n.target for n in release.args[1]] == [torch.ops.aten.embedding.default, torch.ops.aten.sum.default]
+    assert not realized.graph.find_nodes(op="call_function", target=cache_ops.RELEASE)
+    assert gm.graph.find_nodes(op="call_function", target=cache_ops.RELEASE)  # the planned graph is left as it was
+    assert torch.equal(realized(weight, tokens), step(weight, tokens))
+
+
 def test_llama_trains_with_inductor_like_plain_inductor_at_half_its_peak():
     model, batches = small_llama()
     backend = hyperoffload.backend(budget="50%", hardware="h100-sxm", compiler="inductor")

@@ -2,19 +2,23 @@
 
 ``compile_planned`` runs ``torch._inductor.compile_fx.compile_fx`` on a TorchDynamo graph, so the
 decompositions, the joint-graph passes, the forward and backward compilers and the inference
-compiler are plain Inductor's; only the partition is the backend's (``partition``: the default
-partition, planned and lowered, see ``hyperoffload.compile.backend``), handed to Inductor as its
-``custom_partitioner_fn``. An inference graph, which is never partitioned, is planned by ``inner``
-just before Inductor compiles it. The cache operators survive Inductor as fallback kernels: they
-are side-effectful (``torch.fx.node.has_side_effect``, which Inductor's ``FallbackKernel`` reads), so
-nothing drops them, and their data dependencies (a wait's result is what its readers read) order them.
+compiler are plain Inductor's; only the partition is the backend's (``partition``: Inductor's own
+min-cut partition, then planned and lowered, see ``hyperoffload.compile.backend``), handed to
+Inductor as its ``custom_partitioner_fn``. An inference graph, which is never partitioned, is
+planned by ``inner`` just before Inductor compiles it. The cache operators survive Inductor as
+fallback kernels: they are side-effectful (``torch.fx.node.has_side_effect``, which Inductor's
+``FallbackKernel`` reads), so nothing drops them; a wait comes before the readers of its transfer's
+result because they read its result, and a release after the readers of its storage because
+``realize_before_releases`` makes what is computed from the storage an input of the release.
 
 Inductor compiles the planned graphs with ``PLANNED_GRAPH_CONFIG``: the plan already fixes the order
 of compute and transfers, so Inductor's reordering passes (for peak memory, for locality) would
 undo it, and a copy runs asynchronously on the link's engines while compute goes on, so Inductor
 must not reuse a buffer (or write a result into an input's buffer) that a copy may still be reading
-or writing. Neither changes what the kernels compute: results equal ``torch.compile(model)``'s with
-nothing offloaded, bit for bit.
+or writing. None of this changes what a float32 kernel computes: results equal
+``torch.compile(model)``'s with nothing offloaded, bit for bit. (A value computed where the plan
+transfers or releases a storage is stored in its dtype there; in a lower-precision model, plain
+Inductor may instead keep it in float32 inside a fused kernel.)
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from hyperoffload import cache_ops
 
 PLANNED_GRAPH_CONFIG = {
     "reorder_for_peak_memory": False,  # the plan's order is already the memory schedule
@@ -76,8 +82,6 @@ def realize_before_releases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     before it, so later readers read those values, never ``x``. The values are live across the
     release anyway, so no tensor lives longer than in ``gm``.
     """
-    from hyperoffload import cache_ops
-
     graph = torch.fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -148,4 +152,4 @@ def _boxed(compiled: Callable) -> Callable:
     return run
 
 
-__all__ = ["PLANNED_GRAPH_CONFIG", "compile_planned"]
+__all__ = ["PLANNED_GRAPH_CONFIG", "PlannedPartition", "compile_planned", "realize_before_releases"]
