@@ -92,6 +92,31 @@ def test_each_executor_on_a_link_has_its_own_remote_buffers(captured):
         assert second.transfers.remote_storage(program.inputs[0], like.nbytes(), like).data_ptr() != mine
 
 
+class Forwarding:
+    """A transfer backend without clients (as ``CudaStreams`` is): every call goes to the link's own methods."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_backend_without_clients_serves_one_open_executor_at_a_time(captured, planned):  # noqa: F811
+    """Its remote buffers are keyed by the plan's storages: a second open executor is refused, one made after the
+    first is closed runs bit-identical."""
+    with EmulatedLink(**SLOW) as link:
+        shared = Forwarding(link)
+        with AsyncExecutor(shared):
+            with pytest.raises(ValueError, match="already serves an open AsyncExecutor"):
+                AsyncExecutor(shared)
+        with AsyncExecutor(shared) as executor:
+            inputs = [t.clone() for t in captured.inputs]
+            outputs = executor.step(planned, inputs).outputs
+        reference = [t.clone() for t in captured.inputs]
+        assert_identical(outputs, run_plan(plan_without_offload(captured.program), reference).outputs)
+
+
 # --- a step stopped right after the link accepted a copy --------------------------------------------
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from hyperoffload.analysis import memory_profile
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware, as_hardware
@@ -51,14 +53,17 @@ def parse_budget(text: str | int, program: Program, hardware: Hardware | str) ->
     return check_budget_bytes(_parse(text.strip(), program, hardware), text.strip())
 
 
-def check_budget_bytes(budget: int, text: str | None = None) -> int:
-    """``budget`` (bytes, an int) if it is one byte to ``MAX_MEMORY_BYTES``, else a ``ValueError`` naming it as
-    written (``text``, default the number)."""
-    if isinstance(budget, bool) or not isinstance(budget, int):
+def check_budget_bytes(budget: int, text: str | None = None, *, least: int = 1) -> int:
+    """``budget`` (bytes: an int, numpy's included) if it is ``least`` to ``MAX_MEMORY_BYTES``, else a ``ValueError``
+    naming it as written (``text``, default the number). A planner takes ``least=0``: a budget it cannot meet is
+    its own refusal, which names the smallest it can."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
         raise ValueError(f"a budget in bytes must be an int, got {type(budget).__name__} {budget!r}")
+    budget = int(budget)
     text = str(budget) if text is None else text
-    if budget < 1:
-        raise ValueError(f"a budget of {text} is {budget} bytes; a budget must be at least one byte")
+    if budget < least:
+        least_text = "one byte" if least == 1 else f"{least} bytes"
+        raise ValueError(f"a budget of {text} is {budget} bytes; a budget must be at least {least_text}")
     if budget > MAX_MEMORY_BYTES:
         raise ValueError(f"a budget of {text} is more than {format_bytes(MAX_MEMORY_BYTES)} (2**62 bytes), more than "
                          f"any device has; give a size such as 40GiB or a share of the no-offload peak such as 50%")

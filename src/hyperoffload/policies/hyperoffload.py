@@ -358,7 +358,7 @@ def plan_hyperoffload(program: Program, hardware: Hardware | str, budget_bytes: 
 
     The cyclic garbage collector is paused while planning (``gc_pause``): planning makes no cycles, and the
     collector's walks over the captured program took about a fifth of the planning time."""
-    check_budget_bytes(budget_bytes)
+    budget_bytes = check_budget_bytes(budget_bytes, least=0)
     with collector_paused():
         return _plan_forms(program, as_hardware(hardware), budget_bytes, config)
 

@@ -24,12 +24,13 @@ caller's thread only after every copy of that step has stopped (on the emulated 
 also one the backend accepted just before the step was stopped, whose handle the step never kept), and the
 executor can run the next step. Executors may share one emulated link, in several threads at once: each issues its copies
 through a client of its own (``EmulatedLink.client``), with its own remote buffers. A ``CudaStreams`` has no
-clients: give each executor its own (its pinned remote buffers are per storage id and size, so two executors'
-steps on one would share them).
+clients: it serves one open executor at a time (its pinned remote buffers are per storage id and size, so two
+executors' steps on one would share them), and a second is refused.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, MutableSequence, Sequence
 from typing import Any, Self
 
@@ -85,6 +86,8 @@ class AsyncExecutor:
         # A method of the backend's class: a wrapper that forwards attributes to a link keeps getting the calls.
         has_clients = callable(getattr(type(self._backend), "client", None))
         self.transfers = self._backend.client() if has_clients else self._backend
+        if not has_clients:
+            _hold(self._backend, self)
         self._carried: dict[int, Any] = {}
         self._arena: list[torch.UntypedStorage] = []  # the last donated step's arena (at most one), for the next
         self._prepared: dict[int, PreparedPlan] = {}
@@ -180,6 +183,8 @@ class AsyncExecutor:
         finally:
             if self.transfers is not self._backend:
                 self.transfers.close()
+            elif _holder(self._backend) is self:
+                self._backend._hyperoffload_executor = None
             if self._owned and hasattr(self._backend, "close"):
                 self._backend.close()
 
@@ -188,6 +193,22 @@ class AsyncExecutor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _holder(backend: Any) -> AsyncExecutor | None:
+    """The open executor using ``backend``, a backend without clients, if any."""
+    held = getattr(backend, "_hyperoffload_executor", None)
+    return held() if held is not None else None
+
+
+def _hold(backend: Any, executor: AsyncExecutor) -> None:
+    """Mark ``backend`` (one without clients) as used by ``executor``, refusing a second open executor: the
+    backend keys remote buffers by the plan's storages, so two executors' steps would write each other's."""
+    if _holder(backend) is not None:
+        raise ValueError(f"this {type(backend).__name__} already serves an open AsyncExecutor, and it keeps one set of "
+                         f"remote buffers: two executors' steps would overwrite each other's. Close the first "
+                         f"executor (or use it as a context manager), or give each executor its own backend")
+    backend._hyperoffload_executor = weakref.ref(executor)
 
 
 def run_async(plan: Plan, inputs: Sequence[torch.Tensor], *, link: Transfers | Hardware | str,
