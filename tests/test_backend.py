@@ -5,6 +5,7 @@ backward, and the plan's peak stays within the budget."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,11 +34,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def train_side_by_side(model: nn.Module, backend: Backend, batches, loss_of, steps: int = 2) -> None:
-    """Train ``model`` compiled with ``backend`` and an eager copy with AdamW for ``steps`` steps; loss,
-    every gradient and every parameter must be bit-identical after each step."""
+def train_side_by_side(model: nn.Module, backend: Backend, batches, loss_of, steps: int = 2, *,
+                       reference: Callable[[nn.Module], nn.Module] = lambda m: m, against: str = "eager") -> None:
+    """Train ``model`` compiled with ``backend`` and a copy (run as ``reference(copy)``: eager by default) with
+    AdamW for ``steps`` steps; loss, every gradient, every parameter and every buffer must be bit-identical
+    after each step. ``against`` names the reference in messages."""
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend=backend, dynamic=False)
+    run_reference = reference(eager)
     opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     named_e = dict(eager.named_parameters())
@@ -45,20 +49,20 @@ def train_side_by_side(model: nn.Module, backend: Backend, batches, loss_of, ste
         batch = batches[step % len(batches)]
         loss_c = loss_of(compiled, batch)
         loss_c.backward()
-        loss_e = loss_of(eager, batch)
+        loss_e = loss_of(run_reference, batch)
         loss_e.backward()
-        assert torch.equal(loss_c, loss_e), f"step {step}: loss {loss_c.item()} != eager {loss_e.item()}"
+        assert torch.equal(loss_c, loss_e), f"step {step}: loss {loss_c.item()} != {against} {loss_e.item()}"
         for name, p in model.named_parameters():
             assert p.grad is not None, f"step {step}: no gradient for {name}"
-            assert torch.equal(p.grad, named_e[name].grad), f"step {step}: gradient of {name} differs from eager"
+            assert torch.equal(p.grad, named_e[name].grad), f"step {step}: gradient of {name} differs from {against}"
         opt_c.step()
         opt_e.step()
         opt_c.zero_grad()
         opt_e.zero_grad()
         for name, p in model.named_parameters():
-            assert torch.equal(p, named_e[name]), f"step {step}: {name} differs from eager after the update"
+            assert torch.equal(p, named_e[name]), f"step {step}: {name} differs from {against} after the update"
         for (name, b), e in zip(model.named_buffers(), eager.buffers()):
-            assert torch.equal(b, e), f"step {step}: buffer {name} differs from eager"
+            assert torch.equal(b, e), f"step {step}: buffer {name} differs from {against}"
 
 
 def assert_really_offloads(backend: Backend) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from test_backend import train_side_by_side
 from torch._inductor.utils import run_and_get_code
 
 import hyperoffload
@@ -66,30 +67,9 @@ def mlp_loss(model, x):
 
 
 def train_like_plain_inductor(model: nn.Module, backend: Backend, batches, loss_of, steps: int = 2) -> None:
-    """Train ``model`` compiled with ``backend`` and a copy compiled by plain Inductor with AdamW for ``steps``
-    steps; loss, every gradient and every parameter must be bit-identical after each step."""
-    plain = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    compiled_plain = torch.compile(plain, dynamic=False)
-    opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    named_p = dict(plain.named_parameters())
-    for step in range(steps):
-        batch = batches[step % len(batches)]
-        loss_c = loss_of(compiled, batch)
-        loss_c.backward()
-        loss_p = loss_of(compiled_plain, batch)
-        loss_p.backward()
-        assert torch.equal(loss_c, loss_p), f"step {step}: loss {loss_c.item()} != plain Inductor {loss_p.item()}"
-        for name, p in model.named_parameters():
-            assert p.grad is not None, f"step {step}: no gradient for {name}"
-            assert torch.equal(p.grad, named_p[name].grad), f"step {step}: gradient of {name} differs"
-        opt_c.step()
-        opt_p.step()
-        opt_c.zero_grad()
-        opt_p.zero_grad()
-        for name, p in model.named_parameters():
-            assert torch.equal(p, named_p[name]), f"step {step}: {name} differs after the update"
+    """Train ``model`` compiled with ``backend`` side by side with a copy compiled by plain Inductor, bit for bit."""
+    train_side_by_side(model, backend, batches, loss_of, steps, against="plain Inductor",
+                       reference=lambda m: torch.compile(m, dynamic=False))
 
 
 def assert_offloads_in_both_graphs(backend: Backend) -> None:
