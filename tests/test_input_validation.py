@@ -61,7 +61,9 @@ def test_a_profile_field_out_of_its_rule_is_refused_naming_it(field, bad, rule):
 
 @pytest.mark.parametrize("rates, rule", [({"bfloat16": math.inf}, "peak_flops['bfloat16'] must be a finite number > 0"),
                                          ({"float32": True}, "peak_flops['float32'] must be a finite number > 0"),
-                                         ({"float32": "1e12"}, "peak_flops['float32'] must be a finite number > 0")])
+                                         ({"float32": "1e12"}, "peak_flops['float32'] must be a finite number > 0"),
+                                         ({"bfloat61": 1e15}, "peak_flops['bfloat61'] names no torch dtype"),
+                                         ({"dtype": 1e15}, "peak_flops['dtype'] names no torch dtype")])
 def test_a_peak_flops_entry_out_of_its_rule_is_refused_naming_it(rates, rule):
     with pytest.raises(HardwareError, match=rule.replace("[", r"\[").replace("]", r"\]")):
         H100_PROFILE.replace(peak_flops=rates)

@@ -19,6 +19,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import torch
+
 from hyperoffload.units import bare_number, parse_bandwidth, parse_bytes, parse_duration, parse_flops, unitless
 
 if sys.version_info >= (3, 11):
@@ -137,6 +139,9 @@ class Hardware:
             if not isinstance(dtype, str):
                 raise HardwareError(f"{self.name}: peak_flops is keyed by dtype name (such as 'bfloat16'), got "
                                     f"{_shown(dtype)}")
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise HardwareError(f"{self.name}: peak_flops[{_SHOWN.repr(dtype)}] names no torch dtype (a typo would "
+                                    f"leave the rate unused); write a name such as 'bfloat16', 'float16' or 'float32'")
             if _bad_number(rate) or not 0 < rate:
                 raise HardwareError(f"{self.name}: peak_flops[{dtype!r}] must be a finite number > 0 FLOP/s, got "
                                     f"{_shown(rate)}")
