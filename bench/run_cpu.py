@@ -7,7 +7,7 @@ For ``tiny-llama`` training at a budget (default 50% of its peak), for each link
 * ``wall/unpl``: the planned step's wall time over the unplanned step's through the same executor (what
   offloading costs for real);
 * ``sim/wall``: the simulator's step time over the measured one, and ``sim_error`` (target <= 0.15 where
-  transfers are partly hidden, ``shared/BENCHMARKS.md``), with the prediction from the uncalibrated
+  transfers are partly hidden, ``docs/figures.md``), with the prediction from the uncalibrated
   profile (bare aten dispatch cost) next to it;
 * ``simc/unpl``: how well the profile predicts the unplanned step (its compute alone);
 * ``min err`` and ``min w/u``: the same against the fastest step of each kind (the least disturbed by other

@@ -210,6 +210,6 @@ def test_v2_lite_decode_fake_capture_sizes():
 def test_v3_decode_fake_capture_sizes():
     workload = get_workload("deepseek-v3")
     assert 670e9 < count_params(workload.config) < 673e9  # 671B without the multi-token prediction module
-    assert workload.config.kv_bytes_per_token(torch.bfloat16) == 70_272  # shared/REFERENCES.md
+    assert workload.config.kv_bytes_per_token(torch.bfloat16) == 70_272  # docs/references.md
     program = capture_workload(workload, "decode", context=4096).program
     assert sum(op.target == "hyperoffload.nsa_select.default" for op in program.ops) == 61

@@ -1,7 +1,7 @@
 """Several policies on one step, hardware profile and budget; and sweeps of one quantity.
 
 Each policy plans the same Program for the same budget; every plan is verified (``verify``) and
-simulated on the same profile, and its figures are those of ``shared/BENCHMARKS.md``. A policy that
+simulated on the same profile, and its figures are those of ``docs/figures.md``. A policy that
 does not meet the budget is reported, not dropped: ``feasible`` is False and ``peak_bytes`` is what
 it needs (the HyperOffload planner, which refuses budgets below the smallest it can meet, is shown
 planned at that smallest budget). ``excess_bytes``, ``bound_s`` and ``duplex_bound_s`` are always
@@ -50,7 +50,7 @@ class PolicyResult:
         return self.timeline.figures.step_s
 
     def as_dict(self) -> dict:
-        """The figures of ``shared/BENCHMARKS.md`` with ``policy``, ``feasible`` and ``budget_bytes``."""
+        """The figures of ``docs/figures.md`` with ``policy``, ``feasible`` and ``budget_bytes``."""
         figures = self.timeline.figures.as_dict()
         return {"policy": self.policy, "feasible": self.feasible, **figures, "budget_bytes": self.budget_bytes,
                 "plan_s": self.plan_s, "instructions": len(self.plan.instructions), "note": self.note,

@@ -69,7 +69,7 @@ class Stall(NamedTuple):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Figures:
-    """The figures of ``shared/BENCHMARKS.md`` for one simulated plan (seconds, bytes)."""
+    """The figures of ``docs/figures.md`` for one simulated plan (seconds, bytes)."""
 
     compute_s: float
     step_s: float

@@ -1,4 +1,4 @@
-"""``verify(plan)``: the invariants of ``shared/DESIGN.md``, checked on a plan and on its simulation.
+"""``verify(plan)``: the invariants of ``docs/invariants.md``, checked on a plan and on its simulation.
 
 Statically (``check_plan``): every op reads values that are on the device; a prefetch follows a
 finished offload; nothing still needed is released without a remote copy; the budget holds in plan

@@ -1,6 +1,6 @@
 """``distance``: MindSpore's public fixed-distance offload heuristic (the ``hyper_offload`` pass).
 
-What MindSpore's code does (``shared/REFERENCES.md``): for each tensor, its users sorted by execution
+What MindSpore's code does (``docs/references.md``): for each tensor, its users sorted by execution
 position; a gap between consecutive uses longer than ``select_distance`` nodes (default 100) gets a
 device->host copy after the tensor's producer and a host->device copy before the first user after
 the gap; at most ``select_num`` tensors (default 100). Each host->device copy is moved

@@ -1,5 +1,5 @@
 """``kv-naive``: the whole KV cache lives in remote memory and is fetched in full, blocking, before each
-step uses it. Models the simplest KV offload (``shared/BENCHMARKS.md``: "whole KV cache remote,
+step uses it. Models the simplest KV offload (``docs/figures.md``: "whole KV cache remote,
 fetched in full before use"): every layer's cache tensors are copied to the device when the layer
 first reads them, written there (the new token's keys and values), and sent back after the layer's
 last use, so each decode step moves the whole cache in and out.

@@ -1,6 +1,6 @@
 """``layerwise``: offload every saved activation after the forward pass is done with it, reload it when
 the backward pass needs it. Models saved-tensor-hook offloading: torchtune's ``OffloadActivations`` and
-``torch.autograd.graph.save_on_cpu`` (``shared/REFERENCES.md``).
+``torch.autograd.graph.save_on_cpu`` (``docs/references.md``).
 
 How faithful: the pack hook copies each saved activation to host memory and its device memory is
 returned once the forward pass no longer holds it and the copy has landed; here the copy is issued

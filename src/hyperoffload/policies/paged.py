@@ -1,7 +1,7 @@
 """``paged``: the KV cache in fixed blocks behind a block table, a device block pool as large as the
 budget allows, and blocks swapped in from remote memory when a step misses them.
 
-Models vLLM's PagedAttention with KV offloading (``shared/REFERENCES.md``): the cache is addressed in
+Models vLLM's PagedAttention with KV offloading (``docs/references.md``): the cache is addressed in
 fixed blocks through a block table, blocks that do not fit the device live in CPU memory, and a miss
 is swapped in, least-recently-used blocks making room. Applied to NSA decode (a step reads only its
 selected blocks), the plan is the decode step captured with its latent cache in remote memory

@@ -1,7 +1,7 @@
 """``reactive``: runtime-driven swapping. A value is fetched, blocking, when an op first needs it; the
 least-recently-used resident storage is evicted when an allocation would exceed the budget.
 
-This is the condition of the HyperOffload paper's motivation (section 3.1, ``shared/REFERENCES.md``):
+This is the condition of the HyperOffload paper's motivation (section 3.1, ``docs/references.md``):
 a runtime that only reacts to what the next op needs, as unified-memory paging, a swapping caching
 allocator or an on-demand ZeRO-3 fetch without a trace does. It is expressed as a Plan, the decisions
 such a runtime would take replayed in captured order, so the simulator and the executors run it:

@@ -1,7 +1,7 @@
 """``xla-hidden``: offload a value only if its transfers fit entirely in the compute between its uses.
 
 Models XLA's automatic, budgeted host offloading (rematerialization with host offload, scheduled by
-the latency-hiding scheduler; ``shared/REFERENCES.md``): where the program's memory is over the limit,
+the latency-hiding scheduler; ``docs/references.md``): where the program's memory is over the limit,
 a buffer may go to host memory between two uses only if ``bytes / d2h_bw + bytes / h2d_bw`` (plus each
 copy's latency) fits inside the estimated compute time between its last use and its next use.
 

@@ -1,6 +1,6 @@
 """``zero-infinity``: DeepSpeed ZeRO-3 with parameter and optimizer offload (ZeRO-Infinity), one device.
 
-What DeepSpeed does (``shared/REFERENCES.md``): parameters live in CPU (or NVMe) memory and are
+What DeepSpeed does (``docs/references.md``): parameters live in CPU (or NVMe) memory and are
 gathered to the device before the module that uses them runs, ahead of time from a recorded trace of
 the module order: the prefetcher keeps fetching the next parameters in the trace while fewer than
 ``prefetch_bucket_elements`` (5e7) are in flight, and while fewer than ``max_live_elements`` (1e9)

@@ -15,7 +15,7 @@ simulator's prediction for the same plan.
 5. the simulator on ``hardware`` (for the emulated link: ``cpu-emulated`` at the link's speed):
    ``sim_step_s`` and ``sim_error = |sim_step_s - wall_s| / wall_s``.
 
-Figure names follow ``shared/BENCHMARKS.md``.
+Figure names follow ``docs/figures.md``.
 
 **Dispatch calibration.** The ``cpu-emulated`` profile's ``launch_s`` is the cost of one bare aten call
 from Python (about 2 us here), but the executor pays more per op: it looks up the op's arguments, records

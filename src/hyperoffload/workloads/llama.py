@@ -2,7 +2,7 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention through
 ``torch.nn.functional.scaled_dot_product_attention`` and a SwiGLU feed-forward,
-as in LLaMA 3 (sizes in ``shared/REFERENCES.md``: Meta's published configs).
+as in LLaMA 3 (sizes in ``docs/references.md``: Meta's published configs).
 Nothing is downloaded: weights are random, or absent when built on the meta device.
 """
 

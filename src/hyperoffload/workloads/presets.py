@@ -1,9 +1,9 @@
 """Named workloads: model configs with their dtype policy and default step sizes.
 
-Sizes of the LLaMA 3 presets are Meta's published configs (``shared/REFERENCES.md``:
+Sizes of the LLaMA 3 presets are Meta's published configs (``docs/references.md``:
 LLaMA 3 8B: 32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV heads, vocab 128256;
 LLaMA 3 70B: 80 layers, hidden 8192, FFN 28672, 64 heads, 8 KV heads). Their dtype
-policy is the training policy of ``shared/BENCHMARKS.md``: bf16 weights, gradients and
+policy is the training policy of ``docs/figures.md``: bf16 weights, gradients and
 activations, fp32 AdamW moments, an optional fp32 master copy. ``tiny-llama`` runs in
 fp32 so planned and unplanned runs can be compared bit for bit. The DeepSeek-style presets
 (``deepseek.py``) are for inference: bf16 weights and KV cache, each size with its source in
@@ -57,13 +57,13 @@ WORKLOADS: dict[str, Workload] = {
             description="LLaMA 3 8B",
             config=LlamaConfig(vocab_size=128256, hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8),
             dtype=torch.bfloat16, batch=1, seq=4096, context=4096,
-            source="Meta Llama 3 8B config (shared/REFERENCES.md)"),
+            source="Meta Llama 3 8B config (docs/references.md)"),
         Workload(
             name="llama3-70b",
             description="LLaMA 3 70B",
             config=LlamaConfig(vocab_size=128256, hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8),
             dtype=torch.bfloat16, batch=1, seq=4096, context=4096,
-            source="Meta Llama 3 70B config (shared/REFERENCES.md)"),
+            source="Meta Llama 3 70B config (docs/references.md)"),
         Workload(
             name="tiny-deepseek",
             description="3-layer DeepSeek-style decoder (MLA + NSA + MoE) for tests and demos; prefill and decode "
@@ -82,19 +82,19 @@ WORKLOADS: dict[str, Workload] = {
             name="deepseek-v2-lite",
             description="DeepSeek-V2-Lite (15.7B, 2.4B active) with NSA attention",
             # DeepSeek-V2-Lite config.json (Hugging Face deepseek-ai/DeepSeek-V2-Lite; 27 layers, hidden 2048,
-            # 64 routed + 2 shared experts, 6 active, kv_lora_rank 512 are in shared/REFERENCES.md; heads 16,
+            # 64 routed + 2 shared experts, 6 active, kv_lora_rank 512 are in docs/references.md; heads 16,
             # no query LoRA, qk_nope 128, qk_rope 64, v 128, dense FFN 10944, expert FFN 1408, first layer dense,
             # vocab 102400, no top-k renormalisation are from the same config, not in REFERENCES.md). NSA sizes:
-            # the NSA paper's l=32, d=16, l'=64, n=16, w=512 (shared/REFERENCES.md).
+            # the NSA paper's l=32, d=16, l'=64, n=16, w=512 (docs/references.md).
             config=DeepSeekConfig(vocab_size=102400, hidden=2048, layers=27, dense_layers=1, heads=16, q_lora_rank=0,
                                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                                   ffn=10944, moe_ffn=1408, routed_experts=64, shared_experts=2, experts_per_token=6),
             dtype=torch.bfloat16, batch=32, seq=4096, context=32768, model=DeepSeek,
-            source="DeepSeek-V2-Lite config (Hugging Face) with NSA (shared/REFERENCES.md)"),
+            source="DeepSeek-V2-Lite config (Hugging Face) with NSA (docs/references.md)"),
         Workload(
             name="deepseek-v3",
             description="DeepSeek-V3 (671B, 37B active) with NSA attention; fake capture only",
-            # DeepSeek-V3 config_671B.json (shared/REFERENCES.md): 61 layers, first 3 dense, dim 7168, 128 heads,
+            # DeepSeek-V3 config_671B.json (docs/references.md): 61 layers, first 3 dense, dim 7168, 128 heads,
             # vocab 129280, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128, 256 routed +
             # 1 shared experts, 8 active, expert FFN 2048, dense FFN 18432; top-k renormalised and scaled by 2.5
             # (same config: norm_topk_prob, route_scale). NSA sizes as above.
@@ -103,7 +103,7 @@ WORKLOADS: dict[str, Workload] = {
                                   v_head_dim=128, ffn=18432, moe_ffn=2048, routed_experts=256, shared_experts=1,
                                   experts_per_token=8, norm_topk=True, routed_scale=2.5),
             dtype=torch.bfloat16, batch=1, seq=4096, context=32768, model=DeepSeek,
-            source="DeepSeek-V3 config_671B.json with NSA (shared/REFERENCES.md)"),
+            source="DeepSeek-V3 config_671B.json with NSA (docs/references.md)"),
     )
 }
 
