@@ -133,6 +133,8 @@ def with_planned_layouts(gm: Callable, layouts: Sequence[InputLayout | None]) ->
     empty to drop each input after its last use; the caller's list is emptied first, so that holds nothing."""
     checked = [(i, layout) for i, layout in enumerate(layouts) if layout is not None]
     boxed = getattr(gm, "_boxed_call", False)
+    if not checked and boxed:
+        return gm  # nothing to relay: no per-call wrapper
 
     def run(args: list) -> object:
         written: list[tuple[torch.Tensor, torch.Tensor]] = []
