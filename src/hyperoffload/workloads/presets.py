@@ -84,7 +84,7 @@ WORKLOADS: dict[str, Workload] = {
             # DeepSeek-V2-Lite config.json (Hugging Face deepseek-ai/DeepSeek-V2-Lite; 27 layers, hidden 2048,
             # 64 routed + 2 shared experts, 6 active, kv_lora_rank 512 are in docs/references.md; heads 16,
             # no query LoRA, qk_nope 128, qk_rope 64, v 128, dense FFN 10944, expert FFN 1408, first layer dense,
-            # vocab 102400, no top-k renormalisation are from the same config, not in REFERENCES.md). NSA sizes:
+            # vocab 102400, no top-k renormalisation are from the same config, not in docs/references.md). NSA sizes:
             # the NSA paper's l=32, d=16, l'=64, n=16, w=512 (docs/references.md).
             config=DeepSeekConfig(vocab_size=102400, hidden=2048, layers=27, dense_layers=1, heads=16, q_lora_rank=0,
                                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
