@@ -11,12 +11,13 @@ from hyperoffload.policies import InfeasibleBudget, PlannerConfig, plan_hyperoff
 from hyperoffload.simulate import Timeline, simulate
 from hyperoffload.verify import VerificationError, verify
 from hyperoffload.compile import Backend, CompiledGraph, backend
+from hyperoffload.compile.train_step import StepFigures, TrainStep, train_step
 from hyperoffload.compare import PolicyResult, compare, sweep
 from hyperoffload.runtime import AsyncExecutor, EmulatedLink, run_async
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncExecutor", "EmulatedLink", "run_async", "PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "HardwareError", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
+__all__ = ["StepFigures", "TrainStep", "train_step", "AsyncExecutor", "EmulatedLink", "run_async", "PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "HardwareError", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
            "hideable_budget", "parse_budget", "plan", "plan_hyperoffload", "simulate", "verify", "AdamW", "CaptureError", "Captured", "LiveRange", "MemoryProfile", "Op", "Phase", "Program", "Value",
            "ValueKind", "capture_decode_step", "capture_prefill_step", "capture_train_step", "fake_build",
            "live_ranges", "memory_profile", "storage_ranges", "verify_program"]

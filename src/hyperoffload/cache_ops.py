@@ -93,6 +93,10 @@ class AsyncCopies:
     copies in flight together, overlapping the graph's compute (never, when copies are synchronous)."""
     most_in_flight: int = 0
     """The most other copies not completed yet that one of those waits found."""
+    h2d_bytes: int = 0
+    """Bytes the prefetches started here copied (or are copying) to the device, in all."""
+    d2h_bytes: int = 0
+    """Bytes the offloads started here copied (or are copying) to remote memory, in all."""
 
     def started(self, handle: Any, dst: torch.Tensor) -> None:
         """Record ``handle``, the copy into ``dst``; forget copies that completed and were never waited for."""
@@ -138,10 +142,12 @@ def _start_copy(kind: str, src: torch.Tensor) -> torch.Tensor:
     label = f"{kind} of a {src.dtype} storage of {storage.nbytes()} bytes"
     if kind == "offload":
         handle = copies.client.offload(label, storage, dst.untyped_storage())
+        copies.d2h_bytes += storage.nbytes()
     else:
         # A remote buffer whose own offload is still in flight is read once that copy has landed.
         entry = copies.pending.get(storage.data_ptr())
         handle = copies.client.prefetch(label, storage, dst.untyped_storage(), None if entry is None else entry[0])
+        copies.h2d_bytes += storage.nbytes()
     copies.started(handle, dst)
     return dst
 

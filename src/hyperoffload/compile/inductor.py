@@ -24,7 +24,7 @@ Inductor may instead keep it in float32 inside a fused kernel.)
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,13 +116,15 @@ def realize_before_releases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, partition: Partition,
                     plan_inference: Callable[[torch.fx.GraphModule], torch.fx.GraphModule],
-                    finish: Callable[[torch.fx.GraphModule, Callable], Callable]) -> Callable:
+                    finish: Callable[[torch.fx.GraphModule, Callable], Callable],
+                    settings: Mapping[str, Any] = PLANNED_GRAPH_CONFIG) -> Callable:
     """Compile TorchDynamo's graph ``gm`` with Inductor, planned.
 
     ``partition`` plans a training step (aot_autograd's joint graph, after Inductor's joint-graph
     passes) and returns the lowered forward and backward; ``plan_inference(gm)`` plans and lowers an
     inference graph. ``finish(graph, compiled)`` gets each graph Inductor compiled (as lowered) and
     its compiled function (boxed: called with one list of inputs) and returns what runs in its place.
+    ``settings``: the ``torch._inductor.config`` the planned graphs are compiled with.
     """
     from torch._functorch import config as functorch_config
     from torch._inductor import config
@@ -131,7 +133,7 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, parti
     def inner(graph: torch.fx.GraphModule, inputs: Sequence, **kwargs: Any):
         if kwargs.get("is_inference"):
             graph = plan_inference(graph)
-        with config.patch(PLANNED_GRAPH_CONFIG):
+        with config.patch(dict(settings)):
             compiled = compile_fx_inner(realize_before_releases(graph), inputs, **kwargs)
         return finish(graph, _boxed(compiled))
 

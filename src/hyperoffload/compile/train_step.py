@@ -1,0 +1,325 @@
+"""``hyperoffload.train_step``: the user's whole training step, optimizer included, planned under a budget and
+compiled by Inductor.
+
+``step = train_step(model, optimizer, loss_fn, example_batch, budget="50%", hardware="h100-sxm")`` then
+``loss = step(batch)`` in the user's own loop. Making the step:
+
+1. create the optimizer's state where it has none yet, as its first ``step()`` would
+   (``whole_step.init_optimizer_state``);
+2. trace forward, ``loss_fn(model, batch)``, backward and ``optimizer.step()`` into one graph
+   (``whole_step.trace_whole_step``);
+3. hand it to Inductor (``inductor.compile_planned``); on the functional graph Inductor is about to
+   compile, move each parameter's and state's write-back to just after its update
+   (``whole_step.write_back_early``), restore the phases (``whole_step.mark_phases``), convert it to a
+   Program and plan parameters, gradients, optimizer state and activations jointly under the budget
+   (``hyperoffload.plan``), lower the plan with the cache operators (``lower.lower_plan``), and let
+   Inductor compile that.
+
+Each call reads the learning rates from the optimizer's groups (a scheduler's changes count), runs the
+compiled step on the model's and the optimizer's own tensors, which it updates in place, with the cache
+operators copying on an emulated link's engines, and records what it measured in ``last``. State the plan
+keeps in remote memory between steps is the model's (or optimizer's) own tensor, which holds it
+between calls, so ``state_dict()`` and checkpoints read it as usual. A batch of other shapes, or a
+changed optimizer setting other than the learning rate, makes the step trace and plan again, with a
+warning saying why.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperoffload import cache_ops
+from hyperoffload.analysis import memory_profile
+from hyperoffload.budgets import parse_budget
+from hyperoffload.capture.graph_to_program import CaptureError, program_from_graph
+from hyperoffload.capture.steps import _own_storages
+from hyperoffload.compile.backend import check_budget_text
+from hyperoffload.compile.held_inputs import start_released_inputs_remote
+from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, compile_planned
+from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
+from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatten_batch, init_optimizer_state,
+                                             mark_phases, trace_whole_step, write_back_early)
+from hyperoffload.hardware import Hardware, as_hardware
+from hyperoffload.ir import Program, ValueKind
+from hyperoffload.lower import lower_plan
+from hyperoffload.plans import Kind, Plan, check_plan, plan_without_offload
+from hyperoffload.policies import get_policy
+from hyperoffload.runtime.device_peak import device_peak
+from hyperoffload.runtime.emulated_link import EmulatedLink
+from hyperoffload.simulate import Figures, simulate
+from hyperoffload.units import format_bytes
+from hyperoffload.verify import verify
+
+
+WHOLE_STEP_CONFIG = MappingProxyType({**PLANNED_GRAPH_CONFIG, "pattern_matcher": False})
+"""``torch._inductor.config`` for a whole step, planned or not (``offload=False``): the planned graphs' settings,
+and no pattern rewrites, which fuse a matrix product with the addition after it (``mm`` + ``add`` into ``addmm``,
+rounding differently) depending on what else reads the product, so a plan's transfers would change the
+rounding."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepFigures:
+    """What one call of a ``TrainStep`` measured (bytes, seconds)."""
+
+    peak_bytes: int | None
+    """Device-tier bytes held at the call's peak: the inputs resident on the device when it began plus the most
+    bytes allocated at once during it. None when the step was made with ``measure=False``."""
+    budget_bytes: int
+    h2d_bytes: int
+    """Bytes the call's prefetches copied to the device."""
+    d2h_bytes: int
+    """Bytes the call's offloads copied to remote memory."""
+    wall_s: float
+    """Wall time of the call (seconds)."""
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Compiled:
+    """One traced, planned and compiled form of the step (a batch shape and the optimizer's settings)."""
+
+    inputs: StepInputs
+    hyperparameters: tuple[dict, ...]
+    program: Program
+    plan: Plan
+    run: Callable[..., Any]
+    resident_bytes: int
+    """Bytes of the input storages that start the step on the device (bytes)."""
+
+
+class TrainStep:
+    """A user's training step planned under a budget; call it with a batch, get the loss. See ``train_step``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
+                 example_batch: Any, *, budget: int | str, hardware: Hardware | str, policy: str = "hyperoffload",
+                 link: EmulatedLink | None = None, offload: bool = True, measure: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch) -> loss, got {type(loss_fn).__name__}")
+        rule_for(optimizer)
+        check_budget_text(budget)
+        get_policy(policy)
+        self.hardware = as_hardware(hardware)
+        if link is not None and not isinstance(link, EmulatedLink):
+            raise TypeError(f"link must be an EmulatedLink, got {type(link).__name__}")
+        _check_devices(model, example_batch, self.hardware)
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.budget, self.policy, self.offload, self.measure = budget, policy, offload, measure
+        self.link = link if link is not None else EmulatedLink.for_hardware(self.hardware)
+        self.copies = cache_ops.AsyncCopies(client=self.link.client())
+        self.last: StepFigures | None = None
+        """What the latest call measured; None before the first call."""
+        self._forms: dict[str, _Compiled] = {}
+        self._current = self._compile(example_batch)
+
+    # --- what was planned ---------------------------------------------------------------------------
+    @property
+    def program(self) -> Program:
+        """The whole step as planned (the graph Inductor compiles, before the cache operators)."""
+        return self._current.program
+
+    @property
+    def plan(self) -> Plan:
+        """The verified plan of the latest form of the step."""
+        return self._current.plan
+
+    @property
+    def figures(self) -> Figures:
+        """The plan simulated on the hardware profile (seconds, bytes)."""
+        return simulate(self.plan, self.hardware).figures
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.plan.budget_bytes if self.plan.budget_bytes is not None else self.unplanned_peak_bytes
+
+    @property
+    def unplanned_peak_bytes(self) -> int:
+        """Device bytes the step needs with nothing offloaded (what a percentage budget is of)."""
+        return memory_profile(self.program).peak_bytes
+
+    def remote(self) -> dict[str, list[str]]:
+        """Names of the values the plan keeps in remote memory between steps or sends there, by kind."""
+        values = self.program.values
+        storages = set(self.plan.initial_remote) | {i.target for i in self.plan.instructions if i.kind is Kind.OFFLOAD}
+        by_kind: dict[str, list[str]] = {}
+        for s in sorted(storages):
+            by_kind.setdefault(values[s].kind.value, []).append(values[s].name)
+        return by_kind
+
+    def report(self) -> str:
+        """A few lines: the budget, the planned and unplanned peaks, what lives remote and the simulated step."""
+        f = self.figures
+        planned = check_plan(self.plan).peak_bytes
+        lines = [f"train_step of {type(self.model).__name__} with {type(self.optimizer).__name__} on "
+                 f"{self.hardware.name} ({self.plan.policy} policy)",
+                 f"  budget {format_bytes(self.budget_bytes)}: planned peak {format_bytes(planned)}, "
+                 f"{format_bytes(self.unplanned_peak_bytes)} with nothing offloaded",
+                 f"  simulated step {f.step_s * 1e3:.3f} ms (compute {f.compute_s * 1e3:.3f} ms), "
+                 f"{format_bytes(f.h2d_bytes)} to the device and {format_bytes(f.d2h_bytes)} to remote memory"]
+        initial = self.plan.initial_remote
+        values = self.program.values
+        kept = sum(values[s].alloc_bytes for s in initial)
+        lines.append(f"  kept in remote memory between steps: {format_bytes(kept)} in {len(initial)} tensors")
+        for kind, names in self.remote().items():
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            lines.append(f"  remote {kind}: {len(names)} ({shown})")
+        if self.last is not None:
+            peak = "not measured" if self.last.peak_bytes is None else format_bytes(self.last.peak_bytes)
+            lines.append(f"  last call: {self.last.wall_s * 1e3:.1f} ms, device peak {peak}, "
+                         f"{format_bytes(self.last.h2d_bytes)} in, {format_bytes(self.last.d2h_bytes)} out")
+        return "\n".join(lines)
+
+    # --- calling ------------------------------------------------------------------------------------
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Run one training step on ``batch`` (shaped like the example); returns the loss (a detached tensor)."""
+        _check_devices(self.model, batch, self.hardware)
+        compiled = self._form_for(batch)
+        tensors, _, _ = flatten_batch(batch)
+        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in self.optimizer.param_groups]
+        flat = compiled.inputs.flat(self.optimizer, lrs, _own_storages(tensors))
+        copies = self.copies
+        h2d, d2h = copies.h2d_bytes, copies.d2h_bytes
+
+        def call() -> Any:
+            with cache_ops.copies_on(copies), torch.no_grad():
+                return compiled.run(*flat)
+
+        start = time.perf_counter()
+        try:
+            if self.measure:
+                out, peak = device_peak(call)
+            else:
+                out, peak = call(), None
+        except BaseException:
+            self.copies.client.drain()
+            raise
+        wall = time.perf_counter() - start
+        self.last = StepFigures(peak_bytes=None if peak is None else compiled.resident_bytes + peak.peak_bytes,
+                                budget_bytes=self.budget_bytes, h2d_bytes=copies.h2d_bytes - h2d,
+                                d2h_bytes=copies.d2h_bytes - d2h, wall_s=wall)
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        return loss
+
+    # --- making the compiled step --------------------------------------------------------------------
+    def _key(self, batch: Any) -> str:
+        _, spec, leaves = flatten_batch(batch)
+        settings = [hyperparameters(g) for g in self.optimizer.param_groups]
+        return repr((spec, leaves, settings))
+
+    def _form_for(self, batch: Any) -> _Compiled:
+        key = self._key(batch)
+        if key in self._forms:
+            self._current = self._forms[key]
+            return self._current
+        current = self._current
+        _, _, leaves = flatten_batch(batch)
+        settings = tuple(hyperparameters(g) for g in self.optimizer.param_groups)
+        if tuple(leaves) != current.inputs.batch_leaves:
+            why = (f"the batch's tensors are {_leaves_text(leaves)}, the example's were "
+                   f"{_leaves_text(current.inputs.batch_leaves)}")
+        elif settings != current.hyperparameters:
+            changed = sorted({k for new, old in zip(settings, current.hyperparameters) for k in new
+                              if new.get(k) != old.get(k)})
+            why = f"the optimizer's {', '.join(changed) or 'parameter groups'} changed"
+        else:
+            why = "the batch's structure differs from the example's"
+        warnings.warn(f"train_step: {why}; tracing and planning the step again for it", stacklevel=3)
+        self._current = self._compile(batch)
+        return self._current
+
+    def _compile(self, batch: Any) -> _Compiled:
+        init_optimizer_state(self.optimizer, rule_for(self.optimizer))
+        inputs = describe_inputs(self.model, self.optimizer, batch)
+        tensors, _, _ = flatten_batch(batch)
+        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in self.optimizer.param_groups]
+        flat = inputs.flat(self.optimizer, lrs, _own_storages(tensors))
+        gm = trace_whole_step(self.model, self.optimizer, self.loss_fn, inputs, flat)
+        planned: dict[str, Any] = {}
+
+        def plan_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+            program = self._program(graph, inputs)
+            plan = self._plan(program) if self.offload else plan_without_offload(program)
+            planned.update(program=program, plan=plan)
+            return lower_plan(plan)
+
+        run = compile_planned(gm, flat, partition=_never_partitioned, plan_inference=plan_graph,
+                              finish=lambda graph, compiled: compiled, settings=WHOLE_STEP_CONFIG)
+        program, plan = planned["program"], planned["plan"]
+        values = program.values
+        inputs_storages = {values[v].storage for v in program.inputs}
+        resident = sum(values[s].alloc_bytes for s in inputs_storages - set(plan.initial_remote))
+        compiled = _Compiled(inputs=inputs, hyperparameters=tuple(hyperparameters(g) for g in self.optimizer.param_groups),
+                             program=program, plan=plan, run=run, resident_bytes=resident)
+        self._forms[self._key(batch)] = compiled
+        return compiled
+
+    def _program(self, graph: torch.fx.GraphModule, inputs: StepInputs) -> Program:
+        graph = mark_phases(write_back_early(graph))
+        placeholders = graph.graph.find_nodes(op="placeholder")
+        if len(placeholders) != len(inputs.kinds):
+            raise CaptureError(f"Inductor's graph of the step has {len(placeholders)} inputs where the step has "
+                               f"{len(inputs.kinds)}; the step cannot be planned")
+        return program_from_graph(graph, inputs.kinds, name=type(self.model).__name__, mode="train",
+                                  input_names=inputs.names,
+                                  meta={"mode": "train", "optimizer": type(self.optimizer).__name__.lower()})
+
+    def _plan(self, program: Program) -> Plan:
+        budget = parse_budget(self.budget, program, self.hardware)
+        plan = start_released_inputs_remote(get_policy(self.policy)(program, self.hardware, budget))
+        verify(plan)
+        return plan
+
+
+def _never_partitioned(*args, **kwargs):
+    raise AssertionError("a whole training step has no autograd left for Inductor to partition")
+
+
+def _leaves_text(leaves: Sequence[Any]) -> str:
+    shown = [f"{dtype}{list(shape)}" for shape, dtype, _ in (x for x in leaves if isinstance(x, tuple) and len(x) == 3)]
+    return ", ".join(shown)
+
+
+def _check_devices(model: nn.Module, batch: Any, hardware: Hardware) -> None:
+    """The step runs on the CPU over an emulated link of ``hardware``: every tensor must be a CPU tensor."""
+    devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
+    leaves, _, _ = flatten_batch(batch)
+    devices |= {t.device.type for t in leaves}
+    other = sorted(devices - {"cpu"})
+    if other:
+        raise NotImplementedError(
+            f"train_step runs a model on the CPU, with its copies on an emulated link of {hardware.name}; this model "
+            f"or batch has tensors on {', '.join(other)}, and the cache operators have no {other[0]} kernels inside "
+            f"compiled graphs yet. Move the model and batch to the CPU to try the plan, or run a planned step on "
+            f"the GPU with hyperoffload.run_async (README, 'Running plans for real')")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
+               example_batch: Any, *, budget: int | str = "50%", hardware: Hardware | str = "h100-sxm",
+               policy: str = "hyperoffload", link: EmulatedLink | None = None, offload: bool = True,
+               measure: bool = True) -> TrainStep:
+    """The user's whole training step, planned under ``budget`` and compiled by Inductor.
+
+    ``loss_fn(model, batch)`` returns the loss; ``example_batch`` is any tree of tensors the step will be called
+    with (``step(batch)``); ``optimizer`` a ``torch.optim`` AdamW, Adam or SGD over the model's parameters.
+    ``budget``: bytes, ``"40GiB"``, ``"50%"`` of the step's no-offload peak, or ``"hideable"``; ``hardware``: the
+    profile planned for, whose link the copies are emulated at (``link=`` to give another). ``offload=False``
+    compiles the same step with nothing planned (plain Inductor), to compare against. ``measure`` records each
+    call's device peak in ``step.last`` (through PyTorch's profiler: turn it off to time steps).
+    """
+    return TrainStep(model, optimizer, loss_fn, example_batch, budget=budget, hardware=hardware, policy=policy,
+                     link=link, offload=offload, measure=measure)
+
+
+__all__ = ["StepFigures", "TrainStep", "train_step"]

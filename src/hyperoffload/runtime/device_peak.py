@@ -1,0 +1,109 @@
+"""Measure the device-tier bytes a call holds on a CPU-only machine, where both tiers are host memory.
+
+Inductor's compiled code allocates its buffers in C++ (no Python and no dispatcher mode sees them),
+so the bytes are read from PyTorch's profiler, which records every allocation and free of the CPU
+allocator with its address and the operator it happened in (``profile_memory=True``). An allocation
+made inside a cache operator that creates a remote buffer (``hyperoffload::offload``) is remote
+memory, as is its free; every other allocation is device memory. ``device_peak`` replays the
+events in time order and returns the most device bytes allocated at once during the call, above
+what was allocated when it began (the caller adds what its inputs held).
+
+The profiler writes two lines to the process's standard error each time it starts and stops
+(kineto's ``profiler_start`` / ``profiler_stop``); they are kept out of the user's terminal by
+pointing file descriptor 2 elsewhere for exactly those two moments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from torch.profiler import ProfilerActivity, profile
+
+T = TypeVar("T")
+
+REMOTE_ALLOCATING_OPS = frozenset({"hyperoffload::offload"})
+"""Operators whose allocations are remote buffers."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DevicePeak:
+    """Device-tier allocations of one call (bytes)."""
+
+    peak_bytes: int
+    """The most device bytes allocated at once during the call, above those allocated when it began."""
+    allocated_bytes: int
+    """Device bytes allocated during the call, in all."""
+    remote_allocated_bytes: int
+    """Remote bytes allocated during the call (the buffers offloads copied into)."""
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 goes to the null device inside the block (Python's ``sys.stderr`` object included)."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no standard error to speak of
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def device_peak(fn: Callable[[], T], remote_ops: frozenset[str] = REMOTE_ALLOCATING_OPS) -> tuple[T, DevicePeak]:
+    """Call ``fn()`` under the profiler and return its result with its ``DevicePeak``."""
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():
+        prof.__enter__()
+    try:
+        result = fn()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
+    return result, _replay(prof, remote_ops)
+
+
+def _replay(prof: profile, remote_ops: frozenset[str]) -> DevicePeak:
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            events.append((event.start_time_ns, fields.ptr, fields.alloc_size, _inside(event, remote_ops)))
+    events.sort(key=lambda e: e[0])
+    remote: set[int] = set()
+    held = peak = allocated = remote_allocated = 0
+    for _, ptr, size, in_remote_op in events:
+        if size > 0 and in_remote_op:
+            remote.add(ptr)
+            remote_allocated += size
+            continue
+        if size < 0 and ptr in remote:
+            remote.discard(ptr)
+            continue
+        held += size
+        allocated += max(size, 0)
+        peak = max(peak, held)
+    return DevicePeak(peak_bytes=peak, allocated_bytes=allocated, remote_allocated_bytes=remote_allocated)
+
+
+def _inside(event, names: frozenset[str]) -> bool:
+    parent = event.parent
+    while parent is not None:
+        if parent.name in names:
+            return True
+        parent = parent.parent
+    return False
+
+
+__all__ = ["DevicePeak", "REMOTE_ALLOCATING_OPS", "device_peak"]
