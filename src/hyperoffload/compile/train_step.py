@@ -93,6 +93,8 @@ class _Compiled:
     hyperparameters: tuple[dict, ...]
     program: Program
     plan: Plan
+    graph: torch.fx.GraphModule
+    """The lowered graph Inductor compiled: the step in plan order with the cache operators."""
     run: Callable[..., Any]
     resident_bytes: int
     """Bytes of the input storages that start the step on the device (bytes)."""
@@ -134,6 +136,11 @@ class TrainStep:
     def plan(self) -> Plan:
         """The verified plan of the latest form of the step."""
         return self._current.plan
+
+    @property
+    def graph(self) -> torch.fx.GraphModule:
+        """The lowered graph Inductor compiled (the step in plan order, with the cache operators)."""
+        return self._current.graph
 
     @property
     def figures(self) -> Figures:
@@ -223,18 +230,17 @@ class TrainStep:
         if key in self._forms:
             self._current = self._forms[key]
             return self._current
-        current = self._current
         _, _, leaves = flatten_batch(batch)
         settings = tuple(hyperparameters(g) for g in self.optimizer.param_groups)
-        if tuple(leaves) != current.inputs.batch_leaves:
+        same_batch = [f for f in self._forms.values() if f.inputs.batch_leaves == tuple(leaves)]
+        if not same_batch:
+            example = next(iter(self._forms.values()))
             why = (f"the batch's tensors are {_leaves_text(leaves)}, the example's were "
-                   f"{_leaves_text(current.inputs.batch_leaves)}")
-        elif settings != current.hyperparameters:
-            changed = sorted({k for new, old in zip(settings, current.hyperparameters) for k in new
-                              if new.get(k) != old.get(k)})
-            why = f"the optimizer's {', '.join(changed) or 'parameter groups'} changed"
+                   f"{_leaves_text(example.inputs.batch_leaves)}")
         else:
-            why = "the batch's structure differs from the example's"
+            old_settings = same_batch[-1].hyperparameters
+            changed = sorted({k for new, old in zip(settings, old_settings) for k in new if new.get(k) != old.get(k)})
+            why = f"the optimizer's {', '.join(changed) or 'parameter groups'} changed"
         warnings.warn(f"train_step: {why}; tracing and planning the step again for it", stacklevel=3)
         self._current = self._compile(batch)
         return self._current
@@ -251,8 +257,8 @@ class TrainStep:
         def plan_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             program = self._program(graph, inputs)
             plan = self._plan(program) if self.offload else plan_without_offload(program)
-            planned.update(program=program, plan=plan)
-            return lower_plan(plan)
+            planned.update(program=program, plan=plan, graph=lower_plan(plan))
+            return planned["graph"]
 
         run = compile_planned(gm, flat, partition=_never_partitioned, plan_inference=plan_graph,
                               finish=lambda graph, compiled: compiled, settings=WHOLE_STEP_CONFIG)
@@ -261,7 +267,7 @@ class TrainStep:
         inputs_storages = {values[v].storage for v in program.inputs}
         resident = sum(values[s].alloc_bytes for s in inputs_storages - set(plan.initial_remote))
         compiled = _Compiled(inputs=inputs, hyperparameters=tuple(hyperparameters(g) for g in self.optimizer.param_groups),
-                             program=program, plan=plan, run=run, resident_bytes=resident)
+                             program=program, plan=plan, graph=planned["graph"], run=run, resident_bytes=resident)
         self._forms[self._key(batch)] = compiled
         return compiled
 

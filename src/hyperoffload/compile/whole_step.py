@@ -236,8 +236,9 @@ def trace_whole_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     except (CaptureError, UnsupportedOptimizer):
         raise
     except Exception as error:  # tracing runs the user's model, loss and optimizer code
-        raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error}. "
-                           f"{_trace_advice(error)}") from error
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CaptureError(f"tracing the training step failed{_user_line(error)}: {type(error).__name__}: "
+                           f"{first_line}. {_trace_advice(error)}") from error
     _drop_profiler_ranges(gm)
     _tag_phases(gm)
     return gm
@@ -257,6 +258,20 @@ def _drop_profiler_ranges(gm: torch.fx.GraphModule) -> None:
 
 def _is_leaf_tensor(x: Any) -> bool:
     return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], torch.dtype)
+
+
+def _user_line(error: BaseException) -> str:
+    """`` at file:line in function`` of the innermost frame of the traceback outside torch and this package (the
+    user's model or loss), or nothing."""
+    import os
+    import traceback
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} in {f.name} ({(f.line or '').strip()})"
 
 
 def _trace_advice(error: Exception) -> str:

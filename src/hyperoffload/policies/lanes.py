@@ -30,12 +30,16 @@ class Lane:
         self._searched: dict[tuple, int] = {}
         """(search, its fixed arguments) -> earliest: every position from ``lowest`` below this one is busy;
         latest: every position from the first candidate down to above this one is busy."""
+        self._start_lists: dict[int, list[float]] = {}
+        """The ``op_start`` lists the searches were keyed by (``id``), held so that no other list takes the id of
+        one while this lane lives: a reused id would hand a search another list's result."""
 
     def earliest(self, op_start: list[float], lowest: int, duration: float, limit: int) -> int:
         """The first position q in [lowest, limit) whose start (``op_start``, ascending, seconds) leaves
         ``duration`` free, or -1."""
         starts, ends = self.starts, self.ends  # hot loop: local names
         bisect_left = bisect.bisect_left
+        self._start_lists.setdefault(id(op_start), op_start)
         key = (False, id(op_start), lowest, duration)
         q = self._searched.get(key, lowest)
         while q < limit:
@@ -54,6 +58,7 @@ class Lane:
         """The last position q in [lowest, highest] with start + duration <= deadline and free, or -1."""
         starts, ends = self.starts, self.ends
         bisect_right = bisect.bisect_right
+        self._start_lists.setdefault(id(op_start), op_start)
         key = (True, id(op_start), highest, duration, deadline)
         q = self._searched.get(key)
         if q is None:
