@@ -1,0 +1,426 @@
+"""``hyperoffload.train_step`` against eager PyTorch and ``torch.compile`` on whole training steps (CPU only).
+
+For each model (LLaMA-style decoders built from ``LlamaConfig`` with random weights: ``tiny-llama``, and
+``llama-h256``, 4 layers of width 256), trained with ``torch.optim.AdamW`` on one batch shape and a few
+different random batches, all measured in this one run:
+
+* ``eager_s``: median step of eager PyTorch (``loss = loss_fn(model, batch); loss.backward();
+  optimizer.step(); optimizer.zero_grad()``);
+* ``inductor_s``: the same loop with the model under plain ``torch.compile`` (Inductor), the optimizer eager;
+* ``train_step_100_s``: median call of ``train_step(..., budget="100%", measure=False)``;
+* ``train_step_50_s``: median call of ``train_step(..., budget="50%", measure=False)`` planned on the
+  ``cpu-emulated`` profile at a link speed its simulated step hides the copies at (``link_bw``: the slowest of
+  ``LINK_CANDIDATES`` whose plan leaves at most ``--exposed`` of the simulated step exposed to transfers), its
+  copies on an ``EmulatedLink`` of that profile (same bandwidth and latency), so simulator and link agree
+  (``--link`` gives the speed instead). The profile's compute is the interpreter's (one aten op at a time), so
+  a step Inductor fuses finishes its compute sooner than simulated and may not hide copies the simulator does;
+* ``sim_50_s``: that step's simulated ``step_s`` (``step.figures``), and ``exposed_50_s`` its exposed transfer time;
+* ``interpreter_50_s``: the same plan run by the project's plan interpreter (``AsyncExecutor.run``, one op at
+  a time, in place on copies of the step's inputs) on an emulated link of the same speed; null, with
+  ``interpreter_error`` saying why, if it cannot run;
+* ``measured_peak_bytes``: device-tier bytes of one call of the 50% step with its peak measured (the profiler
+  is on for that call only), against ``budget_bytes``;
+* ``max_abs_diff``: the largest absolute difference of parameters between the 50% step and
+  ``train_step(..., offload=False)`` after the same calls on the same batches from the same initial weights
+  (``max_abs_diff_state``: the same over the optimizer's state);
+* the ratios ``train_step_100_s / inductor_s`` (target <= 1.05), ``train_step_50_s / inductor_s`` (<= 1.10),
+  ``train_step_50_s / sim_50_s`` (``sim_error = |sim - wall| / wall`` <= 0.15), peak <= budget and diff 0.
+
+Steps of all variants run in interleaved rounds (one step of each per round), so load from other work on a
+shared machine falls on every variant alike; each median is over ``--steps`` rounds after ``--warmup``. Compile
+times (``compile_s``) are the first call or construction of each variant. ``load_avg`` (1-minute load average)
+is read after each model's timed rounds; wall times move with it.
+
+``--json`` prints one object instead of the table::
+
+    {"config": {"steps", "warmup", "threads", "budget", "policy", "exposed", "batches", "link_bw"},
+     "load_avg": [1-, 5-, 15-minute load average at the end],
+     "models": {name: {"batch", "seq", "parameters", "eager_s", "inductor_s", "train_step_100_s",
+                       "train_step_50_s", "sim_50_s", "exposed_50_s", "compute_50_s", "interpreter_50_s",
+                       "interpreter_error", "link_bw", "measured_peak_bytes", "budget_bytes",
+                       "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
+                       "load_avg", "compile_s": {variant: s}, "ratios": {name: x}, "targets": {name: bool}}}}
+
+Times in seconds, bytes in bytes, ``link_bw`` in bytes/s. Progress goes to stderr. Usage:
+``.venv/bin/python bench/native.py [--quick] [--steps 15] [--warmup 2] [--threads 1] [--json]``
+(``--quick``: ``tiny-llama`` only, 3 steps after 1 warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hyperoffload
+from hyperoffload.budgets import parse_budget
+from hyperoffload.cli import cpu_cache_path
+from hyperoffload.compile.held_inputs import start_released_inputs_remote
+from hyperoffload.compile.optimizers import learning_rate
+from hyperoffload.compile.train_step import TrainStep
+from hyperoffload.compile.whole_step import flatten_batch
+from hyperoffload.hardware import Hardware, get_hardware
+from hyperoffload.ir import Program
+from hyperoffload.policies import get_policy
+from hyperoffload.runtime import AsyncExecutor, EmulatedLink
+from hyperoffload.simulate import simulate
+from hyperoffload.units import format_bandwidth, format_bytes, parse_bandwidth
+from hyperoffload.workloads import Llama, LlamaConfig, get_workload
+
+LINK_CANDIDATES = tuple(2**k * 1e9 for k in range(0, 8))
+"""Link speeds tried for the 50% step, slowest first (bytes/s each way: 1 GB/s to 128 GB/s)."""
+
+TARGETS = {"train_step_100 / inductor": 1.05, "train_step_50 / inductor": 1.10, "sim_error": 0.15}
+"""Upper bounds of the ratios (``sim_error = |sim_50_s - train_step_50_s| / train_step_50_s``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """A model of the benchmark and the batch shape it is trained on."""
+
+    name: str
+    config: LlamaConfig
+    batch: int
+    """Sequences per step."""
+    seq: int
+    """Tokens per sequence."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchConfig:
+    """How the benchmark runs."""
+
+    steps: int
+    """Timed rounds (one step of every variant each) after warm-up."""
+    warmup: int
+    """Untimed rounds first."""
+    threads: int
+    """Compute threads (the rest of the cores are left to the emulated link's copy threads)."""
+    budget: str = "50%"
+    policy: str = "hyperoffload"
+    exposed: float = 0.01
+    """Largest fraction of the simulated step left exposed to transfers at the chosen link speed."""
+    batches: int = 4
+    """Different random batches, used in turn."""
+    link_bw: float | None = None
+    """Link speed of the 50% step (bytes/s each way); None: the slowest that hides its copies in simulation."""
+
+
+def model_specs() -> dict[str, ModelSpec]:
+    tiny = get_workload("tiny-llama")
+    wide = LlamaConfig(vocab_size=tiny.config.vocab_size, hidden=256, ffn=704, layers=4, heads=8, kv_heads=4)
+    return {"tiny-llama": ModelSpec(name="tiny-llama", config=tiny.config, batch=tiny.batch, seq=tiny.seq),
+            "llama-h256": ModelSpec(name="llama-h256", config=wide, batch=tiny.batch, seq=tiny.seq)}
+
+
+def progress(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}] {text}", file=sys.stderr, flush=True)
+
+
+# --- the user's side: model, loss, batches, the eager loop ------------------------------------------------------
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross entropy over every position."""
+    tokens, targets = batch
+    return F.cross_entropy(model(tokens).flatten(0, -2), targets.flatten())
+
+
+def random_batches(spec: ModelSpec, count: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (spec.batch, spec.seq)
+    vocab = spec.config.vocab_size
+    return [(torch.randint(0, vocab, shape, generator=gen), torch.randint(0, vocab, shape, generator=gen))
+            for _ in range(count)]
+
+
+def with_adamw(model: nn.Module) -> tuple[nn.Module, torch.optim.AdamW]:
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def eager_loop_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
+    loss = lm_loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+# --- the link the 50% step hides its copies on ------------------------------------------------------------------
+def plan_at(program: Program, hardware: Hardware, budget: str, policy: str):
+    """The plan ``train_step`` makes of ``program`` on ``hardware`` (the policy's, inputs released before any
+    prefetch starting remote)."""
+    return start_released_inputs_remote(get_policy(policy)(program, hardware, parse_budget(budget, program, hardware)))
+
+
+def hiding_link_bw(program: Program, base: Hardware, cfg: BenchConfig) -> float:
+    """The slowest of ``LINK_CANDIDATES`` at which the plan's simulated step has at most ``cfg.exposed`` of its
+    time exposed to transfers (the fastest if none does)."""
+    for bw in LINK_CANDIDATES:
+        figures = simulate(plan_at(program, base.replace(h2d_bw=bw, d2h_bw=bw), cfg.budget, cfg.policy),
+                           base.replace(h2d_bw=bw, d2h_bw=bw)).figures
+        if figures.exposed_s <= cfg.exposed * figures.step_s:
+            return bw
+    return LINK_CANDIDATES[-1]
+
+
+# --- the plan interpreter on the 50% step's plan ------------------------------------------------------------------
+class InterpretedStep:
+    """``step.plan`` run by ``AsyncExecutor`` on its own copies of the step's inputs (``program.inputs`` order:
+    ``step._current.inputs.flat(optimizer, lrs, batch tensors)``), each call on the next batch.
+
+    Each call runs in place (``AsyncExecutor.run``), as ``train_step`` runs its compiled step on the model's own
+    tensors: the plan leaves some state in another tier than it starts in (what it keeps remote between steps is
+    written back to the caller's tensor), so donated steps (``AsyncExecutor.step``) refuse it."""
+
+    def __init__(self, step: TrainStep, link: EmulatedLink, batch) -> None:
+        self.plan = step.plan
+        self.executor = AsyncExecutor(link)
+        tensors, _, _ = flatten_batch(batch)
+        self.batch_count = len(tensors)
+        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in step.optimizer.param_groups]
+        self.inputs = [t.detach().clone() for t in step._current.inputs.flat(step.optimizer, lrs, tensors)]
+
+    def __call__(self, batch) -> None:
+        tensors, _, _ = flatten_batch(batch)
+        self.inputs[len(self.inputs) - self.batch_count:] = tensors
+        self.executor.run(self.plan, self.inputs)
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+# --- measuring -----------------------------------------------------------------------------------------------------
+def timed_first(make: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    made = make()
+    return made, time.perf_counter() - start
+
+
+def run_rounds(variants: dict[str, Callable[[object], object]], batches: list, cfg: BenchConfig,
+               order: list[int]) -> dict[str, list[float]]:
+    """Interleaved rounds: each round one step of every variant on the same batch; returns the timed walls."""
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    gc.collect()
+    gc.freeze()  # long-lived graphs and plans: the cyclic collector would rescan them during the steps
+    try:
+        for k in range(cfg.warmup + cfg.steps):
+            batch = batches[k % len(batches)]
+            order.append(k % len(batches))
+            for name, call in variants.items():
+                start = time.perf_counter()
+                call(batch)
+                wall = time.perf_counter() - start
+                if k >= cfg.warmup:
+                    walls[name].append(wall)
+    finally:
+        gc.unfreeze()
+    return walls
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((x.detach().double() - y.detach().double()).abs().max().item()
+               for x, y in zip(a.parameters(), b.parameters()))
+
+
+def max_state_diff(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> float:
+    worst = 0.0
+    params_a = (p for g in a.param_groups for p in g["params"])
+    params_b = (p for g in b.param_groups for p in g["params"])
+    for pa, pb in zip(params_a, params_b):
+        for key, value in a.state[pa].items():
+            if isinstance(value, torch.Tensor):
+                worst = max(worst, (value.double() - b.state[pb][key].double()).abs().max().item())
+    return worst
+
+
+def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
+    torch.manual_seed(0)
+    initial = Llama(spec.config)
+    batches = random_batches(spec, cfg.batches)
+    example = batches[0]
+    compile_s: dict[str, float] = {}
+
+    eager_model, eager_opt = with_adamw(copy.deepcopy(initial))
+    compiled_model, compiled_opt = with_adamw(copy.deepcopy(initial))
+    compiled_forward = torch.compile(compiled_model)
+    progress(f"{spec.name}: torch.compile(model) (first step compiles)")
+    _, compile_s["inductor"] = timed_first(lambda: eager_loop_step(compiled_forward, compiled_opt, example))
+
+    progress(f"{spec.name}: train_step at 100%")
+    full, compile_s["train_step_100"] = timed_first(lambda: hyperoffload.train_step(
+        *with_adamw(copy.deepcopy(initial)), lm_loss, example, budget="100%", hardware=base, policy=cfg.policy,
+        measure=False))
+    bw = cfg.link_bw if cfg.link_bw is not None else hiding_link_bw(full.program, base, cfg)
+    hardware = base.replace(h2d_bw=bw, d2h_bw=bw)
+    progress(f"{spec.name}: train_step at {cfg.budget}, link {format_bandwidth(bw)} each way")
+    half, compile_s["train_step_50"] = timed_first(lambda: hyperoffload.train_step(
+        *with_adamw(copy.deepcopy(initial)), lm_loss, example, budget=cfg.budget, hardware=hardware,
+        policy=cfg.policy, link=EmulatedLink.for_hardware(hardware), measure=False))
+
+    interpreter, interpreter_error = None, None
+    interpreter_link = EmulatedLink.for_hardware(hardware)
+    try:
+        interpreter, compile_s["interpreter_50"] = timed_first(lambda: InterpretedStep(half, interpreter_link, example))
+        interpreter(example)  # a failure shows here, before the timed rounds
+    except Exception as error:  # noqa: BLE001 - reported, and the benchmark goes on without it
+        interpreter_error = f"{type(error).__name__}: {error}"
+        progress(f"{spec.name}: the interpreter cannot run the plan ({interpreter_error})")
+        interpreter = None
+
+    variants: dict[str, Callable] = {
+        "eager": lambda b: eager_loop_step(eager_model, eager_opt, b),
+        "inductor": lambda b: eager_loop_step(compiled_forward, compiled_opt, b),
+        "train_step_100": full,
+        "train_step_50": half,
+    }
+    if interpreter is not None:
+        variants["interpreter_50"] = interpreter
+    progress(f"{spec.name}: {cfg.warmup} + {cfg.steps} interleaved rounds of {', '.join(variants)}")
+    order: list[int] = []
+    walls = run_rounds(variants, batches, cfg, order)
+    load = os.getloadavg()[0]
+    median = {name: statistics.median(w) for name, w in walls.items()}
+    if interpreter is not None:
+        interpreter.close()
+    interpreter_link.close()
+
+    progress(f"{spec.name}: one call with the device peak measured")
+    half.measure = True  # the profiler for this one call only
+    batch_index = len(order) % len(batches)
+    half(batches[batch_index])
+    order.append(batch_index)
+    half.measure = False
+    peak = half.last
+
+    progress(f"{spec.name}: train_step(offload=False) on the same {len(order)} batches, for exactness")
+    ref_model, ref_opt = with_adamw(copy.deepcopy(initial))
+    reference, compile_s["offload_false"] = timed_first(lambda: hyperoffload.train_step(
+        ref_model, ref_opt, lm_loss, example, hardware=hardware, policy=cfg.policy, offload=False, measure=False))
+    for k in order:
+        reference(batches[k])
+    half.link.close()
+    figures = half.figures
+    return finish_record(spec, cfg, initial, median, figures, peak, half, bw, load, compile_s,
+                         max_param_diff(half.model, ref_model), max_state_diff(half.optimizer, ref_opt),
+                         interpreter_error)
+
+
+def finish_record(spec, cfg, initial, median, figures, peak, half, bw, load, compile_s, diff, state_diff,
+                  interpreter_error) -> dict:
+    record = {
+        "batch": spec.batch, "seq": spec.seq, "parameters": sum(p.numel() for p in initial.parameters()),
+        "eager_s": median["eager"], "inductor_s": median["inductor"],
+        "train_step_100_s": median["train_step_100"], "train_step_50_s": median["train_step_50"],
+        "sim_50_s": figures.step_s, "exposed_50_s": figures.exposed_s, "compute_50_s": figures.compute_s,
+        "interpreter_50_s": median.get("interpreter_50"), "interpreter_error": interpreter_error,
+        "link_bw": bw, "measured_peak_bytes": peak.peak_bytes, "budget_bytes": half.budget_bytes,
+        "unplanned_peak_bytes": half.unplanned_peak_bytes, "h2d_bytes": peak.h2d_bytes, "d2h_bytes": peak.d2h_bytes,
+        "max_abs_diff": diff, "max_abs_diff_state": state_diff, "load_avg": load, "compile_s": compile_s,
+    }
+    ratios = {"train_step_100 / inductor": record["train_step_100_s"] / record["inductor_s"],
+              "train_step_50 / inductor": record["train_step_50_s"] / record["inductor_s"],
+              "train_step_50 / sim_50": record["train_step_50_s"] / record["sim_50_s"],
+              "sim_error": abs(record["sim_50_s"] - record["train_step_50_s"]) / record["train_step_50_s"],
+              "inductor / eager": record["inductor_s"] / record["eager_s"]}
+    if record["interpreter_50_s"] is not None:
+        ratios["interpreter_50 / train_step_50"] = record["interpreter_50_s"] / record["train_step_50_s"]
+    record["ratios"] = ratios
+    record["targets"] = {**{name: ratios[name] <= bound for name, bound in TARGETS.items()},
+                         "peak <= budget": record["measured_peak_bytes"] <= record["budget_bytes"],
+                         "max_abs_diff == 0": diff == 0}
+    return record
+
+
+# --- output ----------------------------------------------------------------------------------------------------------
+def verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def print_table(results: dict, cfg: BenchConfig) -> None:
+    print(f"train_step against eager and torch.compile, AdamW, {cfg.threads} compute thread(s), {cfg.budget} "
+          f"budget ({cfg.policy}); medians of {cfg.steps} interleaved rounds after {cfg.warmup}")
+    for name, r in results["models"].items():
+        ratios, targets = r["ratios"], r["targets"]
+        print(f"\n{name}: {r['parameters']:,} parameters, batch {r['batch']} x {r['seq']} tokens; link "
+              f"{format_bandwidth(r['link_bw'])} each way (simulated exposed {r['exposed_50_s'] * 1e3:.2f} ms); "
+              f"load average {r['load_avg']:.2f}")
+        interp = ("-" if r["interpreter_50_s"] is None else f"{r['interpreter_50_s'] * 1e3:8.1f}")
+        rows = [
+            ("eager", f"{r['eager_s'] * 1e3:8.1f}", f"x{ratios['inductor / eager']:.2f} inductor/eager", ""),
+            ("torch.compile", f"{r['inductor_s'] * 1e3:8.1f}", "", ""),
+            ("train_step 100%", f"{r['train_step_100_s'] * 1e3:8.1f}",
+             f"x{ratios['train_step_100 / inductor']:.3f} of torch.compile",
+             f"<= 1.05 {verdict(targets['train_step_100 / inductor'])}"),
+            (f"train_step {cfg.budget}", f"{r['train_step_50_s'] * 1e3:8.1f}",
+             f"x{ratios['train_step_50 / inductor']:.3f} of torch.compile",
+             f"<= 1.10 {verdict(targets['train_step_50 / inductor'])}"),
+            (f"simulated {cfg.budget}", f"{r['sim_50_s'] * 1e3:8.1f}",
+             f"wall/sim {ratios['train_step_50 / sim_50']:.3f}, sim_error {ratios['sim_error']:.3f}",
+             f"<= 0.15 {verdict(targets['sim_error'])}"),
+            (f"interpreter {cfg.budget}", interp,
+             f"x{ratios['interpreter_50 / train_step_50']:.2f} of train_step" if r["interpreter_50_s"] else
+             (r["interpreter_error"] or ""), ""),
+        ]
+        print(f"  {'variant':<18} {'step ms':>8}  {'ratio':<40} target")
+        for label, ms, ratio, target in rows:
+            print(f"  {label:<18} {ms:>8}  {ratio:<40} {target}")
+        print(f"  measured peak {format_bytes(r['measured_peak_bytes'])} of budget {format_bytes(r['budget_bytes'])} "
+              f"({format_bytes(r['unplanned_peak_bytes'])} unplanned): {verdict(targets['peak <= budget'])}")
+        print(f"  max_abs_diff against offload=False {r['max_abs_diff']:g} (optimizer state "
+              f"{r['max_abs_diff_state']:g}): {verdict(targets['max_abs_diff == 0'])}")
+        print("  compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in r["compile_s"].items()))
+    load = results["load_avg"]
+    print(f"\nload average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1, 5, 15 min)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(model_specs()), default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny-llama only, 3 steps after 1 warm-up")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 15, 3 with --quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 2, 1 with --quick)")
+    parser.add_argument("--budget", default="50%")
+    parser.add_argument("--policy", default="hyperoffload")
+    parser.add_argument("--exposed", type=float, default=0.01,
+                        help="largest fraction of the simulated step exposed to transfers at the chosen link speed")
+    parser.add_argument("--link", type=parse_bandwidth, default=None,
+                        help="link speed of the 50%% step each way (e.g. 8GB/s); default: the slowest of 1-128 GB/s "
+                             "whose simulated step leaves at most --exposed exposed")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args(argv)
+    steps = args.steps if args.steps is not None else (3 if args.quick else 15)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if steps < 1 or warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    cfg = BenchConfig(steps=steps, warmup=warmup, threads=args.threads, budget=args.budget, policy=args.policy,
+                      exposed=args.exposed, link_bw=args.link)
+    names = args.models or (["tiny-llama"] if args.quick else list(model_specs()))
+    torch.set_num_threads(cfg.threads)
+    progress(f"cpu-emulated profile ({cfg.threads} thread(s))")
+    base = get_hardware("cpu-emulated", cpu_cache=cpu_cache_path().with_name(
+        f"cpu-calibration-{cfg.threads}-threads.json"))
+    specs = model_specs()
+    results = {"config": asdict(cfg), "models": {}}
+    for name in names:
+        results["models"][name] = bench_model(specs[name], cfg, base)
+    results["load_avg"] = list(os.getloadavg())
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_table(results, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
