@@ -97,14 +97,37 @@ class AsyncCopies:
     """Bytes the prefetches started here copied (or are copying) to the device, in all."""
     d2h_bytes: int = 0
     """Bytes the offloads started here copied (or are copying) to remote memory, in all."""
+    release_waits: bool = False
+    """Whether a ``release`` blocks until the offload still reading its storage has completed, so that the device
+    copy is gone when the release returns, as a plan counts it; otherwise the copy holds the storage until it is
+    through, and the graph runs on meanwhile (holding more device memory than the plan counted)."""
+    reading: dict[int, tuple[Any, torch.UntypedStorage]] = field(default_factory=dict)
+    """The offload reading each device storage, by the storage's address (held with it)."""
+    release_stalls: int = 0
+    """How many releases found the offload of their storage still running (and, with ``release_waits``, waited)."""
 
-    def started(self, handle: Any, dst: torch.Tensor) -> None:
-        """Record ``handle``, the copy into ``dst``; forget copies that completed and were never waited for."""
+    def started(self, handle: Any, dst: torch.Tensor, src: torch.UntypedStorage | None = None) -> None:
+        """Record ``handle``, the copy into ``dst`` (of ``src``, for an offload); forget copies that completed and
+        were never waited for."""
         # A failed copy stays, so that its wait raises the failure.
         for key in [k for k, (h, _) in self.pending.items() if h.done() and getattr(h, "error", None) is None]:
             del self.pending[key]
+        for key in [k for k, (h, _) in self.reading.items() if h.done() and getattr(h, "error", None) is None]:
+            del self.reading[key]
         storage = dst.untyped_storage()
         self.pending[storage.data_ptr()] = (handle, storage)
+        if src is not None:
+            self.reading[src.data_ptr()] = (handle, src)
+
+    def released(self, x: torch.Tensor) -> None:
+        """``x``'s storage is released: with ``release_waits``, block until the offload reading it has completed
+        (raising its ``TransferError`` if it failed: the remote copy the plan counts on is missing)."""
+        entry = self.reading.pop(x.untyped_storage().data_ptr(), None)
+        if entry is None or entry[0].done() and getattr(entry[0], "error", None) is None:
+            return
+        self.release_stalls += 1
+        if self.release_waits:
+            entry[0].wait()
 
     def wait_for(self, x: torch.Tensor) -> None:
         """Block until the copy into ``x``'s storage has completed (nothing to do if none is pending)."""
@@ -143,6 +166,8 @@ def _start_copy(kind: str, src: torch.Tensor) -> torch.Tensor:
     if kind == "offload":
         handle = copies.client.offload(label, storage, dst.untyped_storage())
         copies.d2h_bytes += storage.nbytes()
+        copies.started(handle, dst, storage)
+        return dst
     else:
         # A remote buffer whose own offload is still in flight is read once that copy has landed.
         entry = copies.pending.get(storage.data_ptr())
@@ -230,8 +255,16 @@ def release(x: torch.Tensor) -> None:
     when the executor lets go of it (``torch.fx`` code drops a value after its last use; Inductor
     code compiled by the backend reuses no buffer). A copy still reading the storage (an
     asynchronous ``offload``) holds it until the copy is through, so the device copy is dropped
-    once that copy has completed.
+    once that copy has completed, or, when the active ``AsyncCopies`` has ``release_waits``, before the release
+    returns (it waits for that copy).
     """
+    _released(x)
+
+
+def _released(x: torch.Tensor) -> None:
+    copies = _ACTIVE.get()
+    if copies is not None:
+        copies.released(x)
 
 
 # ``release.live``: the same release, naming the values computed from ``x`` before the release that are
@@ -244,6 +277,7 @@ torch.library.define(f"{NAMESPACE}::release.live", "(Tensor x, Tensor[] live) ->
 @torch.library.impl(f"{NAMESPACE}::release.live", "CompositeExplicitAutograd")
 def release_live(x: torch.Tensor, live: list[torch.Tensor]) -> None:
     """``release(x)``, after every tensor of ``live`` (values computed before the release) has been computed."""
+    _released(x)
 
 
 def _check_blocks(remote: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> int:

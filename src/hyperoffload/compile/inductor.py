@@ -23,12 +23,16 @@ Inductor may instead keep it in float32 inside a fused kernel.)
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import copy
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
+from torch._inductor.choices import InductorChoices
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from hyperoffload import cache_ops
@@ -41,6 +45,40 @@ PLANNED_GRAPH_CONFIG = {
     "memory_planning": False,  # nor pool buffers in one arena it hands out again
 }
 """``torch._inductor.config`` settings every planned graph is compiled with (see the module docstring)."""
+
+class KeepPlanOrder(InductorChoices):
+    """Inductor's fusion heuristics, except that two nodes with a cache operator between them in the graph's order
+    are never fused.
+
+    Inductor fuses nodes that are far apart when they read the same buffer or are independent and alike (a
+    parameter's weight decay with the forward's read of it; every Adam step counter of the model, in one kernel
+    at the start). A fused kernel runs where its first node was, so it computes values long before the plan does
+    and holds them across the transfers and releases that were to make room: the plan's memory schedule would not
+    hold. Between two cache operators, nodes fuse as Inductor decides."""
+
+    @staticmethod
+    def can_fuse(scheduler, node1, node2, shared_data_score: int) -> bool:
+        positions = _cache_op_positions(scheduler)
+        low, high = min(node1.min_order, node2.min_order), max(node1.max_order, node2.max_order)
+        if bisect.bisect_right(positions, low) < bisect.bisect_left(positions, high):
+            return False
+        return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+
+_CACHE_OP_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cache_op_positions(scheduler) -> list[int]:
+    """The positions (``min_order``) of the cache operators among the scheduler's nodes, ascending; cached per
+    scheduler (the cache operators are never fused, so their positions stay)."""
+    positions = _CACHE_OP_POSITIONS.get(scheduler)
+    if positions is None:
+        positions = sorted(n.min_order for n in scheduler.nodes
+                           if getattr(getattr(n, "node", None), "op_overload", None) is not None
+                           and n.node.op_overload.namespace == cache_ops.NAMESPACE)
+        _CACHE_OP_POSITIONS[scheduler] = positions
+    return positions
+
 
 Partition = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
 """``partition(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices, **kwargs)`` -> the
@@ -117,14 +155,16 @@ def realize_before_releases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, partition: Partition,
                     plan_inference: Callable[[torch.fx.GraphModule], torch.fx.GraphModule],
                     finish: Callable[[torch.fx.GraphModule, Callable], Callable],
-                    settings: Mapping[str, Any] = PLANNED_GRAPH_CONFIG) -> Callable:
+                    settings: Mapping[str, Any] = PLANNED_GRAPH_CONFIG,
+                    choices: InductorChoices | None = None) -> Callable:
     """Compile TorchDynamo's graph ``gm`` with Inductor, planned.
 
     ``partition`` plans a training step (aot_autograd's joint graph, after Inductor's joint-graph
     passes) and returns the lowered forward and backward; ``plan_inference(gm)`` plans and lowers an
     inference graph. ``finish(graph, compiled)`` gets each graph Inductor compiled (as lowered) and
     its compiled function (boxed: called with one list of inputs) and returns what runs in its place.
-    ``settings``: the ``torch._inductor.config`` the planned graphs are compiled with.
+    ``settings``: the ``torch._inductor.config`` the planned graphs are compiled with; ``choices``: Inductor's
+    heuristics for them (``torch._inductor.virtualized.V.choices``; None: Inductor's own).
     """
     from torch._functorch import config as functorch_config
     from torch._inductor import config
@@ -133,7 +173,10 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, parti
     def inner(graph: torch.fx.GraphModule, inputs: Sequence, **kwargs: Any):
         if kwargs.get("is_inference"):
             graph = plan_inference(graph)
-        with config.patch(dict(settings)):
+        from torch._inductor.virtualized import V
+
+        heuristics = V.set_choices_handler(choices) if choices is not None else contextlib.nullcontext()
+        with config.patch(dict(settings)), heuristics:
             compiled = compile_fx_inner(realize_before_releases(graph), inputs, **kwargs)
         return finish(graph, _boxed(compiled))
 
@@ -154,4 +197,4 @@ def _boxed(compiled: Callable) -> Callable:
     return run
 
 
-__all__ = ["PLANNED_GRAPH_CONFIG", "PlannedPartition", "compile_planned", "realize_before_releases"]
+__all__ = ["KeepPlanOrder", "PLANNED_GRAPH_CONFIG", "PlannedPartition", "compile_planned", "realize_before_releases"]

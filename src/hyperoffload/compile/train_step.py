@@ -43,7 +43,7 @@ from hyperoffload.capture.graph_to_program import CaptureError, program_from_gra
 from hyperoffload.capture.steps import _own_storages
 from hyperoffload.compile.backend import check_budget_text
 from hyperoffload.compile.held_inputs import start_released_inputs_remote
-from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, compile_planned
+from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned
 from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
 from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatten_batch, init_optimizer_state,
                                              mark_phases, trace_whole_step, write_back_early)
@@ -59,11 +59,16 @@ from hyperoffload.units import format_bytes
 from hyperoffload.verify import verify
 
 
-WHOLE_STEP_CONFIG = MappingProxyType({**PLANNED_GRAPH_CONFIG, "pattern_matcher": False})
-"""``torch._inductor.config`` for a whole step, planned or not (``offload=False``): the planned graphs' settings,
-and no pattern rewrites, which fuse a matrix product with the addition after it (``mm`` + ``add`` into ``addmm``,
-rounding differently) depending on what else reads the product, so a plan's transfers would change the
-rounding."""
+WHOLE_STEP_CONFIG = MappingProxyType({**PLANNED_GRAPH_CONFIG, "pattern_matcher": False,
+                                      "cpp.enable_loop_tail_vec": False})
+"""``torch._inductor.config`` for a whole step, planned or not (``offload=False``), so that a plan's transfers do not
+change what a kernel computes: the planned graphs' settings, and
+
+* no pattern rewrites: they fuse a matrix product with the addition after it (``mm`` + ``add`` into ``addmm``,
+  which rounds differently) depending on what else reads the product;
+* no vectorized loop tails: a value a release makes Inductor store on its own (``release.live``) can leave a
+  kernel's short inner loop (a loss over 8 classes, say) free of the integer ops that kept it scalar, and a
+  vectorized ``exp`` rounds differently from ``std::exp``; with scalar tails such a loop runs scalar either way."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +125,7 @@ class TrainStep:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.budget, self.policy, self.offload, self.measure = budget, policy, offload, measure
         self.link = link if link is not None else EmulatedLink.for_hardware(self.hardware)
-        self.copies = cache_ops.AsyncCopies(client=self.link.client())
+        self.copies = cache_ops.AsyncCopies(client=self.link.client(), release_waits=True)
         self.last: StepFigures | None = None
         """What the latest call measured; None before the first call."""
         self._forms: dict[str, _Compiled] = {}
@@ -206,7 +211,8 @@ class TrainStep:
         start = time.perf_counter()
         try:
             if self.measure:
-                out, peak = device_peak(call)
+                with self.link.device_frees() as frees:
+                    out, peak = device_peak(call, extra_frees=frees)
             else:
                 out, peak = call(), None
         except BaseException:
@@ -261,7 +267,8 @@ class TrainStep:
             return planned["graph"]
 
         run = compile_planned(gm, flat, partition=_never_partitioned, plan_inference=plan_graph,
-                              finish=lambda graph, compiled: compiled, settings=WHOLE_STEP_CONFIG)
+                              finish=lambda graph, compiled: compiled, settings=WHOLE_STEP_CONFIG,
+                              choices=KeepPlanOrder())
         program, plan = planned["program"], planned["plan"]
         values = program.values
         inputs_storages = {values[v].storage for v in program.inputs}

@@ -4,7 +4,9 @@ Inductor's compiled code allocates its buffers in C++ (no Python and no dispatch
 so the bytes are read from PyTorch's profiler, which records every allocation and free of the CPU
 allocator with its address and the operator it happened in (``profile_memory=True``). An allocation
 made inside a cache operator that creates a remote buffer (``hyperoffload::offload``) is remote
-memory, as is its free; every other allocation is device memory. ``device_peak`` replays the
+memory, as is its free; every other allocation is device memory. A copy engine's thread may free the
+device buffer of a copy it has just finished (when the graph let go of it first); the profiler does not
+see other threads, so those frees come from the link's own log (``EmulatedLink.device_frees``). ``device_peak`` replays the
 events in time order and returns the most device bytes allocated at once during the call, above
 what was allocated when it began (the caller adds what its inputs held).
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -58,8 +60,11 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def device_peak(fn: Callable[[], T], remote_ops: frozenset[str] = REMOTE_ALLOCATING_OPS) -> tuple[T, DevicePeak]:
-    """Call ``fn()`` under the profiler and return its result with its ``DevicePeak``."""
+def device_peak(fn: Callable[[], T], remote_ops: frozenset[str] = REMOTE_ALLOCATING_OPS,
+                extra_frees: Sequence[tuple[int, int, int]] = ()) -> tuple[T, DevicePeak]:
+    """Call ``fn()`` under the profiler and return its result with its ``DevicePeak``. ``extra_frees``: device
+    buffers freed on threads the profiler does not see, as ``(time.time_ns(), address, bytes)``, filled in by the
+    time ``fn`` returns (``EmulatedLink.device_frees``)."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _quiet_stderr():
         prof.__enter__()
@@ -68,11 +73,12 @@ def device_peak(fn: Callable[[], T], remote_ops: frozenset[str] = REMOTE_ALLOCAT
     finally:
         with _quiet_stderr():
             prof.__exit__(None, None, None)
-    return result, _replay(prof, remote_ops)
+    return result, _replay(prof, remote_ops, extra_frees)
 
 
-def _replay(prof: profile, remote_ops: frozenset[str]) -> DevicePeak:
-    events = []
+def _replay(prof: profile, remote_ops: frozenset[str], extra_frees: Sequence[tuple[int, int, int]]) -> DevicePeak:
+    # The profiler's timestamps are nanoseconds of the same wall clock as ``time.time_ns``.
+    events = [(at, ptr, -nbytes, False) for at, ptr, nbytes in extra_frees]
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
@@ -91,6 +97,8 @@ def _replay(prof: profile, remote_ops: frozenset[str]) -> DevicePeak:
         if size < 0 and ptr in remote:
             remote.discard(ptr)
             continue
+        if size > 0:
+            remote.discard(ptr)  # a remote buffer freed where the profiler did not see it; the address is reused
         held += size
         allocated += max(size, 0)
         peak = max(peak, held)

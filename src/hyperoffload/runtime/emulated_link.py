@@ -43,12 +43,14 @@ idle. Engines are daemon threads; ``close`` stops them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import queue
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -204,6 +206,10 @@ class CopyEngine:
         self._queue.put(None)
         self._thread.join()
 
+    free_log: list[tuple[int, int, int]] | None = None
+    """While a list: each device buffer this engine's thread frees, as ``(time.time_ns(), address, bytes)``
+    (``EmulatedLink.device_frees``)."""
+
     def _loop(self) -> None:
         while True:
             job = self._queue.get()
@@ -218,6 +224,14 @@ class CopyEngine:
             except BaseException as error:  # noqa: BLE001 - every failure goes to the waiting thread
                 transfer.error = error
             finally:
+                log = self.free_log
+                if log is not None:
+                    # The device side of the copy, if this engine holds its last reference: dropping it frees it.
+                    device = job.dst if self.direction == H2D else job.src
+                    if (device is not None and sys.getrefcount(device) <= 3
+                            and torch._C._storage_Use_Count(device._cdata) == 1):
+                        log.append((time.time_ns(), device.data_ptr(), device.nbytes()))
+                    device = None
                 job.src = job.dst = job.after = job.work = None  # let go of the buffers before anyone is told
                 if transfer._accepted is not None:
                     transfer._accepted.discard(transfer)
@@ -384,6 +398,18 @@ class EmulatedLink:
     def client(self) -> LinkClient:
         """A new client of this link's engines, with remote buffers and a record of its copies of its own."""
         return LinkClient(self)
+
+    @contextlib.contextmanager
+    def device_frees(self) -> Iterator[list[tuple[int, int, int]]]:
+        """Inside the block, the device buffers the engines' threads free (a copy's engine held the last reference
+        when it finished) are logged, as ``(time.time_ns(), address, bytes)``: PyTorch's profiler records only the
+        thread it runs on (``hyperoffload.runtime.device_peak``)."""
+        log: list[tuple[int, int, int]] = []
+        self.h2d.free_log = self.d2h.free_log = log
+        try:
+            yield log
+        finally:
+            self.h2d.free_log = self.d2h.free_log = None
 
     def in_flight(self) -> int:
         """How many copies and lane ops of this link's clients (its own use included) the engines are not
