@@ -26,6 +26,7 @@ warning saying why.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -51,7 +52,7 @@ from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program, ValueKind
 from hyperoffload.lower import lower_plan
 from hyperoffload.plans import Kind, Plan, check_plan, plan_without_offload
-from hyperoffload.policies import get_policy
+from hyperoffload.policies import InfeasibleBudget, get_policy
 from hyperoffload.runtime.device_peak import device_peak
 from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.simulate import Figures, simulate
@@ -69,6 +70,10 @@ change what a kernel computes: the planned graphs' settings, and
 * no vectorized loop tails: a value a release makes Inductor store on its own (``release.live``) can leave a
   kernel's short inner loop (a loss over 8 classes, say) free of the integer ops that kept it scalar, and a
   vectorized ``exp`` rounds differently from ``std::exp``; with scalar tails such a loop runs scalar either way."""
+
+
+MAX_TRIALS = 3
+"""Trial runs of a planned step at most (each but the last followed by planning again for less)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +108,12 @@ class _Compiled:
     run: Callable[..., Any]
     resident_bytes: int
     """Bytes of the input storages that start the step on the device (bytes)."""
+    budget_bytes: int
+    """The user's budget, resolved for this step (bytes)."""
+    slack: int = 0
+    """How much less than ``budget_bytes`` the plan was made for, after trial runs held more (bytes)."""
+    trials: tuple[int, ...] = ()
+    """Device bytes each trial run held at its peak, in order (the last is of this plan)."""
 
 
 class TrainStep:
@@ -154,7 +165,8 @@ class TrainStep:
 
     @property
     def budget_bytes(self) -> int:
-        return self.plan.budget_bytes if self.plan.budget_bytes is not None else self.unplanned_peak_bytes
+        """The budget (bytes; a percentage resolved against ``unplanned_peak_bytes``)."""
+        return self._current.budget_bytes
 
     @property
     def unplanned_peak_bytes(self) -> int:
@@ -180,6 +192,9 @@ class TrainStep:
                  f"{format_bytes(self.unplanned_peak_bytes)} with nothing offloaded",
                  f"  simulated step {f.step_s * 1e3:.3f} ms (compute {f.compute_s * 1e3:.3f} ms), "
                  f"{format_bytes(f.h2d_bytes)} to the device and {format_bytes(f.d2h_bytes)} to remote memory"]
+        if self._current.slack:
+            lines.append(f"  planned for {format_bytes(self.budget_bytes - self._current.slack)}: a trial run of the "
+                         f"compiled step held {format_bytes(self._current.trials[0])}")
         initial = self.plan.initial_remote
         values = self.program.values
         kept = sum(values[s].alloc_bytes for s in initial)
@@ -252,18 +267,46 @@ class TrainStep:
         return self._current
 
     def _compile(self, batch: Any) -> _Compiled:
+        """Trace, plan and compile the step for ``batch``'s shapes and the optimizer's settings.
+
+        Planned steps are then run once on copies of the state, measured: where Inductor's buffers hold more than
+        the plan counts (it materializes some values the plan treats as views, and lays out a few kernels'
+        workspaces itself), the step is planned again for a budget smaller by the excess, up to
+        ``MAX_TRIALS`` times, so that what runs stays within the budget."""
         init_optimizer_state(self.optimizer, rule_for(self.optimizer))
         inputs = describe_inputs(self.model, self.optimizer, batch)
         tensors, _, _ = flatten_batch(batch)
         lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in self.optimizer.param_groups]
         flat = inputs.flat(self.optimizer, lrs, _own_storages(tensors))
         gm = trace_whole_step(self.model, self.optimizer, self.loss_fn, inputs, flat)
+        compiled = self._compile_planned(gm, inputs, flat, slack=0, trials=())
+        while self.offload and len(compiled.trials) < MAX_TRIALS:
+            peak = self._trial_peak(compiled, flat)
+            trials = (*compiled.trials, peak)
+            excess = peak - compiled.budget_bytes
+            if excess <= 0:
+                compiled = dataclasses.replace(compiled, trials=trials)
+                break
+            try:
+                compiled = self._compile_planned(gm, inputs, flat, slack=compiled.slack + excess, trials=trials)
+            except InfeasibleBudget:
+                warnings.warn(f"train_step: the compiled step held {format_bytes(peak)} on the device, "
+                              f"{format_bytes(excess)} over the budget of {format_bytes(compiled.budget_bytes)}, and "
+                              f"no plan with that much less room exists; give a larger budget", stacklevel=4)
+                compiled = dataclasses.replace(compiled, trials=trials)
+                break
+        self._forms[self._key(batch)] = compiled
+        return compiled
+
+    def _compile_planned(self, gm: torch.fx.GraphModule, inputs: StepInputs, flat: Sequence[torch.Tensor], *,
+                         slack: int, trials: tuple[int, ...]) -> _Compiled:
         planned: dict[str, Any] = {}
 
         def plan_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             program = self._program(graph, inputs)
-            plan = self._plan(program) if self.offload else plan_without_offload(program)
-            planned.update(program=program, plan=plan, graph=lower_plan(plan))
+            budget = parse_budget(self.budget, program, self.hardware)
+            plan = self._plan(program, budget - slack) if self.offload else plan_without_offload(program)
+            planned.update(program=program, plan=plan, graph=lower_plan(plan), budget=budget)
             return planned["graph"]
 
         run = compile_planned(gm, flat, partition=_never_partitioned, plan_inference=plan_graph,
@@ -273,10 +316,22 @@ class TrainStep:
         values = program.values
         inputs_storages = {values[v].storage for v in program.inputs}
         resident = sum(values[s].alloc_bytes for s in inputs_storages - set(plan.initial_remote))
-        compiled = _Compiled(inputs=inputs, hyperparameters=tuple(hyperparameters(g) for g in self.optimizer.param_groups),
-                             program=program, plan=plan, graph=planned["graph"], run=run, resident_bytes=resident)
-        self._forms[self._key(batch)] = compiled
-        return compiled
+        settings = tuple(hyperparameters(g) for g in self.optimizer.param_groups)
+        return _Compiled(inputs=inputs, hyperparameters=settings, program=program, plan=plan, graph=planned["graph"],
+                         run=run, resident_bytes=resident, budget_bytes=planned["budget"], slack=slack, trials=trials)
+
+    def _trial_peak(self, compiled: _Compiled, flat: Sequence[torch.Tensor]) -> int:
+        """Device bytes one call of ``compiled`` holds at its peak, run on copies of ``flat`` (the model and the
+        optimizer are left as they are)."""
+        copies = [t.clone() for t in flat]
+
+        def call() -> Any:
+            with cache_ops.copies_on(self.copies), torch.no_grad():
+                return compiled.run(*copies)
+
+        with self.link.device_frees() as frees:
+            _, peak = device_peak(call, extra_frees=frees)
+        return compiled.resident_bytes + peak.peak_bytes
 
     def _program(self, graph: torch.fx.GraphModule, inputs: StepInputs) -> Program:
         graph = mark_phases(write_back_early(graph))
@@ -288,8 +343,9 @@ class TrainStep:
                                   input_names=inputs.names,
                                   meta={"mode": "train", "optimizer": type(self.optimizer).__name__.lower()})
 
-    def _plan(self, program: Program) -> Plan:
-        budget = parse_budget(self.budget, program, self.hardware)
+    def _plan(self, program: Program, budget: int) -> Plan:
+        if budget < 1:
+            raise InfeasibleBudget(f"a budget of {budget} bytes leaves no room", memory_profile(program).peak_bytes)
         plan = start_released_inputs_remote(get_policy(self.policy)(program, self.hardware, budget))
         verify(plan)
         return plan
