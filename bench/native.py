@@ -12,8 +12,9 @@ different random batches, all measured in this one run:
   ``cpu-emulated`` profile at a link speed its simulated step hides the copies at (``link_bw``: the slowest of
   ``LINK_CANDIDATES`` whose plan leaves at most ``--exposed`` of the simulated step exposed to transfers), its
   copies on an ``EmulatedLink`` of that profile (same bandwidth and latency), so simulator and link agree
-  (``--link`` gives the speed instead). The profile's compute is the interpreter's (one aten op at a time), so
-  a step Inductor fuses finishes its compute sooner than simulated and may not hide copies the simulator does;
+  (``--link`` gives the speed instead). The profile's compute model is the interpreter's (one aten op at a
+  time); it is scaled first so that the unplanned compiled step (``train_step_100``) simulates at its measured
+  time (``compute_scale``), as the compiled kernels, not the interpreter's ops, set the pace here;
 * ``sim_50_s``: that step's simulated ``step_s`` (``step.figures``), and ``exposed_50_s`` its exposed transfer time;
 * ``interpreter_50_s``: the same plan run by the project's plan interpreter (``AsyncExecutor.run``, one op at
   a time, in place on copies of the step's inputs) on an emulated link of the same speed; null, with
@@ -37,7 +38,7 @@ is read after each model's timed rounds; wall times move with it.
      "load_avg": [1-, 5-, 15-minute load average at the end],
      "models": {name: {"batch", "seq", "parameters", "eager_s", "inductor_s", "train_step_100_s",
                        "train_step_50_s", "sim_50_s", "exposed_50_s", "compute_50_s", "interpreter_50_s",
-                       "interpreter_error", "link_bw", "measured_peak_bytes", "budget_bytes",
+                       "interpreter_error", "link_bw", "compute_scale", "measured_peak_bytes", "budget_bytes",
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
                        "load_avg", "compile_s": {variant: s}, "ratios": {name: x}, "targets": {name: bool}}}}
 
@@ -173,6 +174,25 @@ def hiding_link_bw(program: Program, base: Hardware, cfg: BenchConfig) -> float:
     return LINK_CANDIDATES[-1]
 
 
+def compiled_compute_scale(full: TrainStep, batches: list, base: Hardware, calls: int = 5) -> float:
+    """Median measured time of the unplanned compiled step (``full``) over its simulated compute time on ``base``:
+    the factor by which Inductor's fused kernels run slower (above 1) or faster (below 1) than the profile's
+    one-op-at-a-time cost model says."""
+    walls = []
+    for i in range(calls):
+        start = time.perf_counter()
+        full(batches[i % len(batches)])
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls[1:]) / simulate(full.plan, base).figures.compute_s
+
+
+def scaled_compute(hardware: Hardware, scale: float) -> Hardware:
+    """``hardware`` whose every op takes ``scale`` times as long (FLOP rates and memory bandwidth divided by it,
+    launch overhead multiplied), its link unchanged."""
+    return hardware.replace(peak_flops={k: v / scale for k, v in hardware.peak_flops.items()},
+                            hbm_bw=hardware.hbm_bw / scale, launch_s=hardware.launch_s * scale)
+
+
 # --- the plan interpreter on the 50% step's plan ------------------------------------------------------------------
 class InterpretedStep:
     """``step.plan`` run by ``AsyncExecutor`` on its own copies of the step's inputs (``program.inputs`` order:
@@ -260,6 +280,10 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     full, compile_s["train_step_100"] = timed_first(lambda: hyperoffload.train_step(
         *with_adamw(copy.deepcopy(initial)), lm_loss, example, budget="100%", hardware=base, policy=cfg.policy,
         measure=False))
+    scale = compiled_compute_scale(full, batches, base)
+    base = scaled_compute(base, scale)
+    progress(f"{spec.name}: the compiled step computes {1 / scale:.2f}x as fast as the profile's per-op model; "
+             f"planning on the profile scaled to it")
     bw = cfg.link_bw if cfg.link_bw is not None else hiding_link_bw(full.program, base, cfg)
     hardware = base.replace(h2d_bw=bw, d2h_bw=bw)
     progress(f"{spec.name}: train_step at {cfg.budget}, link {format_bandwidth(bw)} each way")
@@ -310,9 +334,11 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
         reference(batches[k])
     half.link.close()
     figures = half.figures
-    return finish_record(spec, cfg, initial, median, figures, peak, half, bw, load, compile_s,
-                         max_param_diff(half.model, ref_model), max_state_diff(half.optimizer, ref_opt),
-                         interpreter_error)
+    record = finish_record(spec, cfg, initial, median, figures, peak, half, bw, load, compile_s,
+                           max_param_diff(half.model, ref_model), max_state_diff(half.optimizer, ref_opt),
+                           interpreter_error)
+    record["compute_scale"] = scale
+    return record
 
 
 def finish_record(spec, cfg, initial, median, figures, peak, half, bw, load, compile_s, diff, state_diff,
