@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) examples/train_under_budget.py --steps 10
 	$(VENV)/bin/hyperoffload inspect --workload tiny-llama --mode train --verify
 	$(VENV)/bin/hyperoffload plan --workload tiny-llama --mode train --hardware h100-sxm --budget 50%
 	$(VENV)/bin/hyperoffload run --workload tiny-llama --mode train --budget 50% --link 500MB/s

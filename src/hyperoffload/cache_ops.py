@@ -187,7 +187,13 @@ def _flat_storage(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((_storage_elements(x),), (1,), 0)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::offload", mutates_args=(), device_types="cpu")
+# ``offload`` and ``prefetch`` are defined from a schema with a CPU kernel rather than with ``custom_op``: they are
+# called once per transfer inside compiled graphs, and ``custom_op``'s Python layers (its autograd wrapper and the
+# redispatch behind it) cost several times what the kernel itself does per call. They are never differentiated.
+torch.library.define(f"{NAMESPACE}::offload", "(Tensor x) -> Tensor")
+
+
+@torch.library.impl(f"{NAMESPACE}::offload", "CPU")
 def offload(x: torch.Tensor) -> torch.Tensor:
     """Copy the whole storage of ``x`` to remote memory; return the remote buffer.
 
@@ -199,12 +205,15 @@ def offload(x: torch.Tensor) -> torch.Tensor:
     return _start_copy("offload", x)
 
 
-@offload.register_fake
+@torch.library.register_fake(f"{NAMESPACE}::offload")
 def _offload_fake(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((_storage_elements(x),))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::prefetch", mutates_args=(), device_types="cpu")
+torch.library.define(f"{NAMESPACE}::prefetch", "(Tensor remote) -> Tensor")
+
+
+@torch.library.impl(f"{NAMESPACE}::prefetch", "CPU")
 def prefetch(remote: torch.Tensor) -> torch.Tensor:
     """Copy the whole storage of the remote buffer ``remote`` to the device; return the device copy.
 
@@ -215,7 +224,7 @@ def prefetch(remote: torch.Tensor) -> torch.Tensor:
     return _start_copy("prefetch", remote)
 
 
-@prefetch.register_fake
+@torch.library.register_fake(f"{NAMESPACE}::prefetch")
 def _prefetch_fake(remote: torch.Tensor) -> torch.Tensor:
     return remote.new_empty((_storage_elements(remote),))
 

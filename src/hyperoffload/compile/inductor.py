@@ -118,7 +118,10 @@ def realize_before_releases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     ``release.live(x, live)``: ``live`` lists the tensors computed (directly or through other values)
     from ``x`` before the release and read after it. Inductor computes a fallback kernel's inputs
     before it, so later readers read those values, never ``x``. The values are live across the
-    release anyway, so no tensor lives longer than in ``gm``.
+    release anyway, so no tensor lives longer than in ``gm``. A value an earlier release named ends the
+    search: Inductor stores it in a buffer of its own, and what is computed from it later reads that buffer,
+    not the released storage (naming those too would make Inductor store more values on their own, in kernels
+    that may round differently from the ones it would have fused them into).
     """
     graph = torch.fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
@@ -127,18 +130,21 @@ def realize_before_releases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         env[n] = graph.node_copy(n, env.__getitem__)
     position = {n: i for i, n in enumerate(graph.nodes)}
     transfers = {cache_ops.OFFLOAD, cache_ops.PREFETCH, cache_ops.WAIT, cache_ops.RELEASE}
+    stored: set[torch.fx.Node] = set()  # named by an earlier release: Inductor stores them, later readers read that
     for release in list(graph.find_nodes(op="call_function", target=cache_ops.RELEASE)):
         at = position[release]
         released = release.args[0]
         live, seen, stack = [], {released}, [released]
         while stack:
             for user in stack.pop().users:
-                if user in seen or position[user] >= at or user.op != "call_function" or user.target in transfers:
+                if (user in seen or user in stored or position[user] >= at or user.op != "call_function"
+                        or user.target in transfers):
                     continue
                 seen.add(user)
                 stack.append(user)
                 if isinstance(user.meta.get("val"), torch.Tensor) and any(position[u] > at for u in user.users):
                     live.append(user)
+        stored.update(live)
         if not live:
             continue
         live.sort(key=position.__getitem__)
