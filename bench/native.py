@@ -14,7 +14,9 @@ different random batches, all measured in this one run:
   copies on an ``EmulatedLink`` of that profile (same bandwidth and latency), so simulator and link agree
   (``--link`` gives the speed instead). The profile's compute model is the interpreter's (one aten op at a
   time); it is scaled first so that the unplanned compiled step (``train_step_100``) simulates at its measured
-  time (``compute_scale``), as the compiled kernels, not the interpreter's ops, set the pace here;
+  time (``compute_scale``), as the compiled kernels, not the interpreter's ops, set the pace here, and its
+  ``issue_s`` is what one cache operator call costs the step's thread (``cache_op_issue_s``), which the
+  simulator charges the compute stream per cache instruction and the planner weighs;
 * ``sim_50_s``: that step's simulated ``step_s`` (``step.figures``), and ``exposed_50_s`` its exposed transfer time;
 * ``interpreter_50_s``: the same plan run by the project's plan interpreter (``AsyncExecutor.run``, one op at
   a time, in place on copies of the step's inputs) on an emulated link of the same speed; null, with
@@ -38,7 +40,7 @@ is read after each model's timed rounds; wall times move with it.
      "load_avg": [1-, 5-, 15-minute load average at the end],
      "models": {name: {"batch", "seq", "parameters", "eager_s", "inductor_s", "train_step_100_s",
                        "train_step_50_s", "sim_50_s", "exposed_50_s", "compute_50_s", "interpreter_50_s",
-                       "interpreter_error", "link_bw", "compute_scale", "measured_peak_bytes", "budget_bytes",
+                       "interpreter_error", "link_bw", "compute_scale", "issue_s", "measured_peak_bytes", "budget_bytes",
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
                        "load_avg", "compile_s": {variant: s}, "ratios": {name: x}, "targets": {name: bool}}}}
 
@@ -65,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hyperoffload
+from hyperoffload import cache_ops
 from hyperoffload.budgets import parse_budget
 from hyperoffload.cli import cpu_cache_path
 from hyperoffload.compile.held_inputs import start_released_inputs_remote
@@ -186,6 +189,27 @@ def compiled_compute_scale(full: TrainStep, batches: list, base: Hardware, calls
     return statistics.median(walls[1:]) / simulate(full.plan, base).figures.compute_s
 
 
+def cache_op_issue_s(calls: int = 200, repeats: int = 5) -> float:
+    """Seconds one cache operator call costs the thread that runs the compiled step (the Python call, issuing the
+    copy to an engine thread, the bookkeeping): offload, wait, release, prefetch and wait of a 4 KiB tensor on a
+    1 TB/s emulated link, where each copy has landed by its wait; per call, the best of ``repeats``."""
+    ops = torch.ops.hyperoffload
+    link = EmulatedLink(h2d_bw=1e12, d2h_bw=1e12)
+    copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True)
+    x = torch.ones(1024)
+    best = float("inf")
+    with cache_ops.copies_on(copies), torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                remote = ops.wait.default(ops.offload.default(x))
+                ops.release.default(x)
+                ops.wait.default(ops.prefetch.default(remote))
+            best = min(best, (time.perf_counter() - start) / (5 * calls))
+    link.close()
+    return best
+
+
 def scaled_compute(hardware: Hardware, scale: float) -> Hardware:
     """``hardware`` whose every op takes ``scale`` times as long (FLOP rates and memory bandwidth divided by it,
     launch overhead multiplied), its link unchanged."""
@@ -281,7 +305,10 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
         *with_adamw(copy.deepcopy(initial)), lm_loss, example, budget="100%", hardware=base, policy=cfg.policy,
         measure=False))
     scale = compiled_compute_scale(full, batches, base)
-    base = scaled_compute(base, scale)
+    issue = cache_op_issue_s()
+    base = scaled_compute(base, scale).replace(issue_s=issue)
+    progress(f"{spec.name}: a cache operator call costs the step's thread {issue * 1e6:.1f} us (the profile's "
+             f"issue_s)")
     progress(f"{spec.name}: the compiled step computes {1 / scale:.2f}x as fast as the profile's per-op model; "
              f"planning on the profile scaled to it")
     bw = cfg.link_bw if cfg.link_bw is not None else hiding_link_bw(full.program, base, cfg)
@@ -338,6 +365,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
                            max_param_diff(half.model, ref_model), max_state_diff(half.optimizer, ref_opt),
                            interpreter_error)
     record["compute_scale"] = scale
+    record["issue_s"] = issue
     return record
 
 
