@@ -92,7 +92,9 @@ def main() -> int:
     # This machine as the device, with the link at the speed the copies are emulated at.
     hardware = dataclasses.replace(hyperoffload.get_hardware("cpu-emulated"), h2d_bw=link_bw, d2h_bw=link_bw)
     step = hyperoffload.train_step(model, optimizer, next_token_loss, batches[0], budget=args.budget,
-                                   hardware=hardware, link=hyperoffload.EmulatedLink(h2d_bw=link_bw, d2h_bw=link_bw))
+                                   hardware=hardware, link=hyperoffload.EmulatedLink(h2d_bw=link_bw, d2h_bw=link_bw),
+                                   progress=lambda text: print(f"  {time.perf_counter() - start:5.1f} s  {text}",
+                                                               flush=True))
     print(f"ready in {time.perf_counter() - start:.1f} s\n{step.report()}\n", flush=True)
 
     for i, batch in enumerate(batches, 1):

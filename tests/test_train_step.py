@@ -137,8 +137,12 @@ def test_the_code_inductor_runs_keeps_every_cache_operator_in_order():
     every wait before the first reader of its transfer and every release after the last reader of its storage."""
     model, opt = make("adamw")
     data = batches(1)
+    heard: list[str] = []
     step, codes = run_and_get_code(lambda: hyperoffload.train_step(model, opt, classify, data[0], budget="50%",
-                                                                    hardware=cpu(), measure=False))
+                                                                    hardware=cpu(), measure=False,
+                                                                    progress=heard.append))
+    assert heard[0].startswith("tracing") and any(t.startswith("planning") for t in heard)
+    assert "compiling with Inductor" in heard and any(t.startswith("the trial held") for t in heard)
     assert len(codes) == 1
     counts = check_cache_op_order(codes[0])
     assert counts == graph_counts(step.graph)

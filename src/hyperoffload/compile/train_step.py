@@ -121,7 +121,8 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
                  example_batch: Any, *, budget: int | str, hardware: Hardware | str, policy: str = "hyperoffload",
-                 link: EmulatedLink | None = None, offload: bool = True, measure: bool = True) -> None:
+                 link: EmulatedLink | None = None, offload: bool = True, measure: bool = True,
+                 progress: Callable[[str], None] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -135,6 +136,7 @@ class TrainStep:
         _check_devices(model, example_batch, self.hardware)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.budget, self.policy, self.offload, self.measure = budget, policy, offload, measure
+        self._progress = progress if progress is not None else (lambda text: None)
         self.link = link if link is not None else EmulatedLink.for_hardware(self.hardware)
         self.copies = cache_ops.AsyncCopies(client=self.link.client(), release_waits=True)
         self.last: StepFigures | None = None
@@ -278,15 +280,20 @@ class TrainStep:
         tensors, _, _ = flatten_batch(batch)
         lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in self.optimizer.param_groups]
         flat = inputs.flat(self.optimizer, lrs, _own_storages(tensors))
+        self._progress("tracing the step (forward, loss, backward, optimizer)")
         gm = trace_whole_step(self.model, self.optimizer, self.loss_fn, inputs, flat)
         compiled = self._compile_planned(gm, inputs, flat, slack=0, trials=())
         while self.offload and len(compiled.trials) < MAX_TRIALS:
+            self._progress("a trial run on copies of the state, measuring the device bytes it holds")
             peak = self._trial_peak(compiled, flat)
             trials = (*compiled.trials, peak)
             excess = peak - compiled.budget_bytes
             if excess <= 0:
+                self._progress(f"the trial held {format_bytes(peak)} of {format_bytes(compiled.budget_bytes)}")
                 compiled = dataclasses.replace(compiled, trials=trials)
                 break
+            self._progress(f"the trial held {format_bytes(peak)}, {format_bytes(excess)} over the budget: planning "
+                           f"again for that much less")
             try:
                 compiled = self._compile_planned(gm, inputs, flat, slack=compiled.slack + excess, trials=trials)
             except InfeasibleBudget:
@@ -305,8 +312,11 @@ class TrainStep:
         def plan_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             program = self._program(graph, inputs)
             budget = parse_budget(self.budget, program, self.hardware)
+            self._progress(f"planning {len(program.ops)} ops for {format_bytes(budget - slack)} on {self.hardware.name}"
+                           if self.offload else f"{len(program.ops)} ops, nothing planned (offload=False)")
             plan = self._plan(program, budget - slack) if self.offload else plan_without_offload(program)
             planned.update(program=program, plan=plan, graph=lower_plan(plan), budget=budget)
+            self._progress("compiling with Inductor")
             return planned["graph"]
 
         run = compile_planned(gm, flat, partition=_never_partitioned, plan_inference=plan_graph,
@@ -377,7 +387,7 @@ def _check_devices(model: nn.Module, batch: Any, hardware: Hardware) -> None:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
                example_batch: Any, *, budget: int | str = "50%", hardware: Hardware | str = "h100-sxm",
                policy: str = "hyperoffload", link: EmulatedLink | None = None, offload: bool = True,
-               measure: bool = True) -> TrainStep:
+               measure: bool = True, progress: Callable[[str], None] | None = None) -> TrainStep:
     """The user's whole training step, planned under ``budget`` and compiled by Inductor.
 
     ``loss_fn(model, batch)`` returns the loss; ``example_batch`` is any tree of tensors the step will be called
@@ -385,10 +395,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     ``budget``: bytes, ``"40GiB"``, ``"50%"`` of the step's no-offload peak, or ``"hideable"``; ``hardware``: the
     profile planned for, whose link the copies are emulated at (``link=`` to give another). ``offload=False``
     compiles the same step with nothing planned (plain Inductor), to compare against. ``measure`` records each
-    call's device peak in ``step.last`` (through PyTorch's profiler: turn it off to time steps).
+    call's device peak in ``step.last`` (through PyTorch's profiler: turn it off to time steps). ``progress(text)``
+    hears what making the step is doing (tracing, planning, compiling, trial runs; ``print`` will do), which takes
+    tens of seconds on a small model, and again when a new batch shape or setting makes it plan again.
     """
     return TrainStep(model, optimizer, loss_fn, example_batch, budget=budget, hardware=hardware, policy=policy,
-                     link=link, offload=offload, measure=measure)
+                     link=link, offload=offload, measure=measure, progress=progress)
 
 
 __all__ = ["StepFigures", "TrainStep", "train_step"]
