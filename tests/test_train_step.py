@@ -4,7 +4,6 @@ rounding; the measured device peak stays under the budget; schedulers, checkpoin
 
 from __future__ import annotations
 
-import copy
 import io
 import warnings
 

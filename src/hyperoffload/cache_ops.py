@@ -166,14 +166,12 @@ def _start_copy(kind: str, src: torch.Tensor) -> torch.Tensor:
     if kind == "offload":
         handle = copies.client.offload(label, storage, dst.untyped_storage())
         copies.d2h_bytes += storage.nbytes()
-        copies.started(handle, dst, storage)
-        return dst
     else:
         # A remote buffer whose own offload is still in flight is read once that copy has landed.
         entry = copies.pending.get(storage.data_ptr())
         handle = copies.client.prefetch(label, storage, dst.untyped_storage(), None if entry is None else entry[0])
         copies.h2d_bytes += storage.nbytes()
-    copies.started(handle, dst)
+    copies.started(handle, dst, storage if kind == "offload" else None)
     return dst
 
 

@@ -47,9 +47,9 @@ from hyperoffload.compile.held_inputs import start_released_inputs_remote
 from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned
 from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
 from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatten_batch, init_optimizer_state,
-                                             mark_phases, trace_whole_step, write_back_early)
+                                             is_tensor_leaf, mark_phases, trace_whole_step, write_back_early)
 from hyperoffload.hardware import Hardware, as_hardware
-from hyperoffload.ir import Program, ValueKind
+from hyperoffload.ir import Program
 from hyperoffload.lower import lower_plan
 from hyperoffload.plans import Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, get_policy
@@ -133,7 +133,7 @@ class TrainStep:
         self.hardware = as_hardware(hardware)
         if link is not None and not isinstance(link, EmulatedLink):
             raise TypeError(f"link must be an EmulatedLink, got {type(link).__name__}")
-        _check_devices(model, example_batch, self.hardware)
+        _check_devices(model, flatten_batch(example_batch)[0], self.hardware)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.budget, self.policy, self.offload, self.measure = budget, policy, offload, measure
         self._progress = progress if progress is not None else (lambda text: None)
@@ -213,54 +213,60 @@ class TrainStep:
     # --- calling ------------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one training step on ``batch`` (shaped like the example); returns the loss (a detached tensor)."""
-        _check_devices(self.model, batch, self.hardware)
-        compiled = self._form_for(batch)
-        tensors, _, _ = flatten_batch(batch)
-        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in self.optimizer.param_groups]
-        flat = compiled.inputs.flat(self.optimizer, lrs, _own_storages(tensors))
+        tensors, spec, leaves = flatten_batch(batch)
+        _check_devices(self.model, tensors, self.hardware)
+        compiled = self._form_for(batch, spec, leaves)
+        flat = compiled.inputs.flat(self.optimizer, self._learning_rates(), _own_storages(tensors))
         copies = self.copies
         h2d, d2h = copies.h2d_bytes, copies.d2h_bytes
-
-        def call() -> Any:
-            with cache_ops.copies_on(copies), torch.no_grad():
-                return compiled.run(*flat)
-
         start = time.perf_counter()
         try:
-            if self.measure:
-                with self.link.device_frees() as frees:
-                    out, peak = device_peak(call, extra_frees=frees)
-            else:
-                out, peak = call(), None
+            out, peak = self._run(compiled, flat, measure=self.measure)
         except BaseException:
-            self.copies.client.drain()
+            copies.client.drain()
             raise
         wall = time.perf_counter() - start
-        self.last = StepFigures(peak_bytes=None if peak is None else compiled.resident_bytes + peak.peak_bytes,
-                                budget_bytes=self.budget_bytes, h2d_bytes=copies.h2d_bytes - h2d,
+        self.last = StepFigures(peak_bytes=peak, budget_bytes=self.budget_bytes, h2d_bytes=copies.h2d_bytes - h2d,
                                 d2h_bytes=copies.d2h_bytes - d2h, wall_s=wall)
-        loss = out[0] if isinstance(out, (tuple, list)) else out
-        return loss
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _run(self, compiled: _Compiled, flat: Sequence[torch.Tensor], *, measure: bool) -> tuple[Any, int | None]:
+        """Call ``compiled`` on ``flat`` with the copies on this step's link; with ``measure``, also the device bytes
+        held at its peak (the inputs resident at the start plus the most allocated at once), else None."""
+
+        def call() -> Any:
+            with cache_ops.copies_on(self.copies), torch.no_grad():
+                return compiled.run(*flat)
+
+        if not measure:
+            return call(), None
+        with self.link.device_frees() as frees:
+            out, peak = device_peak(call, extra_frees=frees)
+        return out, compiled.resident_bytes + peak.peak_bytes
+
+    def _learning_rates(self) -> list[torch.Tensor]:
+        """Each parameter group's learning rate now, as the step's 0-d float64 inputs."""
+        return [torch.tensor(learning_rate(g), dtype=torch.float64) for g in self.optimizer.param_groups]
 
     # --- making the compiled step --------------------------------------------------------------------
-    def _key(self, batch: Any) -> str:
-        _, spec, leaves = flatten_batch(batch)
-        settings = [hyperparameters(g) for g in self.optimizer.param_groups]
-        return repr((spec, leaves, settings))
+    def _key(self, spec: Any, leaves: Sequence[Any]) -> str:
+        """What a compiled form is traced for: the batch's structure and tensors, and the optimizer's settings."""
+        return repr((spec, list(leaves), [hyperparameters(g) for g in self.optimizer.param_groups]))
 
-    def _form_for(self, batch: Any) -> _Compiled:
-        key = self._key(batch)
+    def _form_for(self, batch: Any, spec: Any, leaves: Sequence[Any]) -> _Compiled:
+        """The compiled form for ``batch`` (flattened to ``spec`` and ``leaves``), made with a warning saying why
+        when none fits."""
+        key = self._key(spec, leaves)
         if key in self._forms:
             self._current = self._forms[key]
             return self._current
-        _, _, leaves = flatten_batch(batch)
-        settings = tuple(hyperparameters(g) for g in self.optimizer.param_groups)
         same_batch = [f for f in self._forms.values() if f.inputs.batch_leaves == tuple(leaves)]
         if not same_batch:
             example = next(iter(self._forms.values()))
             why = (f"the batch's tensors are {_leaves_text(leaves)}, the example's were "
                    f"{_leaves_text(example.inputs.batch_leaves)}")
         else:
+            settings = [hyperparameters(g) for g in self.optimizer.param_groups]
             old_settings = same_batch[-1].hyperparameters
             changed = sorted({k for new, old in zip(settings, old_settings) for k in new if new.get(k) != old.get(k)})
             why = f"the optimizer's {', '.join(changed) or 'parameter groups'} changed"
@@ -277,15 +283,14 @@ class TrainStep:
         ``MAX_TRIALS`` times, so that what runs stays within the budget."""
         init_optimizer_state(self.optimizer, rule_for(self.optimizer))
         inputs = describe_inputs(self.model, self.optimizer, batch)
-        tensors, _, _ = flatten_batch(batch)
-        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in self.optimizer.param_groups]
-        flat = inputs.flat(self.optimizer, lrs, _own_storages(tensors))
+        tensors, spec, leaves = flatten_batch(batch)
+        flat = inputs.flat(self.optimizer, self._learning_rates(), _own_storages(tensors))
         self._progress("tracing the step (forward, loss, backward, optimizer)")
         gm = trace_whole_step(self.model, self.optimizer, self.loss_fn, inputs, flat)
         compiled = self._compile_planned(gm, inputs, flat, slack=0, trials=())
         while self.offload and len(compiled.trials) < MAX_TRIALS:
             self._progress("a trial run on copies of the state, measuring the device bytes it holds")
-            peak = self._trial_peak(compiled, flat)
+            _, peak = self._run(compiled, [t.clone() for t in flat], measure=True)  # copies: the state stays
             trials = (*compiled.trials, peak)
             excess = peak - compiled.budget_bytes
             if excess <= 0:
@@ -302,7 +307,7 @@ class TrainStep:
                               f"no plan with that much less room exists; give a larger budget", stacklevel=4)
                 compiled = dataclasses.replace(compiled, trials=trials)
                 break
-        self._forms[self._key(batch)] = compiled
+        self._forms[self._key(spec, leaves)] = compiled
         return compiled
 
     def _compile_planned(self, gm: torch.fx.GraphModule, inputs: StepInputs, flat: Sequence[torch.Tensor], *,
@@ -330,19 +335,6 @@ class TrainStep:
         return _Compiled(inputs=inputs, hyperparameters=settings, program=program, plan=plan, graph=planned["graph"],
                          run=run, resident_bytes=resident, budget_bytes=planned["budget"], slack=slack, trials=trials)
 
-    def _trial_peak(self, compiled: _Compiled, flat: Sequence[torch.Tensor]) -> int:
-        """Device bytes one call of ``compiled`` holds at its peak, run on copies of ``flat`` (the model and the
-        optimizer are left as they are)."""
-        copies = [t.clone() for t in flat]
-
-        def call() -> Any:
-            with cache_ops.copies_on(self.copies), torch.no_grad():
-                return compiled.run(*copies)
-
-        with self.link.device_frees() as frees:
-            _, peak = device_peak(call, extra_frees=frees)
-        return compiled.resident_bytes + peak.peak_bytes
-
     def _program(self, graph: torch.fx.GraphModule, inputs: StepInputs) -> Program:
         graph = mark_phases(write_back_early(graph))
         placeholders = graph.graph.find_nodes(op="placeholder")
@@ -366,15 +358,13 @@ def _never_partitioned(*args, **kwargs):
 
 
 def _leaves_text(leaves: Sequence[Any]) -> str:
-    shown = [f"{dtype}{list(shape)}" for shape, dtype, _ in (x for x in leaves if isinstance(x, tuple) and len(x) == 3)]
-    return ", ".join(shown)
+    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype, _ in filter(is_tensor_leaf, leaves))
 
 
-def _check_devices(model: nn.Module, batch: Any, hardware: Hardware) -> None:
-    """The step runs on the CPU over an emulated link of ``hardware``: every tensor must be a CPU tensor."""
-    devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
-    leaves, _, _ = flatten_batch(batch)
-    devices |= {t.device.type for t in leaves}
+def _check_devices(model: nn.Module, batch: Sequence[torch.Tensor], hardware: Hardware) -> None:
+    """The step runs on the CPU over an emulated link of ``hardware``: every tensor of the model and of the batch
+    (its tensors, ``batch``) must be a CPU tensor."""
+    devices = {t.device.type for t in (*model.parameters(), *model.buffers(), *batch)}
     other = sorted(devices - {"cpu"})
     if other:
         raise NotImplementedError(

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import operator
+import os
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,8 +86,7 @@ class StepInputs:
 
     @property
     def batch_tensors(self) -> int:
-        return sum(isinstance(leaf, tuple) and len(leaf) == 3 and isinstance(leaf[1], torch.dtype)
-                   for leaf in self.batch_leaves)
+        return sum(map(is_tensor_leaf, self.batch_leaves))
 
     def flat(self, optimizer: torch.optim.Optimizer, lrs: Sequence[torch.Tensor],
              batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -94,6 +95,11 @@ class StepInputs:
         params = [p.detach() for _, p in self.trained]
         state = [optimizer.state[self.trained[i][1]][key] for i, key in self.state_keys]
         return [*params, *(p.detach() for _, p in self.frozen), *(b for _, b in self.buffers), *state, *lrs, *batch]
+
+
+def is_tensor_leaf(x: Any) -> bool:
+    """Whether a batch leaf of ``StepInputs.batch_leaves`` stands for a tensor (a ``Leaf``)."""
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], torch.dtype)
 
 
 def describe_leaf(t: torch.Tensor) -> Leaf:
@@ -209,7 +215,7 @@ def trace_whole_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
             at += size
         params, frozen, buffers, state, lrs, batch_t = parts
         it = iter(batch_t)
-        batch = tree_unflatten([next(it) if _is_leaf_tensor(x) else x for x in inputs.batch_leaves],
+        batch = tree_unflatten([next(it) if is_tensor_leaf(x) else x for x in inputs.batch_leaves],
                                inputs.batch_spec)
         leaves = [p.detach().requires_grad_() for p in params]
         with (torch.enable_grad(), _reparametrize_module(model, dict(zip(names, [*leaves, *frozen, *buffers])),
@@ -256,16 +262,9 @@ def _drop_profiler_ranges(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _is_leaf_tensor(x: Any) -> bool:
-    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], torch.dtype)
-
-
 def _user_line(error: BaseException) -> str:
     """`` at file:line in function`` of the innermost frame of the traceback outside torch and this package (the
     user's model or loss), or nothing."""
-    import os
-    import traceback
-
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skip)]
     if not frames:
@@ -368,4 +367,4 @@ def mark_phases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 __all__ = ["Leaf", "PHASE_META", "StepInputs", "describe_inputs", "describe_leaf", "flatten_batch",
-           "init_optimizer_state", "mark_phases", "trace_whole_step", "write_back_early"]
+           "init_optimizer_state", "is_tensor_leaf", "mark_phases", "trace_whole_step", "write_back_early"]
