@@ -10,7 +10,9 @@ different random batches, all measured in this one run:
 * ``train_step_100_s``: median call of ``train_step(..., budget="100%", measure=False)``;
 * ``train_step_50_s``: median call of ``train_step(..., budget="50%", measure=False)`` planned on the
   ``cpu-emulated`` profile at a link speed its simulated step hides the copies at (``link_bw``: the slowest of
-  ``LINK_CANDIDATES`` whose plan leaves at most ``--exposed`` of the simulated step exposed to transfers), its
+  ``LINK_CANDIDATES`` whose plan leaves at most ``--exposed`` of the simulated step exposed to transfers, and no
+  faster than ``copy_bw``, the rate the host copies memory at (half the profile's ``hbm_bw``, which counts bytes
+  read and written): an emulated link cannot move bytes faster than the memory system its engine copies with), its
   copies on an ``EmulatedLink`` of that profile (same bandwidth and latency), so simulator and link agree
   (``--link`` gives the speed instead). The profile's compute model is the interpreter's (one aten op at a
   time); it is scaled first so that the unplanned compiled step (``train_step_100``) simulates at its measured
@@ -40,7 +42,7 @@ is read after each model's timed rounds; wall times move with it.
      "load_avg": [1-, 5-, 15-minute load average at the end],
      "models": {name: {"batch", "seq", "parameters", "eager_s", "inductor_s", "train_step_100_s",
                        "train_step_50_s", "sim_50_s", "exposed_50_s", "compute_50_s", "interpreter_50_s",
-                       "interpreter_error", "link_bw", "compute_scale", "issue_s", "measured_peak_bytes", "budget_bytes",
+                       "interpreter_error", "link_bw", "copy_bw", "compute_scale", "issue_s", "measured_peak_bytes", "budget_bytes",
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
                        "load_avg", "compile_s": {variant: s}, "ratios": {name: x}, "targets": {name: bool}}}}
 
@@ -166,15 +168,16 @@ def plan_at(program: Program, hardware: Hardware, budget: str, policy: str):
     return start_released_inputs_remote(get_policy(policy)(program, hardware, parse_budget(budget, program, hardware)))
 
 
-def hiding_link_bw(program: Program, base: Hardware, cfg: BenchConfig) -> float:
-    """The slowest of ``LINK_CANDIDATES`` at which the plan's simulated step has at most ``cfg.exposed`` of its
-    time exposed to transfers (the fastest if none does)."""
-    for bw in LINK_CANDIDATES:
+def hiding_link_bw(program: Program, base: Hardware, cfg: BenchConfig, fastest: float) -> float:
+    """The slowest of ``LINK_CANDIDATES`` up to ``fastest`` (bytes/s) at which the plan's simulated step has at most
+    ``cfg.exposed`` of its time exposed to transfers (``fastest``'s candidate if none does)."""
+    candidates = [bw for bw in LINK_CANDIDATES if bw <= fastest] or [LINK_CANDIDATES[0]]
+    for bw in candidates:
         figures = simulate(plan_at(program, base.replace(h2d_bw=bw, d2h_bw=bw), cfg.budget, cfg.policy),
                            base.replace(h2d_bw=bw, d2h_bw=bw)).figures
         if figures.exposed_s <= cfg.exposed * figures.step_s:
             return bw
-    return LINK_CANDIDATES[-1]
+    return candidates[-1]
 
 
 def compiled_compute_scale(full: TrainStep, batches: list, base: Hardware, calls: int = 5) -> float:
@@ -304,6 +307,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     full, compile_s["train_step_100"] = timed_first(lambda: hyperoffload.train_step(
         *with_adamw(copy.deepcopy(initial)), lm_loss, example, budget="100%", hardware=base, policy=cfg.policy,
         measure=False))
+    copy_bw = base.hbm_bw / 2  # an engine's copy reads and writes every byte: the fastest link it can emulate
     scale = compiled_compute_scale(full, batches, base)
     issue = cache_op_issue_s()
     base = scaled_compute(base, scale).replace(issue_s=issue)
@@ -311,7 +315,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
              f"issue_s)")
     progress(f"{spec.name}: the compiled step computes {1 / scale:.2f}x as fast as the profile's per-op model; "
              f"planning on the profile scaled to it")
-    bw = cfg.link_bw if cfg.link_bw is not None else hiding_link_bw(full.program, base, cfg)
+    bw = cfg.link_bw if cfg.link_bw is not None else hiding_link_bw(full.program, base, cfg, copy_bw)
     hardware = base.replace(h2d_bw=bw, d2h_bw=bw)
     progress(f"{spec.name}: train_step at {cfg.budget}, link {format_bandwidth(bw)} each way")
     half, compile_s["train_step_50"] = timed_first(lambda: hyperoffload.train_step(
@@ -365,6 +369,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
                            max_param_diff(half.model, ref_model), max_state_diff(half.optimizer, ref_opt),
                            interpreter_error)
     record["compute_scale"] = scale
+    record["copy_bw"] = copy_bw
     record["issue_s"] = issue
     return record
 

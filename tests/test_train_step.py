@@ -296,3 +296,100 @@ def test_a_step_refused_before_it_runs_changes_nothing_and_a_failed_copy_raises(
     step(data[1])
     step(data[1])
     assert step.last.h2d_bytes > 0
+
+
+class CountedFault:
+    """A link fault that, once armed, fails the copy numbered ``at`` (counting from 0 at arming) and no other."""
+
+    def __init__(self) -> None:
+        self.count, self.at = 0, None
+
+    def arm(self, at: int) -> None:
+        self.count, self.at = 0, at
+
+    def __call__(self, transfer) -> None:
+        if self.at is not None:
+            self.count += 1
+            if self.count - 1 == self.at:
+                raise OSError("link down")
+
+
+def test_a_step_failing_late_is_rolled_back_with_rollback_and_said_to_be_partial_without():
+    """A copy failing late in the step, after write-backs of the update began: without ``rollback`` the error says
+    the state may be partly updated (and it is: neither the old state nor a completed step's); with ``rollback=True``
+    the model and optimizer hold the last completed step's state exactly, and the step runs on afterwards."""
+    data = batches(2)
+    fault = CountedFault()
+    results = {}
+    for rollback in (False, True):
+        model, opt = make("adamw")
+        step = hyperoffload.train_step(model, opt, classify, data[0], budget="50%", hardware=cpu(), measure=False,
+                                       link=EmulatedLink(**FAST_LINK, fault=fault), rollback=rollback)
+        step(data[0])
+        before = state_of(model, opt)
+        fault.arm(at=10**9)
+        step(data[1])  # count the copies of one step
+        copies = fault.count
+        model, opt = make("adamw")
+        step = hyperoffload.train_step(model, opt, classify, data[0], budget="50%", hardware=cpu(), measure=False,
+                                       link=EmulatedLink(**FAST_LINK, fault=fault), rollback=rollback)
+        fault.arm(at=None)
+        step(data[0])
+        assert max_diff(state_of(model, opt), before) == 0
+        fault.arm(at=copies - 1)  # the step's last copy
+        with pytest.raises(TransferError, match="link down") as error:
+            step(data[1])
+        results[rollback] = (max_diff(state_of(model, opt), before), "".join(error.value.__notes__))
+        fault.arm(at=None)
+        step(data[1])
+    moved, note = results[False]
+    assert moved > 0 and "partly updated" in note and "rollback=True" in note
+    moved, note = results[True]
+    assert moved == 0 and "last completed step" in note
+
+
+def test_ctrl_c_during_a_step_takes_effect_once_the_step_has_completed():
+    """SIGINT arriving mid-step (sent from a copy engine's thread while the step's copies run) is raised as
+    ``KeyboardInterrupt`` after the call, whose update is complete: the state equals an uninterrupted step's."""
+    import os
+    import signal
+
+    data = batches(2)
+    sent = {"armed": False}
+
+    def interrupt(transfer) -> None:
+        if sent["armed"]:
+            sent["armed"] = False
+            os.kill(os.getpid(), signal.SIGINT)
+
+    model, opt = make("adamw")
+    step = hyperoffload.train_step(model, opt, classify, data[0], budget="50%", hardware=cpu(), measure=False,
+                                   link=EmulatedLink(**FAST_LINK, fault=interrupt))
+    plain_model, plain_opt = make("adamw")
+    plain = hyperoffload.train_step(plain_model, plain_opt, classify, data[0], hardware=cpu(), offload=False,
+                                    measure=False)
+    step(data[0])
+    plain(data[0])
+    sent["armed"] = True
+    with pytest.raises(KeyboardInterrupt, match="the step completed first"):
+        step(data[1])
+    assert not sent["armed"]
+    plain(data[1])
+    assert max_diff(state_of(model, opt), state_of(plain_model, plain_opt)) == 0
+
+
+def test_a_step_still_over_its_budget_after_the_last_trial_warns(monkeypatch):
+    """Each plan is measured in a trial run, the last one too: a step that keeps holding more than the budget is
+    planned ``MAX_TRIALS`` times and then said to be over it."""
+    from hyperoffload.compile import train_step as module
+
+    def over_budget(self, compiled, flat, *, measure):
+        return None, compiled.budget_bytes + 1024
+
+    monkeypatch.setattr(module.TrainStep, "_run", over_budget)
+    model, opt = make("adamw")
+    with pytest.warns(UserWarning, match=f"over the budget .* after {module.MAX_TRIALS} plans"):
+        step = hyperoffload.train_step(model, opt, classify, batches(1)[0], budget="50%", hardware=cpu(),
+                                       measure=False)
+    assert len(step._current.trials) == module.MAX_TRIALS
+    assert step._current.slack == 1024 * (module.MAX_TRIALS - 1)

@@ -106,14 +106,19 @@ class AsyncCopies:
     release_stalls: int = 0
     """How many releases found the offload of their storage still running (and, with ``release_waits``, waited)."""
 
+    _prune_at: int = 64
+    """Entries of ``pending`` and ``reading`` together past which ``started`` forgets completed copies (then twice
+    what is left): amortized, so that a call does not scan every copy in flight."""
+
     def started(self, handle: Any, dst: torch.Tensor, src: torch.UntypedStorage | None = None) -> None:
-        """Record ``handle``, the copy into ``dst`` (of ``src``, for an offload); forget copies that completed and
-        were never waited for."""
-        # A failed copy stays, so that its wait raises the failure.
-        for key in [k for k, (h, _) in self.pending.items() if h.done() and getattr(h, "error", None) is None]:
-            del self.pending[key]
-        for key in [k for k, (h, _) in self.reading.items() if h.done() and getattr(h, "error", None) is None]:
-            del self.reading[key]
+        """Record ``handle``, the copy into ``dst`` (of ``src``, for an offload); now and then, forget copies that
+        completed and were never waited for (or whose storage was never released)."""
+        if len(self.pending) + len(self.reading) > self._prune_at:
+            # A failed copy stays, so that its wait raises the failure.
+            for table in (self.pending, self.reading):
+                for key in [k for k, (h, _) in table.items() if h.done() and getattr(h, "error", None) is None]:
+                    del table[key]
+            self._prune_at = max(64, 2 * (len(self.pending) + len(self.reading)))
         storage = dst.untyped_storage()
         self.pending[storage.data_ptr()] = (handle, storage)
         if src is not None:

@@ -44,8 +44,9 @@ from hyperoffload.capture.graph_to_program import CaptureError, program_from_gra
 from hyperoffload.capture.steps import _own_storages
 from hyperoffload.compile.backend import check_budget_text
 from hyperoffload.compile.held_inputs import start_released_inputs_remote
-from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned
+from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned, plan_headroom
 from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
+from hyperoffload.compile.step_guard import Snapshot, deferred_interrupts
 from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatten_batch, init_optimizer_state,
                                              is_tensor_leaf, mark_phases, trace_whole_step, write_back_early)
 from hyperoffload.hardware import Hardware, as_hardware
@@ -73,7 +74,8 @@ change what a kernel computes: the planned graphs' settings, and
 
 
 MAX_TRIALS = 3
-"""Trial runs of a planned step at most (each but the last followed by planning again for less)."""
+"""Plans of one form of the step at most, each compiled and measured in a trial run; each trial that holds more than
+the budget but the last is followed by planning again for that much less."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,7 +124,7 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
                  example_batch: Any, *, budget: int | str, hardware: Hardware | str, policy: str = "hyperoffload",
                  link: EmulatedLink | None = None, offload: bool = True, measure: bool = True,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 rollback: bool = False, progress: Callable[[str], None] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -136,6 +138,7 @@ class TrainStep:
         _check_devices(model, flatten_batch(example_batch)[0], self.hardware)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.budget, self.policy, self.offload, self.measure = budget, policy, offload, measure
+        self.rollback = rollback
         self._progress = progress if progress is not None else (lambda text: None)
         self.link = link if link is not None else EmulatedLink.for_hardware(self.hardware)
         self.copies = cache_ops.AsyncCopies(client=self.link.client(), release_waits=True)
@@ -220,10 +223,20 @@ class TrainStep:
         copies = self.copies
         h2d, d2h = copies.h2d_bytes, copies.d2h_bytes
         start = time.perf_counter()
+        snapshot = Snapshot(flat[:compiled.inputs.state_tensors]) if self.rollback else None
         try:
-            out, peak = self._run(compiled, flat, measure=self.measure)
-        except BaseException:
-            copies.client.drain()
+            with deferred_interrupts():
+                out, peak = self._run(compiled, flat, measure=self.measure)
+        except BaseException as error:
+            copies.client.drain()  # no copy touches the state any more
+            if snapshot is not None:
+                snapshot.restore()
+                error.add_note("train_step: the step failed; the model and optimizer hold the state of the last "
+                               "completed step again (rollback=True)")
+            else:
+                error.add_note("train_step: the step failed while running, so the model and optimizer may hold a "
+                               "partly updated step; load the last checkpoint, or make the step with rollback=True "
+                               "to have the state of the last completed step put back on failure")
             raise
         wall = time.perf_counter() - start
         self.last = StepFigures(peak_bytes=peak, budget_bytes=self.budget_bytes, h2d_bytes=copies.h2d_bytes - h2d,
@@ -288,24 +301,27 @@ class TrainStep:
         self._progress("tracing the step (forward, loss, backward, optimizer)")
         gm = trace_whole_step(self.model, self.optimizer, self.loss_fn, inputs, flat)
         compiled = self._compile_planned(gm, inputs, flat, slack=0, trials=())
-        while self.offload and len(compiled.trials) < MAX_TRIALS:
+        while self.offload:
             self._progress("a trial run on copies of the state, measuring the device bytes it holds")
             _, peak = self._run(compiled, [t.clone() for t in flat], measure=True)  # copies: the state stays
-            trials = (*compiled.trials, peak)
+            compiled = dataclasses.replace(compiled, trials=(*compiled.trials, peak))
             excess = peak - compiled.budget_bytes
             if excess <= 0:
                 self._progress(f"the trial held {format_bytes(peak)} of {format_bytes(compiled.budget_bytes)}")
-                compiled = dataclasses.replace(compiled, trials=trials)
+                break
+            held = (f"the compiled step held {format_bytes(peak)} on the device, {format_bytes(excess)} over the "
+                    f"budget of {format_bytes(compiled.budget_bytes)}")
+            if len(compiled.trials) == MAX_TRIALS:
+                warnings.warn(f"train_step: {held} after {MAX_TRIALS} plans; give a larger budget", stacklevel=4)
                 break
             self._progress(f"the trial held {format_bytes(peak)}, {format_bytes(excess)} over the budget: planning "
                            f"again for that much less")
             try:
-                compiled = self._compile_planned(gm, inputs, flat, slack=compiled.slack + excess, trials=trials)
+                compiled = self._compile_planned(gm, inputs, flat, slack=compiled.slack + excess,
+                                                 trials=compiled.trials)
             except InfeasibleBudget:
-                warnings.warn(f"train_step: the compiled step held {format_bytes(peak)} on the device, "
-                              f"{format_bytes(excess)} over the budget of {format_bytes(compiled.budget_bytes)}, and "
-                              f"no plan with that much less room exists; give a larger budget", stacklevel=4)
-                compiled = dataclasses.replace(compiled, trials=trials)
+                warnings.warn(f"train_step: {held}, and no plan with that much less room exists; give a larger "
+                              f"budget", stacklevel=4)
                 break
         self._forms[self._key(spec, leaves)] = compiled
         return compiled
@@ -317,6 +333,9 @@ class TrainStep:
         def plan_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             program = self._program(graph, inputs)
             budget = parse_budget(self.budget, program, self.hardware)
+            if self.offload and budget - slack < 1:
+                raise InfeasibleBudget(f"a budget of {budget - slack} bytes leaves no room",
+                                       memory_profile(program).peak_bytes)
             self._progress(f"planning {len(program.ops)} ops for {format_bytes(budget - slack)} on {self.hardware.name}"
                            if self.offload else f"{len(program.ops)} ops, nothing planned (offload=False)")
             plan = self._plan(program, budget - slack) if self.offload else plan_without_offload(program)
@@ -326,7 +345,8 @@ class TrainStep:
 
         run = compile_planned(gm, flat, partition=_never_partitioned, plan_inference=plan_graph,
                               finish=lambda graph, compiled: compiled, settings=WHOLE_STEP_CONFIG,
-                              choices=KeepPlanOrder())
+                              choices=lambda graph: KeepPlanOrder(
+                                  headroom=plan_headroom(planned["plan"]) if self.offload else None))
         program, plan = planned["program"], planned["plan"]
         values = program.values
         inputs_storages = {values[v].storage for v in program.inputs}
@@ -346,8 +366,6 @@ class TrainStep:
                                   meta={"mode": "train", "optimizer": type(self.optimizer).__name__.lower()})
 
     def _plan(self, program: Program, budget: int) -> Plan:
-        if budget < 1:
-            raise InfeasibleBudget(f"a budget of {budget} bytes leaves no room", memory_profile(program).peak_bytes)
         plan = start_released_inputs_remote(get_policy(self.policy)(program, self.hardware, budget))
         verify(plan)
         return plan
@@ -377,7 +395,8 @@ def _check_devices(model: nn.Module, batch: Sequence[torch.Tensor], hardware: Ha
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
                example_batch: Any, *, budget: int | str = "50%", hardware: Hardware | str = "h100-sxm",
                policy: str = "hyperoffload", link: EmulatedLink | None = None, offload: bool = True,
-               measure: bool = True, progress: Callable[[str], None] | None = None) -> TrainStep:
+               measure: bool = True, rollback: bool = False,
+               progress: Callable[[str], None] | None = None) -> TrainStep:
     """The user's whole training step, planned under ``budget`` and compiled by Inductor.
 
     ``loss_fn(model, batch)`` returns the loss; ``example_batch`` is any tree of tensors the step will be called
@@ -385,12 +404,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     ``budget``: bytes, ``"40GiB"``, ``"50%"`` of the step's no-offload peak, or ``"hideable"``; ``hardware``: the
     profile planned for, whose link the copies are emulated at (``link=`` to give another). ``offload=False``
     compiles the same step with nothing planned (plain Inductor), to compare against. ``measure`` records each
-    call's device peak in ``step.last`` (through PyTorch's profiler: turn it off to time steps). ``progress(text)``
+    call's device peak in ``step.last`` (through PyTorch's profiler: turn it off to time steps). A Ctrl-C during a
+    call takes effect once the call has completed; a call that fails while running (a failed copy, memory running
+    out) leaves the state partly updated unless ``rollback=True``, which copies the state the step writes before
+    each call (that many bytes more copying per step) and puts it back on failure. ``progress(text)``
     hears what making the step is doing (tracing, planning, compiling, trial runs; ``print`` will do), which takes
     tens of seconds on a small model, and again when a new batch shape or setting makes it plan again.
     """
     return TrainStep(model, optimizer, loss_fn, example_batch, budget=budget, hardware=hardware, policy=policy,
-                     link=link, offload=offload, measure=measure, progress=progress)
+                     link=link, offload=offload, measure=measure, rollback=rollback, progress=progress)
 
 
 __all__ = ["StepFigures", "TrainStep", "train_step"]

@@ -85,6 +85,12 @@ class StepInputs:
                 + (ValueKind.INPUT,) * (len(self.groups) + self.batch_tensors))
 
     @property
+    def state_tensors(self) -> int:
+        """How many of the flat inputs, from the first, are the model's and the optimizer's state (what a step may
+        write); the learning rates and the batch follow."""
+        return len(self.trained) + len(self.frozen) + len(self.buffers) + len(self.state_keys)
+
+    @property
     def batch_tensors(self) -> int:
         return sum(map(is_tensor_leaf, self.batch_leaves))
 
