@@ -47,7 +47,7 @@ from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
 from hyperoffload.budgets import check_budget_bytes, parse_budget
 from hyperoffload.capture.graph_to_program import program_from_graph
-from hyperoffload.compile.inductor import compile_planned
+from hyperoffload.compile.inductor import KeepPlanOrder, compile_planned, plan_headroom
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
 from hyperoffload.compile.layouts import planned_layouts, with_planned_layouts
 from hyperoffload.compile.split import keep_backward_inputs_in_backward, split_lowered
@@ -218,8 +218,11 @@ class Backend:
             def finish(gm: torch.fx.GraphModule, compiled: Callable) -> Callable:
                 return self._runner(gm, compiled, self._record_of(index).plan)
 
+            def choices(gm: torch.fx.GraphModule) -> KeepPlanOrder:
+                return KeepPlanOrder(headroom=plan_headroom(self._record_of(index).plan))
+
             return compile_planned(gm, example_inputs, partition=partition, plan_inference=plan_inference,
-                                   finish=finish)
+                                   finish=finish, choices=choices)
         return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, inference_compiler=inference,
                             partition_fn=partition)(gm, example_inputs)
 
@@ -340,7 +343,7 @@ def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", po
                         f"got {type(link).__name__}")
     return Backend(budget=budget, hardware=get_hardware(hardware) if isinstance(hardware, str) else hardware,
                    policy=policy, compiler=compiler,
-                   copies=None if link is None else cache_ops.AsyncCopies(client=link.client()))
+                   copies=None if link is None else cache_ops.AsyncCopies(client=link.client(), release_waits=True))
 
 
 __all__ = ["COMPILERS", "Backend", "CompiledGraph", "backend", "check_budget_text"]
