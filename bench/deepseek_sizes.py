@@ -19,7 +19,7 @@ from hyperoffload.ir import ValueKind
 from hyperoffload.units import format_bytes
 from hyperoffload.workloads import capture_workload, get_workload
 
-# (workload, mode, sizes): the inference cases.
+# (workload, mode, sizes): the DeepSeek-style inference cases of docs/results.md.
 CASES = [
     ("deepseek-v2-lite", "decode", {"batch": 32, "context": 32768}),
     ("deepseek-v2-lite", "prefill", {"batch": 32, "seq": 32768}),

@@ -1,5 +1,5 @@
 """Planner tables: step time against the bound at budgets from 90% of the no-offload peak down to the
-smallest feasible one, on the issue's scenarios (simulated; BENCHMARKS.md figures).
+smallest feasible one, on the scenarios of docs/results.md (simulated; figures as in docs/figures.md).
 
 Each row plans with the hyperoffload policy, verifies the plan (budget and invariants) and simulates it.
 Columns: step_s / bound_s (the project's target is <= 1.05), step_s / lower_bound_s (against the plan's

@@ -1,6 +1,6 @@
 """A lower bound on the step time of every plan, in every execution order, under a budget.
 
-``bound_s`` (BENCHMARKS.md) lets the excess cross the link once each way at full speed with both
+``bound_s`` (docs/figures.md) lets the excess cross the link once each way at full speed with both
 directions running at once. Two facts make every real plan slower than that, whatever its schedule
 and whatever order it runs the ops in:
 

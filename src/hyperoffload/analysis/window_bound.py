@@ -1,6 +1,6 @@
 """A lower bound on the step time of any plan that runs a step's ops in a given order under a budget.
 
-``bound_s`` (BENCHMARKS.md) lets the excess cross the link at any time. It cannot: at the op where
+``bound_s`` (docs/figures.md) lets the excess cross the link at any time. It cannot: at the op where
 the unplanned step peaks, at least ``excess`` bytes of the storages live there must be off the device
 (in the simulator, their memory is returned only once their offload has landed), and each of them:
 
@@ -156,7 +156,7 @@ def window_bound(program: Program, hardware: Hardware, budget_bytes: int,
 def free_offload_budget(program: Program, hardware: Hardware, order: Sequence[int] | None = None) -> int:
     """The smallest budget (bytes) at which the window bound of ``order`` still equals the compute time:
     below it no plan in that order can offload for free; at or above it, one might. (The window-bound
-    counterpart of BENCHMARKS.md's *hideable budget*, which lets copies run at any time.)"""
+    counterpart of the *hideable budget* of docs/figures.md, which lets copies run at any time.)"""
     order = list(range(len(program.ops))) if order is None else list(order)
     w = _windows(program, hardware, order)
     return 0 if w is None else _free_budget(w, hardware)
