@@ -118,6 +118,15 @@ class _Claims:
         return True
 
 
+def keep_plan_order(plan) -> KeepPlanOrder:
+    """``KeepPlanOrder`` for the graph lowered from ``plan``: with the plan's headroom where it moves data; without
+    one (so Inductor's cache serves it as the same step unplanned) where it moves nothing."""
+    from hyperoffload.plans import Kind
+
+    moves = plan.budget_bytes is not None and any(i.kind is not Kind.COMPUTE for i in plan.instructions)
+    return KeepPlanOrder(headroom=plan_headroom(plan) if moves else None)
+
+
 def plan_headroom(plan) -> tuple[int, ...]:
     """Bytes the plan leaves free under its budget at each instruction (``check_plan``'s instruction-order
     accounting), then once more after the last (the step's end, where the copy-backs run)."""
@@ -298,5 +307,6 @@ def _boxed(compiled: Callable) -> Callable:
     return run
 
 
-__all__ = ["KeepPlanOrder", "PLANNED_GRAPH_CONFIG", "PlannedPartition", "compile_planned", "plan_headroom",
+__all__ = ["KeepPlanOrder", "PLANNED_GRAPH_CONFIG", "PlannedPartition", "compile_planned", "keep_plan_order",
+           "plan_headroom",
            "realize_before_releases"]

@@ -44,7 +44,7 @@ from hyperoffload.capture.graph_to_program import CaptureError, program_from_gra
 from hyperoffload.capture.steps import _own_storages
 from hyperoffload.compile.backend import check_budget_text
 from hyperoffload.compile.held_inputs import start_released_inputs_remote
-from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned, plan_headroom
+from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, compile_planned, keep_plan_order
 from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
 from hyperoffload.compile.step_guard import Snapshot, deferred_interrupts
 from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatten_batch, init_optimizer_state,
@@ -345,8 +345,7 @@ class TrainStep:
 
         run = compile_planned(gm, flat, partition=_never_partitioned, plan_inference=plan_graph,
                               finish=lambda graph, compiled: compiled, settings=WHOLE_STEP_CONFIG,
-                              choices=lambda graph: KeepPlanOrder(
-                                  headroom=plan_headroom(planned["plan"]) if self.offload else None))
+                              choices=lambda graph: keep_plan_order(planned["plan"]))
         program, plan = planned["program"], planned["plan"]
         values = program.values
         inputs_storages = {values[v].storage for v in program.inputs}
@@ -389,7 +388,7 @@ def _check_devices(model: nn.Module, batch: Sequence[torch.Tensor], hardware: Ha
             f"train_step runs a model on the CPU, with its copies on an emulated link of {hardware.name}; this model "
             f"or batch has tensors on {', '.join(other)}, and the cache operators have no {other[0]} kernels inside "
             f"compiled graphs yet. Move the model and batch to the CPU to try the plan, or run a planned step on "
-            f"the GPU with hyperoffload.run_async (README, 'Running plans for real')")
+            f"the GPU with hyperoffload.run_async (docs/runtime.md)")
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],

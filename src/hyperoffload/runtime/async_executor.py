@@ -219,7 +219,7 @@ def run_async(plan: Plan, inputs: Sequence[torch.Tensor], *, link: Transfers | H
     instructions. Raises ``PlanError`` before anything runs if the plan is invalid, ``TransferError`` if a
     copy fails, ``BudgetExceeded`` if the measured device bytes pass the budget. ``arena``: run from one
     arena (``True``: ``plan.layout`` or ``assign_offsets(plan)``; or a ``Layout``), as ``run_plan``, on the
-    link's device: CPU for an emulated link, the GPU for ``"cuda"`` (run on an H200: see the README).
+    link's device: CPU for an emulated link, the GPU for ``"cuda"`` (run on an H200: docs/results.md).
     """
     with AsyncExecutor(link) as executor:
         return executor.run(plan, inputs, on_instruction=on_instruction, arena=arena)

@@ -40,7 +40,7 @@ shapes (``cost.op_signature``) ran there its mean time per call, dispatch includ
 a CPU the roofline misjudges small kernels both ways: attention, batched matmuls and ``arange`` take several
 times their roofline, elementwise ops less than the spread dispatch cost. On ``tiny-deepseek`` decode this
 took the simulator's error on the unplanned step from 0.42 (one dispatch cost for every op) to 0.01-0.03
-(``bench/decode_kv.py --only run``, README). The dispatch
+(``bench/decode_kv.py --only run``, docs/results.md). The dispatch
 calibration above remains for op shapes not timed (plans of other forms of the step).
 """
 
