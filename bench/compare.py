@@ -130,7 +130,7 @@ def real_run(plots: Path | None, link: str = "2GB/s", budget_text: str = "50%") 
 
     import torch
 
-    from hyperoffload.cli import cpu_cache_path
+    from hyperoffload.commands import cpu_cache_path
     from hyperoffload.policies import get_policy
     from hyperoffload.runtime import EmulatedLink
     from hyperoffload.runtime.measure import RunConfig, measure_run

@@ -93,7 +93,7 @@ def real_runs(link: str, share: float) -> None:
 
     import torch
 
-    from hyperoffload.cli import cpu_cache_path
+    from hyperoffload.commands import cpu_cache_path
     from hyperoffload.runtime import EmulatedLink
     from hyperoffload.runtime.measure import (RunConfig, executor_dispatch_s, executor_issue_s, for_executor,
                                               measure_run)

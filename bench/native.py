@@ -71,7 +71,7 @@ from torch import nn
 import hyperoffload
 from hyperoffload import cache_ops
 from hyperoffload.budgets import parse_budget
-from hyperoffload.cli import cpu_cache_path
+from hyperoffload.commands import cpu_cache_path
 from hyperoffload.compile.held_inputs import start_released_inputs_remote
 from hyperoffload.compile.optimizers import learning_rate
 from hyperoffload.compile.train_step import TrainStep

@@ -30,7 +30,7 @@ import sys
 import torch
 
 from hyperoffload.budgets import parse_budget
-from hyperoffload.cli import cpu_cache_path
+from hyperoffload.commands import cpu_cache_path
 from hyperoffload.hardware import get_hardware
 from hyperoffload.policies import get_policy
 from hyperoffload.runtime import EmulatedLink

@@ -5,6 +5,7 @@ from importlib.metadata import version
 
 import pytest
 
+import hyperoffload
 from hyperoffload.cli import main
 
 KEYS = {"num_ops", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "kv_bytes", "peak_bytes"}
@@ -171,3 +172,44 @@ def test_version_falls_back_to_the_package_version_from_an_uninstalled_tree(caps
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out == "hyperoffload 9.9.9\n"
+
+
+def test_help_answers_without_importing_torch():
+    """``--help`` and the parser need only names (workloads, modes, hardware presets, Hugging Face tasks), kept in
+    modules that import nothing heavy; the commands themselves load on use."""
+    code = ("import sys\nfrom hyperoffload.cli import build_parser\nparser = build_parser()\n"
+            "for argv in (['--help'], ['plan', '--help'], ['run', '--help']):\n"
+            "    try:\n        parser.parse_args(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'rich', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert "--budget" in done.stdout and "tiny-llama" in done.stdout and "h100-sxm" in done.stdout
+
+
+def test_the_names_the_flags_offer_are_the_registries_names():
+    from hyperoffload.capture.hf_tasks import TASKS
+    from hyperoffload.capture.task_names import TASK_NAMES
+    from hyperoffload.hardware.preset_files import PRESET_NAMES
+    from hyperoffload.hardware.presets_index import list_hardware
+    from hyperoffload.workloads.catalog import WORKLOAD_NAMES
+    from hyperoffload.workloads.presets import WORKLOADS
+
+    assert WORKLOAD_NAMES == tuple(WORKLOADS)
+    assert TASK_NAMES == tuple(task.name for task in TASKS)
+    assert set(PRESET_NAMES) - {"cpu-emulated"} == {h.name for h in list_hardware()} - {"cpu-emulated"}
+
+
+def test_import_hyperoffload_loads_the_api_on_first_use():
+    """``import hyperoffload`` imports nothing heavy; each attribute of the API loads when first read, and a
+    function named like a submodule (``hyperoffload.simulate``) stays the function once that submodule is imported."""
+    code = ("import sys, hyperoffload\nheavy = 'torch' in sys.modules\n"
+            "import hyperoffload.simulate, hyperoffload.verify, hyperoffload.compare\n"
+            "print(heavy, callable(hyperoffload.simulate), callable(hyperoffload.verify), "
+            "callable(hyperoffload.compare), hyperoffload.train_step.__module__, sorted(set(hyperoffload.__all__) "
+            "- set(dir(hyperoffload))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "True", "hyperoffload.compile.train_step", "[]"]
+    for name in hyperoffload.__all__:
+        assert getattr(hyperoffload, name) is not None

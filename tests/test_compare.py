@@ -108,10 +108,17 @@ def test_sweep_command_json_and_plot(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["compare", *STEP, "--budget", "60%", "--policies", "hyperoffload,lru"], "unknown policy 'lru'"),
-    (["compare", *STEP, "--budget", "lots"], "cannot read 'lots' as a budget"),
     (["sweep", *STEP, "--budget", "60%", "--vary", "d2h-bw", "--values", "fast"], "cannot read 'fast'"),
     (["sweep", *STEP, "--vary", "h2d-bw", "--values", "8GB/s"], "needs a --budget"),
 ])
 def test_bad_input_names_the_problem(args, message, capsys):
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_malformed_budget_is_refused_as_the_flags_are_read(capsys):
+    """Before anything is captured: argparse's usage error, status 2, naming the flag and the forms it takes."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *STEP, "--budget", "lots"])
+    assert exit_info.value.code == 2
+    assert "argument --budget: cannot read 'lots' as a budget; write 40GiB" in capsys.readouterr().err

@@ -154,7 +154,7 @@ def test_progress_is_reported_per_layer_of_each_stack(tmp_path) -> None:
 def test_progress_on_a_pipe_is_a_line_per_tenth() -> None:
     from rich.console import Console
 
-    from hyperoffload.cli import _capture_progress
+    from hyperoffload.commands import _capture_progress
 
     stream = io.StringIO()
     with _capture_progress(Console(file=stream), "Capturing...", quiet_s=0.0) as report:

@@ -220,9 +220,9 @@ def test_more_threads_than_cores_is_refused(capsys):
 
 
 def test_a_swept_bandwidth_that_reads_as_zero_is_refused_before_capturing(capsys, monkeypatch):
-    from hyperoffload import cli
+    from hyperoffload import commands
 
-    monkeypatch.setattr(cli, "_capture", lambda *a, **k: pytest.fail("captured before refusing the values"))
+    monkeypatch.setattr(commands, "_capture", lambda *a, **k: pytest.fail("captured before refusing the values"))
     err = user_error(capsys, ["sweep", *TINY, *H100, "--budget", "50%", "--vary", "h2d-bw", "--values", "8GB/s,0.5B/s"])
     assert "--values '0.5B/s': h2d_bw must be a finite number > 0 bytes/s" in err
 
@@ -302,7 +302,7 @@ def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch):
 
 
 def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
-    from hyperoffload.cli import cpu_cache_path
+    from hyperoffload.commands import cpu_cache_path
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")

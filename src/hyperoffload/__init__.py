@@ -1,19 +1,56 @@
 """HyperOffload for PyTorch: compiler-planned offloading of a step's tensors to remote memory."""
 
-from hyperoffload.analysis import LiveRange, MemoryProfile, live_ranges, memory_profile, storage_ranges
-from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_step, capture_prefill_step,
-                                  capture_train_step, fake_build)
-from hyperoffload.ir import Op, Phase, Program, Value, ValueKind, verify_program
+from hyperoffload.lazy import lazy_package
 
-from hyperoffload.budgets import hideable_budget, parse_budget
-from hyperoffload.hardware import Hardware, HardwareError, as_hardware, get_hardware
-from hyperoffload.policies import InfeasibleBudget, PlannerConfig, plan_hyperoffload
-from hyperoffload.simulate import Timeline, simulate
-from hyperoffload.verify import VerificationError, verify
-from hyperoffload.compile import Backend, CompiledGraph, backend
-from hyperoffload.compile.train_step import StepFigures, TrainStep, train_step
-from hyperoffload.compare import PolicyResult, compare, sweep
-from hyperoffload.runtime import AsyncExecutor, EmulatedLink, run_async
+_WHERE = {
+    "LiveRange": "hyperoffload.analysis",
+    "MemoryProfile": "hyperoffload.analysis",
+    "live_ranges": "hyperoffload.analysis",
+    "memory_profile": "hyperoffload.analysis",
+    "storage_ranges": "hyperoffload.analysis",
+    "AdamW": "hyperoffload.capture",
+    "CaptureError": "hyperoffload.capture",
+    "Captured": "hyperoffload.capture",
+    "capture_decode_step": "hyperoffload.capture",
+    "capture_prefill_step": "hyperoffload.capture",
+    "capture_train_step": "hyperoffload.capture",
+    "fake_build": "hyperoffload.capture",
+    "Op": "hyperoffload.ir",
+    "Phase": "hyperoffload.ir",
+    "Program": "hyperoffload.ir",
+    "Value": "hyperoffload.ir",
+    "ValueKind": "hyperoffload.ir",
+    "verify_program": "hyperoffload.ir",
+    "hideable_budget": "hyperoffload.budgets",
+    "parse_budget": "hyperoffload.budgets",
+    "Hardware": "hyperoffload.hardware",
+    "HardwareError": "hyperoffload.hardware",
+    "as_hardware": "hyperoffload.hardware",
+    "get_hardware": "hyperoffload.hardware",
+    "InfeasibleBudget": "hyperoffload.policies",
+    "PlannerConfig": "hyperoffload.policies",
+    "plan_hyperoffload": "hyperoffload.policies",
+    "Timeline": "hyperoffload.simulate",
+    "simulate": "hyperoffload.simulate",
+    "VerificationError": "hyperoffload.verify",
+    "verify": "hyperoffload.verify",
+    "Backend": "hyperoffload.compile",
+    "CompiledGraph": "hyperoffload.compile",
+    "backend": "hyperoffload.compile",
+    "StepFigures": "hyperoffload.compile.train_step",
+    "TrainStep": "hyperoffload.compile.train_step",
+    "train_step": "hyperoffload.compile.train_step",
+    "PolicyResult": "hyperoffload.compare",
+    "compare": "hyperoffload.compare",
+    "sweep": "hyperoffload.compare",
+    "AsyncExecutor": "hyperoffload.runtime",
+    "EmulatedLink": "hyperoffload.runtime",
+    "run_async": "hyperoffload.runtime",
+}
+"""Where each attribute of the package lives (imported on first use: ``import hyperoffload`` alone
+imports neither torch nor the rest of the package)."""
+
+lazy_package(__name__, _WHERE)
 
 __version__ = "0.1.0"
 
@@ -23,10 +60,13 @@ __all__ = ["StepFigures", "TrainStep", "train_step", "AsyncExecutor", "EmulatedL
            "live_ranges", "memory_profile", "storage_ranges", "verify_program"]
 
 
-def plan(program: Program, hardware: Hardware | str, budget: int | str, *, policy: str = "hyperoffload"):
+def plan(program, hardware, budget: int | str, *, policy: str = "hyperoffload"):
     """Plan ``program`` on ``hardware`` (a profile or its name) under ``budget`` (bytes, or text such as
     ``"40GiB"``, ``"50%"``, ``"hideable"``) with ``policy``; returns a verified ``hyperoffload.plans.Plan``."""
+    from hyperoffload.budgets import parse_budget
+    from hyperoffload.hardware import as_hardware
     from hyperoffload.policies import get_policy
+    from hyperoffload.verify import verify
 
     hardware = as_hardware(hardware)
     budget_bytes = parse_budget(budget, program, hardware)

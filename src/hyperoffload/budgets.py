@@ -91,3 +91,34 @@ def _parse(text: str, program: Program, hardware: Hardware | str) -> int:
     except ValueError:
         raise ValueError(f"cannot read {text!r} as a budget; write 40GiB, 60GB, 50% (of the no-offload peak) "
                          f"or hideable") from None
+
+
+def check_budget_text(budget: int | str) -> None:
+    """Raise ``ValueError`` unless ``budget`` reads as a budget: bytes, ``"40GiB"``, ``"50%"`` or ``"hideable"``
+    (``TypeError`` if it is neither an int nor text).
+
+    The bytes a percentage stands for are known only once the step is captured; this catches typos before
+    (when a backend or a training step is made, when the command line is parsed).
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise TypeError(f"budget must be bytes (an int) or text such as '40GiB', '50%' or 'hideable', "
+                         f"got {type(budget).__name__}")
+    if isinstance(budget, int):
+        check_budget_bytes(budget)
+        return
+    text = budget.strip()
+    if text.lower() == "hideable":
+        return
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"cannot read {budget!r} as a budget; write 40GiB, 60GB, 50% or hideable") from None
+        if not 0 < share <= 100:
+            raise ValueError(f"a budget percentage must be in (0, 100], got {budget}")
+        return
+    try:
+        parse_bytes(text)
+    except ValueError:
+        raise ValueError(f"cannot read {budget!r} as a budget; write 40GiB, 60GB, 50% (of the step's no-offload "
+                         f"peak) or hideable") from None

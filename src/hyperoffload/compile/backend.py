@@ -45,7 +45,7 @@ import torch.fx
 
 from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
-from hyperoffload.budgets import check_budget_bytes, parse_budget
+from hyperoffload.budgets import check_budget_text, parse_budget
 from hyperoffload.capture.graph_to_program import program_from_graph
 from hyperoffload.compile.inductor import compile_planned, keep_plan_order
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
@@ -58,7 +58,6 @@ from hyperoffload.plans import Kind, Plan, check_plan
 from hyperoffload.policies import get_policy
 from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.simulate import Figures, simulate
-from hyperoffload.units import parse_bytes
 from hyperoffload.verify import verify
 
 COMPILERS = ("eager", "inductor")
@@ -121,37 +120,6 @@ class CompiledGraph:
         names = [values[s].name for s in sorted(self.plan.initial_remote)]
         names += [values[i.target].name for i in self.plan.instructions if i.kind is Kind.OFFLOAD]
         return list(dict.fromkeys(names))
-
-
-def check_budget_text(budget: int | str) -> None:
-    """Raise ``ValueError`` unless ``budget`` reads as a budget: bytes, ``"40GiB"``, ``"50%"`` or ``"hideable"``
-    (``TypeError`` if it is neither an int nor text).
-
-    The bytes a percentage stands for are known only once a graph is compiled; this catches typos when
-    the backend is made.
-    """
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise TypeError(f"budget must be bytes (an int) or text such as '40GiB', '50%' or 'hideable', "
-                         f"got {type(budget).__name__}")
-    if isinstance(budget, int):
-        check_budget_bytes(budget)
-        return
-    text = budget.strip()
-    if text.lower() == "hideable":
-        return
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
-            raise ValueError(f"cannot read {budget!r} as a budget; write 40GiB, 60GB, 50% or hideable") from None
-        if not 0 < share <= 100:
-            raise ValueError(f"a budget percentage must be in (0, 100], got {budget}")
-        return
-    try:
-        parse_bytes(text)
-    except ValueError:
-        raise ValueError(f"cannot read {budget!r} as a budget; write 40GiB, 60GB, 50% (of the step's no-offload "
-                         f"peak) or hideable") from None
 
 
 @dataclass(eq=False)

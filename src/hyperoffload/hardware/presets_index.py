@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
 from hyperoffload.hardware.cpu import cpu_emulated, load_or_measure
+from hyperoffload.hardware.preset_files import CPU_EMULATED, PRESET_NAMES, preset_files
 from hyperoffload.hardware.profile import Hardware, HardwareError, load_hardware_file
-
-CPU_EMULATED = "cpu-emulated"
-
-
-def _preset_files() -> dict[str, Path]:
-    folder = resources.files("hyperoffload.hardware") / "presets"
-    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".toml")}
-
-
-PRESET_NAMES: tuple[str, ...] = (*sorted(_preset_files()), CPU_EMULATED)
 
 
 @lru_cache(maxsize=None)
 def _load_preset(name: str) -> Hardware:
-    return load_hardware_file(_preset_files()[name])
+    return load_hardware_file(preset_files()[name])
 
 
 def get_hardware(name: str, *, cpu_cache: Path | None = None) -> Hardware:

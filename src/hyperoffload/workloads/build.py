@@ -12,9 +12,9 @@ from hyperoffload.capture.steps import check_step_tokens
 from hyperoffload.workloads.deepseek import DeepSeekConfig
 from hyperoffload.variants import register_remote_kv
 from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION, capture_remote_decode_step, pool_facts
+from hyperoffload.workloads.catalog import MODES
 from hyperoffload.workloads.presets import Workload
 
-MODES = ("train", "prefill", "decode")
 
 
 def capture_workload(workload: Workload, mode: str, *, batch: int | None = None, seq: int | None = None,

@@ -39,6 +39,7 @@ import torch
 from torch.utils._pytree import register_pytree_node
 
 from hyperoffload.cache_ops import fetch_blocks_pooled, fetch_missing_blocks, prefetch_blocks, store_rows
+from hyperoffload.workloads.catalog import DEFAULT_RESELECTION
 
 
 @dataclass(slots=True)
@@ -295,13 +296,6 @@ def new_remote_cache(model, batch: int, context: int, pool_blocks: int | None = 
                                    speculative=speculative)
               for i in range(cfg.layers)]
     return RemoteKVCache(layers, stats)
-
-
-DEFAULT_RESELECTION = 0.75
-"""Share of a decode step's selected blocks that the same layer selected for the same sequence one step
-before: the stated statistic simulations of a pooled remote cache use. Measured on ``tiny-deepseek``
-decode with random weights (``bench/remote_kv.py``, ``RemoteKVStats.reselection_rate``): 0.786 after a
-100-token prompt, 0.745 after 1000 tokens. Trained models' selections are likely stickier."""
 
 
 def expected_fetch_fraction(pool_blocks: int | None, top_n: int, valid_blocks: int,

@@ -1,0 +1,707 @@
+"""The ``hyperoffload`` commands: each maps its parsed flags (``hyperoffload.cli``) onto library calls and prints
+the results; ``COMMANDS`` names them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from hyperoffload.capture import CaptureError
+from hyperoffload.capture.hf_tasks import get_task, task_of_model
+from hyperoffload.cli import _positive
+from hyperoffload.hardware import Hardware, HardwareError, get_hardware
+from hyperoffload.hardware.profile import field_problem
+from hyperoffload.plans import PlanError
+from hyperoffload.policies import InfeasibleBudget
+from hyperoffload.units import format_bytes, parse_bandwidth
+from hyperoffload.variants import find_captured, has_remote_kv, kv_placement
+from hyperoffload.workloads import WORKLOADS, UnknownWorkload, capture_workload, get_workload, with_nsa_block
+
+
+def cpu_cache_path() -> Path:
+    """Where the CPU calibration is cached: $XDG_CACHE_HOME/hyperoffload (or ~/.cache/hyperoffload). A relative
+    $XDG_CACHE_HOME is ignored, as the XDG base directory spec says: it would put the cache wherever the command
+    happens to run."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "hyperoffload" / "cpu-calibration.json"
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    """The profile named by ``--hardware`` with any command-line overrides applied."""
+    hardware = get_hardware(args.hardware, cpu_cache=cpu_cache_path())
+    overrides = {name: value for name, value in (
+        ("h2d_bw", args.h2d_bw), ("d2h_bw", args.d2h_bw), ("h2d_latency_s", args.copy_latency),
+        ("d2h_latency_s", args.copy_latency), ("memory_bytes", args.device_memory)) if value is not None}
+    return hardware.replace(**overrides) if overrides else hardware
+
+
+def _policy_from_args(args: argparse.Namespace, without_layout: str):
+    """``--policy``, planning with a static layout under ``--static-layout`` (a hyperoffload planner option;
+    ``without_layout`` says what another policy does instead, for the error)."""
+    from hyperoffload.policies import get_policy
+
+    policy = get_policy(args.policy)
+    if not args.static_layout:
+        return policy
+    if args.policy != "hyperoffload":
+        raise ValueError(f"--static-layout is a hyperoffload planner option; policy {args.policy!r} {without_layout}")
+    from functools import partial
+
+    from hyperoffload.policies import PlannerConfig, plan_hyperoffload
+
+    return partial(plan_hyperoffload, config=PlannerConfig(static_layout=True))
+
+
+def _policy_names(args: argparse.Namespace) -> list[str] | None:
+    from hyperoffload.policies import get_policy
+
+    if args.policies is None:
+        return None
+    names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    # An empty list would otherwise mean "all of them": not what "--policies ," asked for.
+    if not names:
+        raise ValueError(f"--policies {args.policies!r} names no policy; give some, e.g. --policies "
+                         f"hyperoffload,reactive, or drop the flag to compare all of them")
+    for name in names:
+        get_policy(name)  # an unknown name fails here, listing the valid ones
+        if names.count(name) > 1:
+            raise ValueError(f"--policies names {name!r} more than once; list each policy once")
+    return names
+
+
+HF_PREFIX = "hf:"
+
+
+def _check_step_flags(args: argparse.Namespace) -> None:
+    """Refuse a step flag that this step would ignore: the capture drops it without a word, and the figures
+    would be those of a step the user did not ask for."""
+    if args.context is not None and args.mode != "decode":
+        raise ValueError(f"--context sets the KV cache of a decode step; a {args.mode} step has none: drop --context "
+                         f"or use --mode decode")
+    if args.seq is not None and args.mode == "decode":
+        raise ValueError("--seq sets train and prefill steps; a decode step feeds one token per sequence: drop --seq "
+                         "(--context sets the tokens already cached)")
+    if args.master_weights and args.mode != "train":
+        raise ValueError(f"--master-weights applies to train steps, not {args.mode}: drop it or use --mode train")
+    if getattr(args, "reselection", None) is not None and not _deepseek_decode(args):
+        raise ValueError("--reselection applies to decode steps of DeepSeek-style workloads (tiny-deepseek, "
+                         "deepseek-v2-lite, deepseek-v3): drop it")
+
+
+def _deepseek_decode(args: argparse.Namespace) -> bool:
+    from hyperoffload.workloads import DeepSeekConfig
+
+    if args.mode != "decode" or args.workload.startswith(HF_PREFIX):
+        return False
+    return isinstance(get_workload(args.workload).config, DeepSeekConfig)
+
+
+@contextlib.contextmanager
+def _capture_progress(console: Console, message: str, quiet_s: float = 2.0):
+    """A ``progress(phase, done, total)`` callback for a capture: ``message`` and a bar on a terminal; on a pipe or
+    a log (where rich shows neither spinner nor bar), a line at each tenth of the layers once the phase has run
+    ``quiet_s`` seconds, so that a long capture shows it is moving and a short one prints nothing."""
+    if console.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      console=console, transient=True) as bar:
+            bar.add_task(message, total=None)
+            tasks: dict[str, int] = {}
+
+            def report(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(phase, total=total)
+                bar.update(tasks[phase], completed=done)
+
+            yield report
+        return
+    shown: set[tuple[str, int]] = set()
+    started: dict[str, float] = {}
+
+    def report(phase: str, done: int, total: int) -> None:
+        tenth = done * 10 // total
+        if time.monotonic() - started.setdefault(phase, time.monotonic()) < quiet_s or (phase, tenth) in shown:
+            return
+        if done == total or (done * 10) % total < 10:
+            shown.add((phase, tenth))
+            console.print(f"{phase}: {done} of {total}", highlight=False)
+
+    yield report
+
+
+def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
+    """Capture the step the flags describe: a built-in workload, or a Hugging Face config (``hf:PATH``)."""
+    kind = "fake" if fake else "real"
+    _check_step_flags(args)
+    if args.workload.startswith(HF_PREFIX):
+        from hyperoffload.capture.hf import build_hf_model, capture_hf
+
+        if args.master_weights:
+            raise ValueError("--master-weights applies to the built-in workloads only")
+        if getattr(args, "nsa_block", None) is not None:
+            raise ValueError("--nsa-block applies to the built-in DeepSeek-style workloads (NSA), not a Hugging Face "
+                             "model: drop it")
+        path = args.workload.removeprefix(HF_PREFIX)
+        with _capture_progress(console, f"Capturing the {args.mode} step of {path} on {kind} tensors...") as progress:
+            model = build_hf_model(path, fake=fake, task=args.hf_task, trust_remote_code=args.trust_remote_code)
+            task = get_task(args.hf_task) if args.hf_task else task_of_model(model)
+            torch.manual_seed(0)  # the example batch
+            if args.mode == "decode":
+                return capture_hf(model, "decode", batch=args.batch or 1, context=128 if args.context is None
+                                  else args.context, name=args.workload, task=task.name, progress=progress)
+            seq = (args.seq or 128) if task.takes_seq else args.seq
+            return capture_hf(model, args.mode, batch=args.batch or 1, seq=seq, name=args.workload, task=task.name,
+                              progress=progress)
+    for flag, given in (("--hf-task", getattr(args, "hf_task", None)),
+                        ("--trust-remote-code", getattr(args, "trust_remote_code", False))):
+        if given:
+            raise ValueError(f"{flag} applies to Hugging Face models (--workload hf:PATH), not {args.workload}: "
+                             f"drop it")
+    workload = get_workload(args.workload)
+    workload = with_nsa_block(workload, getattr(args, "nsa_block", None))
+    with console.status(f"Capturing the {args.mode} step of {workload.name} on {kind} tensors..."):
+        return capture_workload(workload, args.mode, batch=args.batch, seq=args.seq, context=args.context,
+                                master_weights=args.master_weights, fake=fake,
+                                reselection=getattr(args, "reselection", None))
+
+
+
+def _inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.report.inspect import inspect_step, inspect_tables
+
+    figures = inspect_step(_capture(args, err), top=args.top)
+    if args.verify:
+        figures["verify"] = _verify(args, figures["peak_bytes"], err)
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        out.print(inspect_tables(figures))
+    check = figures.get("verify")
+    if check and not (check["identical_to_eager"] and check["live_bytes_agree"]):
+        why = [] if check["live_bytes_agree"] else ["the measured live bytes differ from the analysis"]
+        if not check["identical_to_eager"]:
+            # A difference at float rounding means the traced graph ran other kernels than eager for some ops (a
+            # Hugging Face decode with a batch above one: a batched matmul where eager folds the batch into one).
+            why.append(f"the results differ from eager by up to {check['max_abs_diff']:.3g}"
+                       + (" (the size of float rounding: the graph may run other kernels than eager for some ops)"
+                          if check["max_abs_diff"] < 1e-5 else ""))
+        err.print(f"[red]verification failed:[/red] {'; '.join(why)}", highlight=False, soft_wrap=True)
+        return 1
+    return 0
+
+
+def _verify(args: argparse.Namespace, peak_bytes: int, err: Console) -> dict:
+    import os
+
+    from hyperoffload.runtime import compare_with_eager
+    from hyperoffload.units import format_bytes
+
+    # The check holds the inputs three times (original, graph run, eager run) plus each run's peak.
+    needed = 3 * peak_bytes
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > host // 2:
+        raise ValueError(f"--verify executes the step for real and would need about {format_bytes(needed)}, more "
+                         f"than half of this machine's {format_bytes(host)}; verify a smaller workload "
+                         f"(tiny-llama) or smaller --batch/--seq/--context")
+    captured = _capture(args, err, fake=False)
+    with err.status("Executing the step with real weights and comparing..."):
+        result = compare_with_eager(captured)
+    return {"identical_to_eager": result.identical, "max_abs_diff": result.max_abs_diff,
+            "measured_peak_bytes": result.measured_peak_bytes, "analysed_peak_bytes": result.analysed_peak_bytes,
+            "live_bytes_agree": result.live_bytes_agree}
+
+
+def _workloads(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from rich.table import Table
+
+    table = Table(title="Built-in workloads", title_justify="left")
+    for column in ("name", "layers", "hidden", "dtype", "default step", "description", "source"):
+        table.add_column(column)
+    for w in WORKLOADS.values():
+        table.add_row(w.name, str(w.config.layers), str(w.config.hidden), str(w.dtype).removeprefix("torch."),
+                      f"batch {w.batch}, seq {w.seq}, context {w.context}", w.description, w.source)
+    out.print(table)
+    return 0
+
+
+def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.plans import plan_without_offload
+    from hyperoffload.report.figures import figures_table
+    from hyperoffload.simulate import simulate
+
+    hardware = hardware_from_args(args)
+    captured = _capture(args, err)
+    program = captured.program
+    with err.status(f"Simulating {len(program.ops):,} ops on {hardware.name}..."):
+        timeline = simulate(plan_without_offload(program), hardware)
+    figures = timeline.figures
+    _write_outputs(args, timeline, title=f"{program.name} {program.mode} on {hardware.name}, no offload",
+                   limit_bytes=hardware.memory_bytes, err=err, limit_label=f"{hardware.name} memory")
+    if args.json:
+        print(json.dumps({"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                          "hardware": hardware.name, "policy": "none", **figures.as_dict(),
+                          "device_memory_bytes": hardware.memory_bytes,
+                          "fits": figures.peak_bytes <= hardware.memory_bytes}))
+        return 0
+    out.print(figures_table(figures, title=f"{program.name} {program.mode} on {hardware.name}, as captured "
+                                           f"(no offload)", hardware=hardware))
+    if figures.peak_bytes > hardware.memory_bytes:
+        out.print(f"[yellow]The step needs {format_bytes(figures.peak_bytes)} of device memory; {hardware.name} "
+                  f"has {format_bytes(hardware.memory_bytes)}. It does not fit without offloading.[/yellow]")
+    return 0
+
+
+def _note_policies(names, program, err: Console) -> None:
+    """Say so (on stderr) when a policy named by the user does not apply to the step (``kv-naive`` and ``paged``
+    move only a decode step's KV cache): it then plans as ``none``, which a table alone would not explain."""
+    from hyperoffload.policies import policies_for
+
+    idle = [name for name in names if name not in policies_for(program)]
+    if idle:
+        err.print(f"[yellow]note: {', '.join(idle)} {'moves' if len(idle) == 1 else 'move'} only a decode step's KV "
+                  f"cache (paged: its remote-KV form); this {program.mode} step has none, so "
+                  f"{'it plans' if len(idle) == 1 else 'they plan'} as none[/yellow]", highlight=False, soft_wrap=True)
+
+
+def _note_budget(text: str, budget: int, program, hardware, err: Console) -> None:
+    """Notes on stderr (so ``--json`` output stays one object) about the budget ``text`` came to: when "hideable"
+    is the smallest feasible budget instead, and when the budget is more than the device has."""
+    from hyperoffload.budgets import hideable_note
+
+    note = hideable_note(program, hardware) if text.strip().lower() == "hideable" else None
+    if note:
+        err.print(f"[yellow]note: {note}[/yellow]", highlight=False, soft_wrap=True)
+    _note_over_device(budget, hardware, err)
+
+
+def _note_over_device(budget: int, hardware, err: Console) -> None:
+    """Say so when the budget is more than the device has: the figures are then a what-if (the tables of
+    budgets as shares of the no-offload peak go there on purpose)."""
+    if budget > hardware.memory_bytes:
+        err.print(f"[yellow]note: the budget, {format_bytes(budget)}, is more than {hardware.name}'s "
+                  f"{format_bytes(hardware.memory_bytes)} of device memory: a plan for it does not fit that device. "
+                  f"Give at most {format_bytes(hardware.memory_bytes)}, or --device-memory for a larger "
+                  f"device[/yellow]", highlight=False, soft_wrap=True)
+
+
+def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
+    import time
+
+    from hyperoffload.allocator_model import fragmentation_figures
+    from hyperoffload.analysis import memory_profile
+    from hyperoffload.analysis.link_bound import link_bound
+    from hyperoffload.analysis.traffic_bound import traffic_bound
+    from hyperoffload.analysis.window_bound import window_bound
+    from hyperoffload.budgets import parse_budget
+    from hyperoffload.report.figures import figures_table
+    from hyperoffload.units import format_seconds
+    from hyperoffload.verify import verify
+
+    hardware = hardware_from_args(args)
+    policy = _policy_from_args(args, "leaves addresses to the allocator (its arena and allocator figures are "
+                                     "reported anyway)")
+    captured = _capture(args, err)
+    program = captured.program
+    budget = parse_budget(args.budget, program, hardware)
+    _note_budget(args.budget, budget, program, hardware, err)
+    _note_policies([args.policy], program, err)
+    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name}..."):
+        start = time.perf_counter()
+        plan = policy(program, hardware, budget)
+        plan_s = time.perf_counter() - start
+        timeline = verify(plan, hardware)
+    with err.status("Laying out memory and replaying the caching allocator..."):
+        # At the budget asked for, whatever the policy's plan claims (``none`` claims none).
+        memory = fragmentation_figures(plan, budget, timeline)  # frees ordered by the simulated copies
+        bound = window_bound(plan.program, hardware, budget, plan.compute_order())
+        window, free_budget = bound.seconds, bound.free_budget_bytes
+        any_order = link_bound(plan.program, hardware, budget).seconds
+    with err.status("Bounding what has to cross the link in this order (a linear program)..."):
+        traffic = traffic_bound(plan.program, hardware, budget, plan.compute_order()).seconds
+        # None where no plan in this order meets the budget (a policy that does not, such as ``none``)
+        traffic = traffic if math.isfinite(traffic) else None
+    # A decode step with a remote-KV form is two programs; the bound is of the one this plan runs.
+    kv_where = "remote" if kv_placement(plan.program).get("kv") == "remote" else "on the device"
+    scope = (f"no plan of this form of the step (its KV cache {kv_where}), in any order," if has_remote_kv(program)
+             else "no plan in any order")
+    figures = timeline.figures
+    title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
+    if figures.steady_state:
+        title += " (two consecutive steps: state stays in remote memory between them)"
+    _write_outputs(args, timeline, title=title, limit_bytes=budget, err=err)
+    if args.graph:
+        from hyperoffload.lower import plan_code
+
+        with _writing("--graph", args.graph):
+            Path(args.graph).write_text(plan_code(plan))
+        err.print(f"planned graph written to {args.graph}")
+    # A policy may not meet the budget (``none`` never offloads): say so rather than hide it.
+    feasible = figures.peak_bytes <= budget
+    if args.json:
+        print(json.dumps({"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                          "hardware": hardware.name, "policy": args.policy, **figures.as_dict(),
+                          "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
+                          "device_memory_bytes": hardware.memory_bytes,
+                          "instructions": len(plan.instructions), "static_layout": plan.layout is not None,
+                          "window_bound_s": window, "traffic_bound_s": traffic, "link_bound_s": any_order,
+                          "free_budget_bytes": free_budget,
+                          **memory,
+                          **kv_placement(plan.program)}))
+        return 0
+    out.print(figures_table(figures, title=title, hardware=hardware))
+    kv = kv_placement(plan.program)
+    if kv.get("kv") == "remote":
+        pool = "no block pool" if kv["pool_blocks"] is None else f"a block pool of {kv['pool_blocks']} blocks per " \
+            f"sequence and layer"
+        if kv["speculative"]:
+            pool = "no block pool: each layer prefetches its previous selection before it selects"
+        out.print(f"KV cache: in remote memory, {pool}; a step fetches {kv['fetch_share']:.1%} of its selected blocks "
+                  f"(stated reselection {kv['reselection']}); step_s / dependency_bound_s = "
+                  f"{figures.step_s / figures.dependency_bound_s:.3f}", highlight=False)
+        # The figures are of the step as it runs, with the cache remote: its excess is measured from that form's
+        # peak, and the blocks it fetches are in bound_s as the step's own traffic. Say so, or "excess_bytes 0 B"
+        # reads as if nothing had to leave.
+        out.print(f"excess_bytes and bound_s are measured from this form's no-offload peak, "
+                  f"{format_bytes(memory_profile(plan.program).peak_bytes)}, with the selected blocks' traffic in "
+                  f"bound_s; with the KV cache on the device the step peaks at "
+                  f"{format_bytes(memory_profile(program).peak_bytes)}", highlight=False)
+    arena = "the plan's static arena" if plan.layout is not None else "a static arena would take"
+    over = ""
+    if memory["arena_bytes"] > budget:
+        over = f", [yellow]{format_bytes(memory['arena_bytes'] - budget)} over the budget"
+        over += (": --static-layout plans for one that fits[/yellow]" if args.policy == "hyperoffload"
+                 else "[/yellow]")
+    out.print(f"memory: {arena} {format_bytes(memory['arena_bytes'])} ({memory['arena_stalls']} stalls){over}; "
+              f"the caching allocator model reserves {format_bytes(memory['allocator_reserved_bytes'])} with "
+              f"{memory['allocator_stalls']} free-and-retry stalls and {memory['allocator_failures']} out-of-memory "
+              f"failures at this budget")
+    if not feasible:
+        out.print(f"[yellow]policy {args.policy} does not meet the budget: it needs "
+                  f"{format_bytes(figures.peak_bytes)}, the budget is {format_bytes(budget)}[/yellow]")
+    elif figures.bound_s is not None:
+        out.print(f"planned in {plan_s:.1f} s; step_s / bound_s = {figures.step_s / figures.bound_s:.3f}, "
+                  f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}, step_s / window_bound_s "
+                  f"= {figures.step_s / window:.3f} (no plan in this op order can beat window_bound_s "
+                  f"{format_seconds(window)}, nor traffic_bound_s {format_seconds(traffic)}, what has to cross the "
+                  f"link at all; step_s / traffic_bound_s = {figures.step_s / traffic:.3f}); below "
+                  f"{format_bytes(free_budget)} no plan in this order can "
+                  f"offload for free; {scope} can beat link_bound_s {format_seconds(any_order)} "
+                  f"(step_s / link_bound_s = {figures.step_s / any_order:.3f})")
+    return 0
+
+
+def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.budgets import parse_budget
+    from hyperoffload.compare import compare
+    from hyperoffload.report.compare import compare_table, plot_compare, verdict
+
+    hardware = hardware_from_args(args)
+    names = _policy_names(args)
+    program = _capture(args, err).program
+    budget = parse_budget(args.budget, program, hardware)
+    _note_budget(args.budget, budget, program, hardware, err)
+    if names is not None:
+        _note_policies(names, program, err)
+    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name} with every "
+                    f"policy..."):
+        results = compare(program, hardware, budget, names)
+    title = (f"{program.name} {program.mode} on {hardware.name}, budget {format_bytes(budget)} "
+             f"({args.budget})")
+    if args.plot:
+        with _writing("--plot", args.plot):
+            plot_compare(results, args.plot, title=title)
+        err.print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps([{"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                           "hardware": hardware.name, **r.as_dict()} for r in results]))
+        return 0
+    out.print(compare_table(results, title=title))
+    out.print(verdict(results))
+    return 0
+
+
+def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.budgets import parse_budget
+    from hyperoffload.compare import sweep
+    from hyperoffload.report.compare import plot_sweep, sweep_table
+
+    hardware = hardware_from_args(args)
+    names = _policy_names(args)
+    values = [v for v in args.values.split(",") if v.strip()]
+    _check_sweep_values(args, values)
+    program = _capture(args, err).program
+    if names is not None:
+        _note_policies(names, program, err)
+    if args.vary in ("h2d-bw", "d2h-bw") and args.budget is not None:
+        # Only the device-memory note: the hideable budget changes with the bandwidth swept, and over NSA
+        # block sizes the step itself changes.
+        _note_over_device(parse_budget(args.budget, program, hardware), hardware, err)
+
+    def recapture(value: str):
+        args.nsa_block = int(value)  # checked by _check_sweep_values
+        return _capture(args, err).program
+
+    with err.status(f"Comparing every policy at {len(values)} values of {args.vary}..."):
+        points = sweep(program, hardware, vary=args.vary, values=values, budget=args.budget, policies=names,
+                       recapture=recapture)
+    budget = f", budget {args.budget}" if args.vary != "budget" else ""
+    title = f"{program.name} {program.mode} on {hardware.name}{budget}: simulated step time against {args.vary}"
+    if args.plot:
+        with _writing("--plot", args.plot):
+            plot_sweep(points, args.plot, vary=args.vary, title=title)
+        err.print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps([{"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                           "hardware": point.hardware.name, "vary": args.vary, "value": point.value, "x": point.x,
+                           **r.as_dict()} for point in points for r in point.results]))
+        return 0
+    out.print(sweep_table(points, vary=args.vary, title=title))
+    return 0
+
+
+def _check_sweep_values(args: argparse.Namespace, values: list[str]) -> None:
+    """Refuse what a sweep would otherwise trip over late (after the first capture) or quietly ignore."""
+    if args.vary == "budget" and args.budget is not None:
+        # Each value is the budget; a --budget as well would be dropped without a word.
+        raise ValueError(f"--vary budget takes the budgets from --values; drop --budget {args.budget}")
+    if args.vary == "nsa-block" and args.nsa_block is not None:
+        raise ValueError(f"--vary nsa-block takes the block sizes from --values; drop --nsa-block {args.nsa_block}")
+    if args.vary == "nsa-block":
+        for value in values:
+            try:
+                _positive(value)
+            except argparse.ArgumentTypeError as error:
+                raise ValueError(f"--values {value!r}: an NSA block is a positive whole number of tokens ({error}); "
+                                 f"write e.g. --values 16,32,64") from None
+    if args.vary in ("h2d-bw", "d2h-bw"):
+        for value in values:
+            # before the capture, not after it
+            problem = field_problem(args.vary.replace("-", "_"), parse_bandwidth(value))
+            if problem:
+                raise ValueError(f"--values {value!r}: {problem}")
+
+
+@contextlib.contextmanager
+def _writing(flag: str, path: str):
+    """Name the flag and the file when a write fails after the checks (a full disk, a folder removed meanwhile):
+    the work before it took minutes, and a bare "[Errno 28] No space left on device" says neither."""
+    try:
+        yield
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot write the file: {error.strerror or error}; write it "
+                         f"elsewhere") from None
+
+
+def _write_outputs(args: argparse.Namespace, timeline, *, title: str, limit_bytes: int | None, err: Console,
+                   limit_label: str = "budget") -> None:
+    if args.trace:
+        from hyperoffload.report.trace import write_trace
+
+        with _writing("--trace", args.trace):
+            write_trace(timeline, args.trace, name=title, budget_bytes=limit_bytes)
+        err.print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.plot:
+        from hyperoffload.report.plot import plot_timeline
+
+        with err.status("Plotting..."), _writing("--plot", args.plot):
+            plot_timeline(timeline, args.plot, title=title, budget_bytes=limit_bytes, budget_label=limit_label)
+        err.print(f"plot written to {args.plot}")
+
+
+def _hardware(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from hyperoffload.hardware import list_hardware
+    from hyperoffload.report.hardware import hardware_detail, hardware_list
+
+    if args.name is None:
+        profiles = list_hardware()
+        if args.json:
+            print(json.dumps([profile_dict(h) for h in profiles]))
+        else:
+            out.print(hardware_list(profiles))
+            out.print("cpu-emulated: this machine's CPU (calibrated on first use) with an emulated link; "
+                      "`hyperoffload hardware cpu-emulated` measures and shows it.")
+        return 0
+    with err.status("Loading the profile (cpu-emulated calibrates this machine once)..."):
+        hardware = get_hardware(args.name, cpu_cache=cpu_cache_path())
+    if args.json:
+        print(json.dumps(profile_dict(hardware)))
+    else:
+        out.print(hardware_detail(hardware))
+    return 0
+
+
+def profile_dict(hardware: Hardware) -> dict:
+    fields = {f: getattr(hardware, f) for f in hardware.__slots__}
+    fields["peak_flops"] = dict(hardware.peak_flops)
+    fields["sources"] = dict(hardware.sources)
+    return fields
+
+
+def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.table import Table
+
+    from hyperoffload.analysis import memory_profile
+    from hyperoffload.budgets import parse_budget
+    from hyperoffload.runtime import BudgetExceeded, EmulatedLink, TransferError
+    from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor, measure_run
+    from hyperoffload.simulate import simulate
+    from hyperoffload.units import format_bandwidth, format_seconds
+    from hyperoffload.verify import verify
+
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cores:
+        # More compute threads than cores only slows the step and starves the copy engines; millions would
+        # never start.
+        raise ValueError(f"--threads {args.threads} is more than this machine's {cores} cores; give at most {cores}")
+    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    policy = _policy_from_args(args, "has no static layout to run from")
+    config = RunConfig(steps=args.steps, warmup=args.warmup, arena=args.static_layout)
+    with err.status("Loading the cpu-emulated profile (calibrates this machine once per thread count)..."):
+        cache = cpu_cache_path().with_name(f"cpu-calibration-{threads}-threads.json")
+        hardware = get_hardware("cpu-emulated", cpu_cache=cache).replace(
+            h2d_bw=args.link, d2h_bw=args.link, h2d_latency_s=args.copy_latency, d2h_latency_s=args.copy_latency)
+    # Sized on fake tensors first: the inputs, the reference, checked and timed copies, and each run's peak.
+    needed = 6 * memory_profile(_capture(args, err).program).peak_bytes
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > host // 2:
+        raise ValueError(f"run executes the step for real and would need about {format_bytes(needed)}, more than "
+                         f"half of this machine's {format_bytes(host)}; run a smaller workload (tiny-llama) or "
+                         f"smaller --batch/--seq/--context")
+    captured = _capture(args, err, fake=False)
+    program = captured.program
+    with err.status("Measuring the executor's dispatch cost per op and per cache instruction..."):
+        bare = hardware
+        hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s(), inputs=captured.inputs)
+    budget = parse_budget(args.budget, program, hardware)
+    _note_budget(args.budget, budget, program, hardware, err)
+    _note_policies([args.policy], program, err)
+    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} with {args.policy}..."):
+        plan = policy(program, hardware, budget)
+        verify(plan, hardware)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err,
+                  transient=True) as progress:
+        tasks: dict[str, int] = {}
+
+        def report(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total)
+            progress.update(tasks[phase], completed=done)
+
+        # A decode plan may run the step's remote-KV form: its inputs are that capture's.
+        form = find_captured(plan.program) or captured
+        try:
+            with EmulatedLink.for_hardware(hardware) as link:
+                figures = measure_run(plan, form.inputs, link, hardware, config, progress=report)
+        except (BudgetExceeded, TransferError) as error:
+            err.print(f"[red]run failed:[/red] {error}", highlight=False)
+            return 1
+    result = {"workload": program.meta.get("workload", program.name), "mode": program.mode, "policy": args.policy,
+              "link_bw": args.link, "copy_latency_s": args.copy_latency, "threads": threads,
+              "steps": config.steps, **figures.as_dict(), "launch_s": hardware.launch_s,
+              "sim_step_s_uncalibrated": simulate(plan, bare).figures.step_s}
+    # A policy may not promise the budget (``none`` never offloads): report against the budget asked for.
+    within = figures.measured_peak_bytes <= budget
+    result.update(budget_bytes=budget, feasible=within, static_layout=args.static_layout,
+                  **kv_placement(plan.program))
+    exact = figures.max_abs_diff == 0.0
+    if form is not captured:
+        # max_abs_diff compares with the remote form unplanned; close the chain to the on-device cache.
+        result["max_abs_diff_vs_device_kv"] = _form_diff(program, captured, plan.program, form)
+        exact = exact and result["max_abs_diff_vs_device_kv"] == 0.0
+    if args.json:
+        print(json.dumps(result))
+        return 0 if exact else 1
+    table = Table(title=f"{program.name} {program.mode}, {args.policy}, budget {format_bytes(budget)} "
+                        f"({args.budget}), emulated link {format_bandwidth(args.link)} each way",
+                  title_justify="left")
+    for column in ("figure", "value", "note"):
+        table.add_column(column)
+    table.add_row("wall_s", format_seconds(figures.wall_s),
+                  f"median of {config.steps} steps; fastest {format_seconds(figures.wall_min_s)}")
+    table.add_row("unplanned_wall_s", format_seconds(figures.unplanned_wall_s), "the same step without offloading")
+    table.add_row("sim_step_s", format_seconds(figures.sim_step_s),
+                  f"simulated; compute alone {format_seconds(figures.sim_compute_s)}")
+    table.add_row("sim_error", f"{figures.sim_error:.3f}", f"{figures.sim_error_min:.3f} against the fastest step")
+    table.add_row("measured_peak_bytes", format_bytes(figures.measured_peak_bytes),
+                  f"budget {format_bytes(budget)}: within" if within else
+                  f"over the budget of {format_bytes(budget)}: policy {args.policy} does not meet it")
+    if args.static_layout:
+        table.add_row("arena_bytes", format_bytes(figures.arena_bytes),
+                      f"the one buffer the planned steps ran from ({format_bytes(plan.layout.live_peak_bytes)} "
+                      f"live at peak)")
+        table.add_row("arena_copied_bytes", format_bytes(figures.arena_copied_bytes),
+                      "op results made outside the arena and copied in (no out= form); the rest are written "
+                      "into their slots")
+    table.add_row("max_abs_diff", f"{figures.max_abs_diff:g}",
+                  "bit-identical to the unplanned step" if figures.max_abs_diff == 0.0
+                  else "DIFFERS from the unplanned step")
+    if form is not captured:
+        kv = result["max_abs_diff_vs_device_kv"]
+        pool = "speculative prefetch" if result["speculative"] else "no pool" if result["pool_blocks"] is None \
+            else f"a pool of {result['pool_blocks']} blocks"
+        table.add_row("max_abs_diff_vs_device_kv", f"{kv:g}",
+                      f"KV cache in remote memory ({pool}): outputs "
+                      + ("bit-identical to the on-device cache's" if kv == 0.0 else "DIFFER from the on-device cache's"))
+    table.add_row("moved per step", f"{format_bytes(figures.h2d_bytes)} in, {format_bytes(figures.d2h_bytes)} out",
+                  f"waited {format_seconds(figures.copy_wait_s)} for copies, {format_seconds(figures.memory_wait_s)} "
+                  f"for memory")
+    out.print(table)
+    peak = memory_profile(program).peak_bytes
+    moved = f"{format_bytes(figures.h2d_bytes)} each way" if figures.h2d_bytes == figures.d2h_bytes else \
+        f"{format_bytes(figures.h2d_bytes)} in and {format_bytes(figures.d2h_bytes)} out"
+    out.print(f"Moving {moved} per step kept the step at "
+              f"{format_bytes(figures.measured_peak_bytes)} ({figures.measured_peak_bytes / peak:.0%} of its "
+              f"{format_bytes(peak)} peak), {figures.wall_s / figures.unplanned_wall_s:.2f}x the unplanned step's time; "
+              f"the simulator predicted {figures.sim_step_s / figures.sim_compute_s:.2f}x (its planned step over "
+              f"its unplanned one, which is the compute alone).", highlight=False)
+    return 0 if exact else 1
+
+
+def _form_diff(program, captured, variant, form) -> float:
+    """Largest difference of the step's outputs between its captured form and another form of it (the
+    remote-KV decode step), each run unplanned on fresh copies of its own inputs."""
+    from hyperoffload.plans import plan_without_offload
+    from hyperoffload.runtime import run_plan
+    from hyperoffload.runtime.measure import max_abs_diff
+
+    device = run_plan(plan_without_offload(program), [t.clone() for t in captured.inputs]).outputs
+    other = run_plan(plan_without_offload(variant), [t.clone() for t in form.inputs]).outputs
+    return max_abs_diff(list(other), list(device))
+
+
+USER_ERRORS = (UnknownWorkload, CaptureError, HardwareError, PlanError, InfeasibleBudget, ValueError, OSError)
+"""What ``hyperoffload.cli.main`` reports as one ``error:`` line with exit status 2 (the user's to fix)."""
+
+COMMANDS = {"inspect": _inspect, "workloads": _workloads, "simulate": _simulate, "plan": _plan,
+            "hardware": _hardware, "compare": _compare, "sweep": _sweep, "run": _run}
+
+
+@contextlib.contextmanager
+def one_line_cache_warnings(err: Console):
+    """Show a calibration cache's warning (measured again, or not written) as one ``warning: ...`` line, not with
+    the library's file and line; other warnings as Python shows them."""
+    from hyperoffload.hardware.cpu import CalibrationCacheWarning
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, *rest, **kwargs):
+            if issubclass(category, CalibrationCacheWarning):
+                err.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
+            else:
+                shown(message, category, *rest, **kwargs)
+
+        warnings.showwarning = show
+        yield
