@@ -26,14 +26,14 @@ demo: $(STAMP)
 	$(VENV)/bin/hyperoffload plan --workload tiny-llama --mode train --hardware h100-sxm --budget 50%
 	$(VENV)/bin/hyperoffload run --workload tiny-llama --mode train --budget 50% --link 500MB/s
 
-# The CUDA runtime's tests, planned LLaMA steps with the CUDA runtime against the unplanned step and the
+# The GPU tests (tests/gpu: the CUDA runtime), planned LLaMA steps with the CUDA runtime against the unplanned step and the
 # simulator, then every training policy run for real (needs a GPU; says so and exits 0 without one). The virtual environment
 # holds PyTorch's CPU build, so this runs the project from src/ with a Python that has a CUDA build of
 # PyTorch: GPU_PYTHON (default python3; torch 2.11.0+cu130 and 2.13.0 are known to work).
 GPU_PYTHON ?= python3
 gpu-check:
 	@$(GPU_PYTHON) -c "import torch" 2>/dev/null || { echo "gpu-check: $(GPU_PYTHON) has no PyTorch; set GPU_PYTHON to a Python with a CUDA build of PyTorch (make gpu-check GPU_PYTHON=/path/to/python)"; exit 2; }
-	PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda_runtime.py; tests=$$?; \
+	PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu; tests=$$?; \
 	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_check.py; status=$$?; \
 	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_compare.py && [ $$tests -eq 0 ] && exit $$status
 

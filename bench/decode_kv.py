@@ -11,7 +11,7 @@ the fetch), bytes fetched per decoded token, and the block pool. Then the step t
 and ``paged`` against the NSA selection block (32 ... 256 tokens) at one budget; and each policy's plan of
 ``tiny-deepseek`` decode run for real on the CPU with the emulated link (wall time, simulated time,
 measured peak, bytes in per token; ``diff`` is against the same form of the step unplanned, and a
-remote-KV form's outputs equal the on-device cache's: ``tests/test_lane_runtime.py``).
+remote-KV form's outputs equal the on-device cache's: ``tests/models/test_lane_runtime.py``).
 
 How many of a step's selected blocks the pool already holds is a stated statistic
 (``deepseek_remote.DEFAULT_RESELECTION``, measured on tiny-deepseek; ``--reselection`` to change it).

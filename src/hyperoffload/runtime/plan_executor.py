@@ -73,7 +73,7 @@ runs on the compute stream after the op that produced it; a reused slot's wait i
 compute stream, so the host does not block; a prefetch's side stream waits for the compute stream first; and
 the arena is marked as used by both side streams, so a copy of a slot still queued when the arena is freed
 (a carried offload) keeps its block from being reused. This CUDA path ran on an H200 bit-identically
-(``tests/test_cuda_runtime.py`` and ``make gpu-check`` run it where there is a GPU).
+(``tests/gpu/test_cuda_runtime.py`` and ``make gpu-check`` run it where there is a GPU).
 
 An op that makes one new storage and has an ``out=`` overload with the same arguments (``mm.out`` for
 ``mm``, ``mul.out`` for ``mul.Tensor``) writes straight into its slot, as a view with the size and strides

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from test_inductor_backend import check_cache_op_order, graph_counts
+from backend_checks import check_cache_op_order, graph_counts
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 

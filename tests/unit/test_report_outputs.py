@@ -25,6 +25,8 @@ from hyperoffload.workloads import capture_workload, get_workload
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MIB = 2**20
+TEST_FOLDERS = (Path(__file__).parent, Path(__file__).parent.parent)
+"""This file's folder and tests/ (where ``programs`` is): a subprocess importing this file needs both."""
 
 
 @pytest.fixture(scope="module")
@@ -159,14 +161,14 @@ def test_plot_leaves_pyplot_alone(tmp_path):
         "from hyperoffload.hardware import get_hardware\n"
         "from hyperoffload.simulate import simulate\n"
         "from hyperoffload.report.plot import plot_timeline\n"
-        "sys.path.insert(0, sys.argv[2])\n"
+        "sys.path[:0] = sys.argv[2:]\n"
         "from test_report_outputs import offload_chain_plan\n"
         "plot_timeline(simulate(offload_chain_plan(), get_hardware('h100-sxm')), sys.argv[1], title='t')\n"
         "assert 'matplotlib.pyplot' not in sys.modules\n"
     )
     env = {**os.environ, "DISPLAY": "", "MPLBACKEND": ""}
     env.pop("MPLBACKEND")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "t.png"), str(Path(__file__).parent)],
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "t.png"), *map(str, TEST_FOLDERS)],
                    check=True, env=env)
     _check_png(tmp_path / "t.png")
 

@@ -108,7 +108,7 @@ def tiny_reference(tiny_train):
 # ``none`` and ``zero-infinity`` with DeepSpeed's defaults move nothing on tiny-llama: nothing to check;
 # ``distance short`` runs the same code as ``distance`` (its plans are checked above); ``kv-naive`` moves
 # only a KV cache, which a training step has none of (its decode runs are checked below), and ``paged`` only
-# a remote KV cache's blocks (tests/test_lane_runtime.py runs those).
+# a remote KV cache's blocks (tests/models/test_lane_runtime.py runs those).
 MOVING = [name for name in VARIANTS if name not in ("none", "zero-infinity", "distance short", "kv-naive", "paged")]
 
 

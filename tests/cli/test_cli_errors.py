@@ -4,29 +4,10 @@ traceback, and nothing silently ignored or accepted."""
 import json
 
 import pytest
+from cli_checks import H100, TINY, profile_with, usage_error, user_error
 
 from hyperoffload import cli, commands
 from hyperoffload.cli import main
-
-TINY = ["--workload", "tiny-llama", "--mode", "train"]
-H100 = ["--hardware", "h100-sxm"]
-
-
-def usage_error(capsys, args) -> str:
-    """Run ``args``, expect argparse's exit status 2, and return stderr's last line (argparse prints the usage
-    above it)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
-
-
-def user_error(capsys, args) -> str:
-    """Run ``args``, expect status 2 from the command, and return its stderr, checked to be one line."""
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err
-    return err
 
 
 @pytest.fixture
@@ -79,14 +60,6 @@ def test_an_infinite_budget_is_refused_as_the_flags_are_read(capsys):
 def test_a_negative_bandwidth_names_what_was_typed(capsys):
     err = usage_error(capsys, ["simulate", *TINY, *H100, "--h2d-bw=-5GB/s"])
     assert "cannot read '-5GB/s' as a bandwidth" in err
-
-
-def profile_with(tmp_path, key: str, value: str):
-    preset = (cli.Path(cli.__file__).parent / "hardware" / "presets" / "h100-sxm.toml").read_text()
-    lines = [f'{key} = "{value}"' if line.startswith(f"{key} =") else line for line in preset.splitlines()]
-    path = tmp_path / "mine.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.mark.parametrize("key, value", [("memory", "1e400GiB"), ("launch", "1e400s"), ("bfloat16", "1e400TFLOP/s")])

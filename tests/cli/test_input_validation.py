@@ -18,7 +18,7 @@ from hyperoffload.plans import Instr, Kind, Plan, PlanError
 from hyperoffload.simulate import simulate
 from hyperoffload.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 from programs import op, program, simple_hardware, value
-from test_cli_errors import H100, TINY, profile_with, usage_error, user_error
+from cli_checks import H100, TINY, profile_with, usage_error, user_error
 
 H100_PROFILE = get_hardware("h100-sxm")
 

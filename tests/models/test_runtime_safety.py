@@ -8,14 +8,13 @@ import threading
 
 import pytest
 import torch
-from test_async_runtime import SLOW, Interrupt, planned  # noqa: F401 - planned is a fixture used here
-from test_plan_executor import assert_identical
+from runtime_checks import SLOW, Interrupt, assert_identical, planned  # noqa: F401 - planned is a fixture used here
 
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Kind, plan_without_offload
 from hyperoffload.runtime import AsyncExecutor, EmulatedLink, run_plan
 
-pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
+pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see tests/conftest.py
 
 STEPS = 3
 

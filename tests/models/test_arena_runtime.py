@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_plan_executor import assert_identical
+from runtime_checks import assert_identical
 
 from hyperoffload.budgets import parse_budget
 from hyperoffload.cli import main
@@ -26,7 +26,7 @@ from hyperoffload.runtime import plan_executor as executor_module
 from hyperoffload.runtime.plan_executor import SyncTransfers, move_order, out_variant
 from hyperoffload.workloads import capture_workload, get_workload
 
-pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
+pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see tests/conftest.py
 
 SLOW = {"h2d_bw": 200e6, "d2h_bw": 200e6, "h2d_latency_s": 20e-6, "d2h_latency_s": 20e-6}
 """A link slow enough that offloads of tiny-llama's tensors are still in flight when their slots come up again."""

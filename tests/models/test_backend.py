@@ -4,19 +4,16 @@ backward, and the plan's peak stays within the budget."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-
 import pytest
 import torch
 import torch.nn.functional as F
+from backend_checks import assert_really_offloads, train_side_by_side
 from torch import nn
 
 import hyperoffload
-from hyperoffload import cache_ops
-from hyperoffload.compile import Backend, SplitError, keep_backward_inputs_in_backward, split_lowered
+from hyperoffload.compile import SplitError, keep_backward_inputs_in_backward, split_lowered
 from hyperoffload.compile.split import cut_index
-from hyperoffload.ir import Phase, ValueKind
+from hyperoffload.ir import ValueKind
 from hyperoffload.lower import lower_plan
 from hyperoffload.plans import Instr, Kind, Plan, check_plan
 from hyperoffload.policies import InfeasibleBudget
@@ -32,75 +29,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def train_side_by_side(model: nn.Module, backend: Backend, batches, loss_of, steps: int = 2, *,
-                       reference: Callable[[nn.Module], nn.Module] = lambda m: m, against: str = "eager") -> None:
-    """Train ``model`` compiled with ``backend`` and a copy (run as ``reference(copy)``: eager by default) with
-    AdamW for ``steps`` steps; loss, every gradient, every parameter and every buffer must be bit-identical
-    after each step. ``against`` names the reference in messages."""
-    eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    run_reference = reference(eager)
-    opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    named_e = dict(eager.named_parameters())
-    for step in range(steps):
-        batch = batches[step % len(batches)]
-        loss_c = loss_of(compiled, batch)
-        loss_c.backward()
-        loss_e = loss_of(run_reference, batch)
-        loss_e.backward()
-        assert torch.equal(loss_c, loss_e), f"step {step}: loss {loss_c.item()} != {against} {loss_e.item()}"
-        for name, p in model.named_parameters():
-            assert p.grad is not None, f"step {step}: no gradient for {name}"
-            assert torch.equal(p.grad, named_e[name].grad), f"step {step}: gradient of {name} differs from {against}"
-        opt_c.step()
-        opt_e.step()
-        opt_c.zero_grad()
-        opt_e.zero_grad()
-        for name, p in model.named_parameters():
-            assert torch.equal(p, named_e[name]), f"step {step}: {name} differs from {against} after the update"
-        for (name, b), e in zip(model.named_buffers(), eager.buffers()):
-            assert torch.equal(b, e), f"step {step}: buffer {name} differs from {against}"
-
-
-def assert_really_offloads(backend: Backend) -> None:
-    """The last training graph's plan meets its budget, sends saved activations to remote memory in the
-    forward and brings them back in the backward, with the cache operators in both compiled graphs."""
-    record = backend.last
-    assert record.mode == "train" and record.backward is not None
-    assert record.budget_bytes < record.unplanned_peak_bytes
-    assert record.planned_peak_bytes <= record.budget_bytes and record.feasible
-    assert record.figures.peak_bytes <= record.budget_bytes
-    counts = record.cache_op_counts()
-    assert counts["offload"] > 0 and counts["prefetch"] > 0 and counts["release"] > 0
-    assert counts["wait"] == counts["offload"] + counts["prefetch"]
-
-    program, plan = record.program, record.plan
-    offloaded = [i.target for i in plan.instructions if i.kind is Kind.OFFLOAD]
-    activations = [s for s in offloaded if program.values[s].kind is ValueKind.ACTIVATION]
-    assert activations, "the plan offloads no saved activation"
-    # Saved activations cross from the forward to the backward as remote buffers ...
-    crossing = next(iter(record.forward.graph.find_nodes(op="output"))).args[0]
-    remote = [n for n in crossing if isinstance(n, torch.fx.Node) and n.target in (cache_ops.OFFLOAD, cache_ops.WAIT)]
-    assert remote, "no remote buffer crosses from the forward to the backward"
-    # ... which the backward prefetches.
-    placeholders = {n.name for n in record.backward.graph.find_nodes(op="placeholder")}
-    prefetched = [n for n in record.backward.graph.nodes if n.target is cache_ops.PREFETCH]
-    assert any(_root(n.args[0]).name in placeholders for n in prefetched)
-    # The forward runs only forward ops, the backward only backward ones.
-    forward_ops = {n.name for n in record.forward.graph.nodes if n.op == "call_function"}
-    for op in program.ops:
-        if op.phase is Phase.BACKWARD:
-            assert op.name not in forward_ops, f"backward op {op.name} runs in the forward graph"
-
-
-def _root(node: torch.fx.Node) -> torch.fx.Node:
-    """The node a chain of ``wait`` calls starts from."""
-    while node.target is cache_ops.WAIT:
-        node = node.args[0]
-    return node
 
 
 # --- built-in workload ---------------------------------------------------------------------------------

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_checks import assert_really_offloads, train_side_by_side
 from torch import nn
 
 import hyperoffload
 from hyperoffload.compile.layouts import InputLayout, with_planned_layouts
 from hyperoffload.plans import Kind
-
-from test_backend import assert_really_offloads, train_side_by_side
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "native.py"
 
 TIMES = ("eager_s", "inductor_s", "train_step_100_s", "train_step_50_s", "sim_50_s")

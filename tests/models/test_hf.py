@@ -175,7 +175,7 @@ def test_bad_input_is_a_capture_error(model, kwargs: dict, match: str) -> None:
 
 
 def test_importing_the_adapter_does_not_import_transformers() -> None:
-    src = Path(__file__).resolve().parents[1] / "src"
+    src = Path(__file__).resolve().parents[2] / "src"
     code = ("import sys; sys.path.insert(0, %r); import hyperoffload, hyperoffload.capture.hf; "
             "assert 'transformers' not in sys.modules, 'transformers was imported'" % str(src))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

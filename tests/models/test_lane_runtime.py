@@ -21,7 +21,7 @@ from hyperoffload.runtime import AsyncExecutor, EmulatedLink, TransferError, run
 from hyperoffload.workloads import get_workload
 from hyperoffload.workloads.build import capture_workload
 
-pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
+pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see tests/conftest.py
 
 BATCH, CONTEXT = 2, 200
 SLOW = {"h2d_bw": 200e6, "d2h_bw": 200e6, "h2d_latency_s": 20e-6, "d2h_latency_s": 20e-6}

@@ -5,14 +5,13 @@ where the plan put it, and on an emulated link the copies run asynchronously and
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from backend_checks import check_cache_op_order, graph_counts, train_side_by_side
 from torch import nn
-from test_backend import train_side_by_side
 from torch._inductor.utils import run_and_get_code
 
 import hyperoffload
@@ -79,107 +78,6 @@ def assert_offloads_in_both_graphs(backend: Backend) -> None:
     assert counts["offload"] > 0 and counts["prefetch"] > 0 and counts["release"] > 0
     assert any(n.target is cache_ops.OFFLOAD for n in record.forward.graph.nodes)
     assert any(n.target is cache_ops.PREFETCH for n in record.backward.graph.nodes)
-
-
-# --- what Inductor runs ---------------------------------------------------------------------------
-
-_CALL = re.compile(r"^(?:(\w+) = )?torch\.ops\.hyperoffload\.(offload|prefetch|wait|release)\.(?:default|live)"
-                   r"\((\w+)(?:, \[.*\])?\)$")
-"""A cache operator's call in Inductor's wrapper code: ``buf2 = torch.ops.hyperoffload.wait.default(buf1)``, or a
-release naming the values computed before it, ``torch.ops.hyperoffload.release.live(buf3, [buf5, buf7])``."""
-_ALIAS = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)\b")
-
-
-def call_body(code: str) -> list[str]:
-    """The statements of the ``call`` function of Inductor's wrapper code, in the order they run (comments,
-    ``del`` and layout asserts left out)."""
-    lines = code.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == "def call(self, args):")
-    indent = len(lines[start]) - len(lines[start].lstrip())
-    body = []
-    for line in lines[start + 1:]:
-        if line.strip() and len(line) - len(line.lstrip()) <= indent:
-            break
-        text = line.strip()
-        if not text or text.startswith(("#", "del ", "assert_size_stride(", "assert_alignment(", "args.clear(")) \
-                or text.endswith(" = args"):  # the inputs, unpacked
-            continue
-        body.append(text)
-    return body
-
-
-class _Aliases:
-    """Buffer names of the wrapper code that share one storage (``b = a``, ``reinterpret_tensor(a, ...)``, a
-    wait's result and its argument)."""
-
-    def __init__(self) -> None:
-        self.parent: dict[str, str] = {}
-
-    def find(self, name: str) -> str:
-        while self.parent.get(name, name) != name:
-            name = self.parent[name]
-        return name
-
-    def join(self, a: str, b: str) -> None:
-        self.parent[self.find(a)] = self.find(b)
-
-
-def check_cache_op_order(code: str) -> dict[str, int]:
-    """Check, on Inductor's wrapper code, that every wait comes before any statement that reads its transfer's
-    result (other than the wait) and every release after every statement that reads the released storage;
-    return how many calls of each cache operator the code makes."""
-    body = call_body(code)
-    aliases = _Aliases()
-    calls: list[tuple[int, str, str]] = []  # (statement, operator, argument)
-    transfer_of: dict[str, int] = {}  # result buffer of an offload or prefetch -> its statement
-    for i, text in enumerate(body):
-        call = _CALL.match(text)
-        if call:
-            out, op, arg = call.groups()
-            calls.append((i, op, arg))
-            if op == "wait":
-                aliases.join(out, arg)
-            elif op in ("offload", "prefetch"):
-                transfer_of[out] = i
-            continue
-        alias = _ALIAS.match(text)
-        if alias and (text == f"{alias[1]} = {alias[2]}" or text.startswith(f"{alias[1]} = reinterpret_tensor(")):
-            aliases.join(alias[1], alias[2])
-    names = [set(re.findall(r"\b[A-Za-z_]\w*\b", text)) for text in body]
-
-    def readers(name: str) -> list[int]:
-        """Statements that read the storage ``name`` names (alias statements and the transfer making it aside)."""
-        root = aliases.find(name)
-        made_by = {i for n, i in transfer_of.items() if aliases.find(n) == root}
-        return [i for i, used in enumerate(names)
-                if i not in made_by and not _is_alias(body[i]) and any(aliases.find(n) == root for n in used)]
-
-    for i, op, arg in calls:
-        if op == "wait":
-            early = [j for j in readers(arg) if j < i]
-            assert not early, f"{body[early[0]]!r} reads the result of a transfer before {body[i]!r}"
-        elif op == "release":
-            late = [j for j in readers(arg) if j > i]
-            assert not late, f"{body[late[0]]!r} reads a storage after {body[i]!r}"
-    counts = {op: 0 for op in ("offload", "prefetch", "wait", "release")}
-    for _, op, _ in calls:
-        counts[op] += 1
-    return counts
-
-
-def _is_alias(text: str) -> bool:
-    alias = _ALIAS.match(text)
-    return bool(alias) and (text == f"{alias[1]} = {alias[2]}" or text.startswith(f"{alias[1]} = reinterpret_tensor("))
-
-
-def graph_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
-    kinds = {cache_ops.OFFLOAD: "offload", cache_ops.PREFETCH: "prefetch", cache_ops.WAIT: "wait",
-             cache_ops.RELEASE: "release"}
-    counts = {op: 0 for op in kinds.values()}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in kinds:
-            counts[kinds[n.target]] += 1
-    return counts
 
 
 def test_inductor_code_keeps_every_cache_operator_where_the_plan_needs_it():

@@ -20,7 +20,7 @@ from hyperoffload.capture import CaptureError  # noqa: E402
 from hyperoffload.capture.hf import build_hf_model, capture_hf  # noqa: E402
 from hyperoffload.cli import main  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
 

@@ -10,37 +10,22 @@ import threading
 
 import pytest
 import torch
-from test_plan_executor import (END, assert_identical, compute_uses, idle_ops, longest_idle_gap, offload_trips,
-                                round_trip_plan, storage_named)
+from runtime_checks import (END, SLOW, Interrupt, assert_identical, compute_uses, idle_ops, longest_idle_gap,
+                            offload_trips, round_trip_plan, storage_named)
+from runtime_checks import planned  # noqa: F401 - a fixture used here
 
-import hyperoffload
 from hyperoffload.cli import main
-from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
 from hyperoffload.runtime import (AsyncExecutor, BudgetExceeded, EmulatedLink, TransferError, run_async, run_plan)
 
-pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see conftest.py
-
-SLOW = dict(h2d_bw=200e6, d2h_bw=200e6, h2d_latency_s=20e-6, d2h_latency_s=20e-6)
-"""A link slow enough that copies of tiny-llama's tensors are still in flight while later ops run."""
+pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def link():
     with EmulatedLink(**SLOW) as link:
         yield link
-
-
-@pytest.fixture(scope="module")
-def planned(captured):
-    """The planner's plan at half the peak, for a profile whose link is the SLOW one (fixed numbers, so the
-    test does not calibrate this machine)."""
-    calibration = CpuCalibration(key="test", matmul_flops={"float32": 50e9}, memory_bw=10e9, op_overhead_s=10e-6,
-                                 memory_bytes=2**34)
-    hardware = cpu_emulated(calibration, h2d_bw=SLOW["h2d_bw"], d2h_bw=SLOW["d2h_bw"],
-                            latency_s=SLOW["h2d_latency_s"])
-    return hyperoffload.plan(captured.program, hardware, "50%")
 
 
 class Recording:
@@ -236,10 +221,6 @@ def test_failed_copy_raises_on_the_callers_thread_and_the_next_step_runs(capture
         run = executor.run(planned, inputs)
     assert_identical(run.outputs, reference[0])
     assert_identical(inputs, reference[1])
-
-
-class Interrupt(BaseException):
-    """Stands in for KeyboardInterrupt (which pytest would treat as the user stopping the run)."""
 
 
 @pytest.mark.parametrize("donate", [False, True])
