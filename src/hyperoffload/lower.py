@@ -129,9 +129,6 @@ class _Lowering:
     """Input and constant storages written in a copy other than the caller's tensor."""
     dtype_views: dict[tuple[str, torch.dtype], torch.fx.Node] = field(default_factory=dict)
     name_uses: dict[str, int] = field(default_factory=dict)
-    position: int = 0
-    """The index of the instruction being lowered; each node made for it carries it as ``meta["plan_position"]``
-    (the copy-backs and the output after the last instruction carry the instruction count)."""
 
     @classmethod
     def start(cls, plan: Plan) -> _Lowering:
@@ -199,9 +196,7 @@ class _Lowering:
         # fx would rename a repeat of ``prefetch_w_1`` to ``prefetch_w_2``, which reads as another
         # value; the k-th use of a name says so instead (``prefetch_w_1_r2`` for a second round trip).
         uses = self.name_uses[name] = self.name_uses.get(name, 0) + 1
-        node = self.graph.create_node("call_function", target, args, name=name if uses == 1 else f"{name}_r{uses}")
-        node.meta["plan_position"] = self.position
-        return node
+        return self.graph.create_node("call_function", target, args, name=name if uses == 1 else f"{name}_r{uses}")
 
     def _view_of(self, original: torch.fx.Node, base: torch.fx.Node, s: int) -> torch.fx.Node:
         """``original``'s tensor rebuilt as a view of ``base``, a flat buffer of storage ``s``."""
@@ -231,7 +226,6 @@ class _Lowering:
 
     # --- instructions ---------------------------------------------------------------------------
     def emit(self, index: int, instr: Instr) -> None:
-        self.position = index
         if instr.kind is Kind.COMPUTE:
             self._compute(instr.target)
             return
@@ -259,12 +253,9 @@ class _Lowering:
         op = program.ops[op_id]
         original = self.nodes[op.name]
         new = self.graph.node_copy(original, lambda n: self._read(n, op.name))
-        new.meta["plan_position"] = self.position
         self._bind(original, new)
         for item in self.getitems.get(original.name, ()):
-            copied = self.graph.node_copy(item, lambda n: self.env[n.name])
-            copied.meta["plan_position"] = self.position
-            self._bind(item, copied)
+            self._bind(item, self.graph.node_copy(item, lambda n: self.env[n.name]))
         for v in op.outputs:
             if program.values[v].owns_storage:
                 self.ready[v] = True
@@ -285,7 +276,6 @@ class _Lowering:
 
     def finish(self) -> None:
         """Copy updated inputs back into the caller's tensors, then return the step's outputs."""
-        self.position = len(self.plan.instructions)
         # A plan that keeps state in remote memory lets its last offloads overlap the next step; a
         # step run on its own completes them before handing the state back.
         for s, (kind, _) in sorted(self.in_flight.items()):

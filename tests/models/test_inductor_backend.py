@@ -241,23 +241,3 @@ def test_unknown_compiler_and_a_link_of_the_wrong_type_are_refused():
         hyperoffload.backend(compiler="tvm")
     with pytest.raises(TypeError, match="EmulatedLink"):
         hyperoffload.backend(link="pcie")
-
-
-def test_fusions_across_cache_operators_claim_the_plans_headroom_once_per_moved_group():
-    """``KeepPlanOrder``'s memory rule: a fusion that holds a group's buffers earlier fits only if every instruction
-    it spans still has that many bytes free after the claims already allowed; a group fusing again replaces its
-    claim; a claim that does not fit changes nothing."""
-    from hyperoffload.compile.inductor import KeepPlanOrder, _Claims
-
-    headroom = KeepPlanOrder(headroom=[100, 100, 40, 100, 100]).headroom
-    claims = _Claims(len(headroom))
-    assert claims.claim(headroom, "a", 0, 2, 60)  # instructions 0 and 1: 40 left each
-    assert not claims.claim(headroom, "b", 1, 3, 41)  # 41 bytes fit neither instruction 1 (40 left) nor 2 (40)
-    assert claims.claim(headroom, "b", 3, 5, 100)
-    assert not claims.claim(headroom, "c", 0, 1, 41)
-    assert claims.claim(headroom, "a", 0, 2, 100)  # a's claim replaced, not added to
-    assert not claims.claim(headroom, "a", 0, 3, 41)  # refused: a keeps its claim of 100 on 0 and 1
-    assert list(claims.held) == [100, 100, 0, 100, 100]
-    assert claims.claim(headroom, "d", 2, 3, 0)
-    # Compiled code is keyed on the rule and its headroom, so code fused under other limits is not reused.
-    assert len({KeepPlanOrder().uuid(), KeepPlanOrder(headroom=[1]).uuid(), KeepPlanOrder(headroom=[2]).uuid()}) == 3

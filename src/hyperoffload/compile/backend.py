@@ -47,7 +47,7 @@ from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
 from hyperoffload.budgets import check_budget_text, parse_budget
 from hyperoffload.capture.graph_to_program import program_from_graph
-from hyperoffload.compile.inductor import compile_planned, keep_plan_order
+from hyperoffload.compile.inductor import KeepPlanOrder, compile_planned
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
 from hyperoffload.compile.layouts import planned_layouts, with_planned_layouts
 from hyperoffload.compile.split import keep_backward_inputs_in_backward, split_lowered
@@ -187,7 +187,7 @@ class Backend:
                 return self._runner(gm, compiled, self._record_of(index).plan)
 
             return compile_planned(gm, example_inputs, partition=partition, plan_inference=plan_inference,
-                                   finish=finish, choices=lambda gm: keep_plan_order(self._record_of(index).plan))
+                                   finish=finish, choices=lambda gm: KeepPlanOrder())
         return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, inference_compiler=inference,
                             partition_fn=partition)(gm, example_inputs)
 

@@ -31,7 +31,6 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.fx
 from torch._inductor.choices import InductorChoices
@@ -49,120 +48,28 @@ PLANNED_GRAPH_CONFIG = {
 """``torch._inductor.config`` settings every planned graph is compiled with (see the module docstring)."""
 
 class KeepPlanOrder(InductorChoices):
-    """Inductor's fusion heuristics, except where a fusion across a cache operator would hold more memory than the
-    plan has room for.
+    """Inductor's fusion heuristics, except that two nodes with a cache operator between them in the graph's order
+    are never fused.
 
     Inductor fuses nodes that are far apart when they read the same buffer or are independent and alike (a
     parameter's weight decay with the forward's read of it; every Adam step counter of the model, in one kernel
-    at the start). A fused kernel runs where its first node was, so the later node's results are allocated that
-    much earlier and held across the transfers and releases that were to make room for them. Between two cache
-    operators nodes fuse as Inductor decides. Across cache operators:
+    at the start). A fused kernel runs where its first node was, so it computes values long before the plan does
+    and holds them across the transfers and releases that were to make room: the plan's memory schedule would not
+    hold. Between two cache operators, nodes fuse as Inductor decides."""
 
-    * without ``headroom``, never;
-    * with ``headroom`` (bytes the plan leaves free under its budget at each instruction, ``plan_headroom``; the
-      lowered graph's nodes carry their instruction in ``meta["plan_position"]``), only when the bytes the later
-      node allocates fit in the headroom at every instruction from the earlier node's to its own, less what the
-      fusions already allowed across those instructions take (each fused group's claim is replaced when it fuses
-      again, so a chain of fusions counts each moved buffer once per instruction it is held longer)."""
+    @staticmethod
+    def uuid() -> str:
+        """What Inductor's caches key compiled code on (``config.inductor_choices_class``): code fused by other
+        rules is never handed back for a planned graph."""
+        return hashlib.sha256(b"hyperoffload KeepPlanOrder/1").hexdigest()
 
-    def __init__(self, headroom: Sequence[int] | None = None) -> None:
-        super().__init__()
-        self.headroom = None if headroom is None else np.asarray(headroom, dtype=np.int64)
-        self._claims: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def uuid(self) -> str:
-        """What Inductor's caches key compiled code on (``config.inductor_choices_class``): the rule and the
-        headroom it was given, so code fused under other limits is never handed back."""
-        digest = hashlib.sha256(b"KeepPlanOrder/2")
-        if self.headroom is not None:
-            digest.update(self.headroom.tobytes())
-        return digest.hexdigest()
-
-    def can_fuse(self, scheduler, node1, node2, shared_data_score: int) -> bool:
+    @staticmethod
+    def can_fuse(scheduler, node1, node2, shared_data_score: int) -> bool:
         positions = _cache_op_positions(scheduler)
         low, high = min(node1.min_order, node2.min_order), max(node1.max_order, node2.max_order)
-        if bisect.bisect_right(positions, low) >= bisect.bisect_left(positions, high):
-            return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
-        if self.headroom is None or not InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score):
+        if bisect.bisect_right(positions, low) < bisect.bisect_left(positions, high):
             return False
-        earlier, later = sorted((node1, node2), key=lambda n: n.min_order)
-        start, end = _plan_position(earlier), _plan_position(later)
-        if start is None or end is None or end <= start:
-            return False
-        claims = self._claims.get(scheduler)
-        if claims is None:
-            claims = self._claims[scheduler] = _Claims(len(self.headroom))
-        return claims.claim(self.headroom, _first_name(later), start, end, _allocated_bytes(later))
-
-
-class _Claims:
-    """Bytes that allowed fusions hold earlier than the plan, per instruction, by the fused group that moved."""
-
-    def __init__(self, length: int) -> None:
-        self.held = np.zeros(length, dtype=np.int64)
-        self.by_group: dict[str, tuple[int, int, int]] = {}
-
-    def claim(self, headroom: np.ndarray, group: str, start: int, end: int, nbytes: int) -> bool:
-        """Whether ``nbytes`` more fit at instructions ``start`` to ``end - 1`` (replacing ``group``'s claim);
-        if so, record the claim."""
-        end = min(end, len(headroom))
-        previous = self.by_group.get(group)
-        if previous is not None:
-            self.held[previous[0]:previous[1]] -= previous[2]
-        if nbytes and int((headroom[start:end] - self.held[start:end]).min(initial=nbytes)) < nbytes:
-            if previous is not None:
-                self.held[previous[0]:previous[1]] += previous[2]
-            return False
-        self.held[start:end] += nbytes
-        self.by_group[group] = (start, end, nbytes)
-        return True
-
-
-def keep_plan_order(plan) -> KeepPlanOrder:
-    """``KeepPlanOrder`` for the graph lowered from ``plan``: with the plan's headroom where it moves data; without
-    one (so Inductor's cache serves it as the same step unplanned) where it moves nothing."""
-    from hyperoffload.plans import Kind
-
-    moves = plan.budget_bytes is not None and any(i.kind is not Kind.COMPUTE for i in plan.instructions)
-    return KeepPlanOrder(headroom=plan_headroom(plan) if moves else None)
-
-
-def plan_headroom(plan) -> tuple[int, ...]:
-    """Bytes the plan leaves free under its budget at each instruction (``check_plan``'s instruction-order
-    accounting), then once more after the last (the step's end, where the copy-backs run)."""
-    from hyperoffload.plans import check_plan
-
-    if plan.budget_bytes is None:
-        raise ValueError(f"a {plan.policy} plan without a budget has no headroom")
-    live = check_plan(plan).live_bytes
-    free = [plan.budget_bytes - b for b in live]
-    return (*free, free[-1] if free else plan.budget_bytes)
-
-
-def _plan_position(group) -> int | None:
-    """The first instruction any node of a scheduler group was lowered from (None if none says)."""
-    found = [origin.meta["plan_position"] for snode in group.get_nodes() if snode.node is not None
-             for origin in snode.node.origins if "plan_position" in origin.meta]
-    return min(found) if found else None
-
-
-def _first_name(group) -> str:
-    return min(group.get_nodes(), key=lambda n: n.min_order).get_name()
-
-
-def _allocated_bytes(group) -> int:
-    """Bytes of the buffers a scheduler group allocates (its outputs that are not mutations of other buffers)."""
-    from torch._inductor import ir
-    from torch._inductor.virtualized import V
-
-    total = 0
-    for buf in group.get_outputs():
-        layout = buf.node.get_layout() if hasattr(buf.node, "get_layout") else None
-        if not isinstance(layout, ir.Layout) or isinstance(layout, (ir.NoneLayout, ir.MutationLayoutSHOULDREMOVE)):
-            continue
-        elements = V.graph.sizevars.optimization_hint(layout.storage_size(), fallback=0)
-        total += int(elements) * layout.dtype.itemsize
-    return total
+        return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
 
 
 _CACHE_OP_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -307,6 +214,5 @@ def _boxed(compiled: Callable) -> Callable:
     return run
 
 
-__all__ = ["KeepPlanOrder", "PLANNED_GRAPH_CONFIG", "PlannedPartition", "compile_planned", "keep_plan_order",
-           "plan_headroom",
+__all__ = ["KeepPlanOrder", "PLANNED_GRAPH_CONFIG", "PlannedPartition", "compile_planned",
            "realize_before_releases"]

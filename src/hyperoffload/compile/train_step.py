@@ -44,7 +44,7 @@ from hyperoffload.capture.graph_to_program import CaptureError, program_from_gra
 from hyperoffload.capture.steps import _own_storages
 from hyperoffload.compile.backend import check_budget_text
 from hyperoffload.compile.held_inputs import start_released_inputs_remote
-from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, compile_planned, keep_plan_order
+from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned
 from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
 from hyperoffload.compile.step_guard import Snapshot, deferred_interrupts
 from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatten_batch, init_optimizer_state,
@@ -345,7 +345,7 @@ class TrainStep:
 
         run = compile_planned(gm, flat, partition=_never_partitioned, plan_inference=plan_graph,
                               finish=lambda graph, compiled: compiled, settings=WHOLE_STEP_CONFIG,
-                              choices=lambda graph: keep_plan_order(planned["plan"]))
+                              choices=lambda graph: KeepPlanOrder())
         program, plan = planned["program"], planned["plan"]
         values = program.values
         inputs_storages = {values[v].storage for v in program.inputs}
