@@ -317,7 +317,8 @@ class TrainStep:
                 warnings.warn(f"train_step: {held} after {MAX_TRIALS} plans; give a larger budget", stacklevel=4)
                 break
             self._progress(f"the trial held {format_bytes(peak)}, {format_bytes(excess)} over the budget: planning "
-                           f"again for {len(compiled.trials)} times that much less")
+                           f"again for {'that' if len(compiled.trials) == 1 else f'{len(compiled.trials)} times that'} "
+                           f"much less")
             try:
                 # Each plan's own excess differs: take the k-th excess off k times, so the loop converges.
                 compiled = self._compile_planned(gm, inputs, flat, slack=compiled.slack + excess * len(compiled.trials),
