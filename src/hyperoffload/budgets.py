@@ -70,17 +70,22 @@ def check_budget_bytes(budget: int, text: str | None = None, *, least: int = 1) 
     return budget
 
 
+def _percentage(text: str) -> float:
+    """The share of the no-offload peak a budget such as ``"50%"`` asks for, in percent (0, 100]."""
+    try:
+        share = float(text[:-1])
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a budget; write 40GiB, 60GB, 50% or hideable") from None
+    if not 0 < share <= 100:
+        raise ValueError(f"a budget percentage must be in (0, 100], got {text}")
+    return share
+
+
 def _parse(text: str, program: Program, hardware: Hardware | str) -> int:
     if text.lower() == "hideable":
         return hideable_budget(program, hardware)
     if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
-            raise ValueError(f"cannot read {text!r} as a budget; write 40GiB, 60GB, 50% or hideable") from None
-        if not 0 < share <= 100:
-            raise ValueError(f"a budget percentage must be in (0, 100], got {text}")
-        return int(memory_profile(program).peak_bytes * share / 100)
+        return int(memory_profile(program).peak_bytes * _percentage(text) / 100)
     bare = unitless(text)
     if bare is not None and 0 < bare <= 100:
         # A bare number is bytes, and no step fits in 100 bytes: a share of the peak was almost surely meant.
@@ -110,12 +115,7 @@ def check_budget_text(budget: int | str) -> None:
     if text.lower() == "hideable":
         return
     if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
-            raise ValueError(f"cannot read {budget!r} as a budget; write 40GiB, 60GB, 50% or hideable") from None
-        if not 0 < share <= 100:
-            raise ValueError(f"a budget percentage must be in (0, 100], got {budget}")
+        _percentage(text)
         return
     try:
         parse_bytes(text)
