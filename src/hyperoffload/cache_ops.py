@@ -77,7 +77,10 @@ class AsyncCopies:
 
     ``client`` issues the copies (the ``Transfers`` protocol of ``hyperoffload.runtime``: ``offload(label,
     src, dst)`` and ``prefetch(label, src, dst, after)`` return a handle with ``wait()`` and ``done()``;
-    an ``EmulatedLink.client()``). A copy started in one call may be waited for in a later one (a saved
+    an ``EmulatedLink.client()`` for a step on the CPU, a ``CudaCopyStreams`` for one on a GPU). A handle that
+    also has ``free_after()`` (a GPU copy) is one whose source may be read by the copy after the host has moved
+    on: a release of that source calls it, whatever ``release_waits`` says, so that its memory is handed out
+    again only after the copy. A copy started in one call may be waited for in a later one (a saved
     activation offloaded in the forward and waited for in the backward), so one ``AsyncCopies`` serves
     every call of a compiled step, one call at a time.
     """
@@ -131,7 +134,10 @@ class AsyncCopies:
         if entry is None or entry[0].done() and getattr(entry[0], "error", None) is None:
             return
         self.release_stalls += 1
-        if self.release_waits:
+        free_after = getattr(entry[0], "free_after", None)
+        if free_after is not None:  # a GPU copy: its source's memory is handed out again only after it
+            free_after()
+        elif self.release_waits:
             entry[0].wait()
 
     def wait_for(self, x: torch.Tensor) -> None:
@@ -160,13 +166,18 @@ def copies_on(copies: AsyncCopies | None) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def _start_copy(kind: str, src: torch.Tensor) -> torch.Tensor:
-    """A new flat buffer of ``src``'s whole storage: copied now, or started on the active ``AsyncCopies``."""
+def _start_copy(kind: str, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new flat buffer on ``device`` of ``src``'s whole storage: copied now, or started on the active
+    ``AsyncCopies``. A remote buffer of a device storage is page-locked host memory (PyTorch's caching host
+    allocator: blocks are reused across steps once the copies that used them have completed), so that its copies
+    are asynchronous DMA."""
     copies = _ACTIVE.get()
     storage = src.untyped_storage()
     if copies is None or storage.nbytes() % src.element_size():
-        return _flat_storage(src).clone()
-    dst = torch.empty((_storage_elements(src),), dtype=src.dtype, device=src.device)
+        flat = _flat_storage(src)
+        return flat.clone() if flat.device == device else flat.to(device)
+    pinned = device.type == "cpu" and src.device.type != "cpu"
+    dst = torch.empty((_storage_elements(src),), dtype=src.dtype, device=device, pin_memory=pinned)
     label = f"{kind} of a {src.dtype} storage of {storage.nbytes()} bytes"
     if kind == "offload":
         handle = copies.client.offload(label, storage, dst.untyped_storage())
@@ -178,6 +189,10 @@ def _start_copy(kind: str, src: torch.Tensor) -> torch.Tensor:
         copies.h2d_bytes += storage.nbytes()
     copies.started(handle, dst, storage if kind == "offload" else None)
     return dst
+
+
+REMOTE_DEVICE = torch.device("cpu")
+"""Where remote buffers live: host memory (page-locked when the device is a GPU)."""
 
 
 def _storage_elements(x: torch.Tensor) -> int:
@@ -196,40 +211,50 @@ def _flat_storage(x: torch.Tensor) -> torch.Tensor:
 torch.library.define(f"{NAMESPACE}::offload", "(Tensor x) -> Tensor")
 
 
-@torch.library.impl(f"{NAMESPACE}::offload", "CPU")
 def offload(x: torch.Tensor) -> torch.Tensor:
     """Copy the whole storage of ``x`` to remote memory; return the remote buffer.
 
     The result is a new one-dimensional tensor of ``x``'s dtype with ``storage bytes // element
     size`` elements and a storage of its own, holding the storage contents from offset 0 (not just
     the elements ``x`` views). ``x`` is neither changed nor freed: dropping the device copy is
-    ``release``'s job. Call ``wait`` on the result before reading it.
+    ``release``'s job. The result lives in host memory (``REMOTE_DEVICE``), page-locked when ``x`` is on a
+    GPU. Call ``wait`` on the result before reading it.
     """
-    return _start_copy("offload", x)
+    return _start_copy("offload", x, REMOTE_DEVICE)
+
+
+for _key in ("CPU", "CUDA"):
+    torch.library.impl(f"{NAMESPACE}::offload", _key)(offload)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::offload")
 def _offload_fake(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((_storage_elements(x),))
+    return torch.empty((_storage_elements(x),), dtype=x.dtype, device=REMOTE_DEVICE)
 
 
-torch.library.define(f"{NAMESPACE}::prefetch", "(Tensor remote) -> Tensor")
+torch.library.define(f"{NAMESPACE}::prefetch", "(Tensor remote, Device? device=None) -> Tensor")
 
 
-@torch.library.impl(f"{NAMESPACE}::prefetch", "CPU")
-def prefetch(remote: torch.Tensor) -> torch.Tensor:
-    """Copy the whole storage of the remote buffer ``remote`` to the device; return the device copy.
+def prefetch(remote: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Copy the whole storage of the remote buffer ``remote`` to ``device``; return the device copy.
 
-    The result is a new one-dimensional tensor, laid out exactly like ``offload``'s result, with a
-    storage of its own: views of the offloaded storage are rebuilt on it with ``aten.as_strided``.
-    Call ``wait`` on the result before reading it.
+    ``device``: the device the storage is computed on (None: ``remote``'s own device, as in a step on the CPU,
+    where both tiers are host memory). The result is a new one-dimensional tensor, laid out exactly like
+    ``offload``'s result, with a storage of its own: views of the offloaded storage are rebuilt on it with
+    ``aten.as_strided``. Call ``wait`` on the result before reading it.
     """
-    return _start_copy("prefetch", remote)
+    return _start_copy("prefetch", remote, remote.device if device is None else torch.device(device))
+
+
+for _key in ("CPU", "CUDA"):
+    torch.library.impl(f"{NAMESPACE}::prefetch", _key)(prefetch)
+del _key
 
 
 @torch.library.register_fake(f"{NAMESPACE}::prefetch")
-def _prefetch_fake(remote: torch.Tensor) -> torch.Tensor:
-    return remote.new_empty((_storage_elements(remote),))
+def _prefetch_fake(remote: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    return torch.empty((_storage_elements(remote),), dtype=remote.dtype,
+                       device=remote.device if device is None else device)
 
 
 # ``wait`` returns its argument's storage, which ``custom_op`` does not allow (its results must be

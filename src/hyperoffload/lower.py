@@ -10,7 +10,8 @@ matching operator of ``hyperoffload.cache_ops`` on the storage's tensor:
 * ``WAIT s``     -> ``wait_offload_<s> = hyperoffload.wait(offload_<s>)`` or
   ``wait_prefetch_<s> = hyperoffload.wait(prefetch_<s>)``, whichever transfer is in flight.
 * ``PREFETCH s`` -> ``prefetch_<s> = hyperoffload.prefetch(wait_offload_<s>)`` (or of the step
-  input itself, for a storage in ``plan.initial_remote``).
+  input itself, for a storage in ``plan.initial_remote``); on a GPU, ``prefetch(..., device)`` names the device
+  the storage is computed on, since remote buffers live in host memory.
 * ``RELEASE s``  -> ``hyperoffload.release(<the device tensor of s>)``.
 
 Aliasing. A prefetch gives the storage a new device copy, while the graph's later readers name
@@ -36,6 +37,7 @@ Copied nodes keep their fx names and ``meta``, so names still map to ``Program.n
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import re
@@ -96,6 +98,16 @@ def _fake(node: torch.fx.Node) -> torch.Tensor:
         raise LoweringError(f"fx node {node.name} has no tensor in meta['val'] to rebuild it from; "
                             f"lower graphs made by the capture functions")
     return val
+
+
+def _on_remote_device(val: torch.Tensor) -> torch.Tensor:
+    """A fake tensor like ``val`` (size, stride, offset, dtype, storage size) in host memory, the remote tier: what
+    the caller passes for a device input that starts the step in remote memory."""
+    mode = getattr(val, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        storage = torch.empty((val.untyped_storage().nbytes() // val.element_size(),), dtype=val.dtype,
+                              device=cache_ops.REMOTE_DEVICE)
+        return storage.as_strided(val.shape, val.stride(), val.storage_offset())
 
 
 @dataclass
@@ -160,7 +172,10 @@ class _Lowering:
             self.home.setdefault(s, new)
             self.ready[s] = s not in remote_at_start
             if not self.ready[s]:
-                self.remote[s] = new  # the caller's tensor is the remote copy
+                self.remote[s] = new  # the caller's tensor is the remote copy, in host memory
+                val = n.meta.get("val")
+                if isinstance(val, torch.Tensor) and val.device != cache_ops.REMOTE_DEVICE:
+                    new.meta = {**n.meta, "val": _on_remote_device(val)}
         return self
 
     # --- storages and values ------------------------------------------------------------------
@@ -186,6 +201,12 @@ class _Lowering:
             raise LoweringError(f"storage {self.plan.program.values[s].name} has no fx node to transfer "
                                 f"(an unpacked output of a multi-output op)")
         return self.env[self.owner_node[s]]
+
+    def _device_of(self, s: int) -> torch.device:
+        """The device storage ``s`` is computed on (its owner's fake tensor says; the CPU without one)."""
+        node = self.nodes.get(self.owner_node.get(s, ""))
+        val = None if node is None else node.meta.get("val")
+        return val.device if isinstance(val, torch.Tensor) else cache_ops.REMOTE_DEVICE
 
     def _elements(self, s: int) -> int:
         """Elements of the owner's dtype in storage ``s``: the length of its flat buffers."""
@@ -239,7 +260,9 @@ class _Lowering:
         elif instr.kind is Kind.PREFETCH:
             if self.in_flight.get(s, (None,))[0] is Kind.OFFLOAD:  # the copy back reads the landed offload
                 self._wait(s, name)
-            node = self._call(cache_ops.PREFETCH, (self.remote[s],), f"prefetch_{name}")
+            device = self._device_of(s)
+            args = (self.remote[s],) if device == cache_ops.REMOTE_DEVICE else (self.remote[s], device)
+            node = self._call(cache_ops.PREFETCH, args, f"prefetch_{name}")
             self.in_flight[s] = (Kind.PREFETCH, node)
             self.ready[s] = False
         elif instr.kind is Kind.RELEASE:

@@ -28,7 +28,7 @@ CACHE_KINDS = {cache_ops.OFFLOAD: Kind.OFFLOAD, cache_ops.PREFETCH: Kind.PREFETC
 def test_cache_ops_are_registered_with_their_schemas():
     ops = torch.ops.hyperoffload
     assert str(ops.offload.default._schema) == "hyperoffload::offload(Tensor x) -> Tensor"
-    assert str(ops.prefetch.default._schema) == "hyperoffload::prefetch(Tensor remote) -> Tensor"
+    assert str(ops.prefetch.default._schema) == "hyperoffload::prefetch(Tensor remote, Device? device=None) -> Tensor"
     assert str(ops.wait.default._schema) == "hyperoffload::wait(Tensor(a) x) -> Tensor(a)"
     assert str(ops.release.default._schema) == "hyperoffload::release(Tensor x) -> ()"
 
