@@ -263,11 +263,18 @@ def test_data_dependent_control_flow_is_refused_with_what_to_do():
         hyperoffload.train_step(model, opt, classify, batches(1)[0])
 
 
-def test_a_tensor_off_the_cpu_is_explained():
+def test_a_step_off_the_cpu_and_gpu_or_split_over_devices_is_explained():
     model, opt = make()
     x, y = batches(1)[0]
-    with pytest.raises(NotImplementedError, match="runs a model on the CPU.*meta"):
+    with pytest.raises(ValueError, match="tensors on cpu, meta; train_step runs a step on one device"):
         hyperoffload.train_step(model, opt, classify, (x.to("meta"), y))
+    model.to("meta")
+    with pytest.raises(NotImplementedError, match="runs a model on the CPU.*or on a CUDA GPU.*are on meta"):
+        hyperoffload.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), classify,
+                                (x.to("meta"), y.to("meta")))
+    step = hyperoffload.train_step(*make(), classify, (x, y), budget="100%", measure=False)
+    with pytest.raises(ValueError, match="the batch has tensors on meta, but the step runs on cpu"):
+        step((x.to("meta"), y))
 
 
 def test_a_step_refused_before_it_runs_changes_nothing_and_a_failed_copy_raises():

@@ -186,6 +186,7 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, parti
     def inner(graph: torch.fx.GraphModule, inputs: Sequence, **kwargs: Any):
         if kwargs.get("is_inference"):
             graph = plan_inference(graph)
+            inputs = _as_placed(graph, inputs)
         from torch._inductor.virtualized import V
 
         heuristics, keyed = contextlib.nullcontext(), {}
@@ -201,6 +202,18 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, parti
     with config.patch(custom_partitioner_fn=PlannedPartition(partition)), \
             functorch_config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
+def _as_placed(graph: torch.fx.GraphModule, inputs: Sequence) -> list:
+    """``inputs`` with each tensor on the device ``graph``'s placeholder says (the lowering puts a GPU input that
+    starts the step in remote memory in host memory, where the caller keeps it)."""
+    placed = list(inputs)
+    for i, node in enumerate(graph.graph.find_nodes(op="placeholder")):
+        val = node.meta.get("val")
+        if i < len(placed) and isinstance(val, torch.Tensor) and isinstance(placed[i], torch.Tensor) \
+                and val.device != placed[i].device:
+            placed[i] = val
+    return placed
 
 
 def _boxed(compiled: Callable) -> Callable:

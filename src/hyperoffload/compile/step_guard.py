@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from hyperoffload.cache_ops import REMOTE_DEVICE
+
 
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
@@ -43,13 +45,13 @@ def deferred_interrupts() -> Iterator[None]:
 
 
 class Snapshot:
-    """Copies of ``tensors`` (the state a step writes), to put back if the step fails."""
+    """Copies of ``tensors`` (the state a step writes) in host memory, to put back if the step fails."""
 
     __slots__ = ("_copies", "_tensors")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._tensors = list(tensors)
-        self._copies = [t.detach().clone() for t in self._tensors]
+        self._copies = [t.detach().to(REMOTE_DEVICE, copy=True) for t in self._tensors]
 
     @property
     def nbytes(self) -> int:

@@ -46,6 +46,7 @@ from hyperoffload.compile.backend import check_budget_text
 from hyperoffload.compile.held_inputs import start_released_inputs_remote
 from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned
 from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
+from hyperoffload.compile.placement import input_devices, place_inputs, step_device
 from hyperoffload.compile.step_guard import Snapshot, deferred_interrupts
 from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatten_batch, init_optimizer_state,
                                              is_tensor_leaf, mark_phases, trace_whole_step, write_back_early)
@@ -54,7 +55,8 @@ from hyperoffload.ir import Program
 from hyperoffload.lower import lower_plan
 from hyperoffload.plans import Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, get_policy
-from hyperoffload.runtime.device_peak import device_peak
+from hyperoffload.runtime.cuda_copies import CudaCopyStreams
+from hyperoffload.runtime.device_peak import cuda_peak, device_peak
 from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.simulate import Figures, simulate
 from hyperoffload.units import format_bytes
@@ -112,6 +114,8 @@ class _Compiled:
     run: Callable[..., Any]
     resident_bytes: int
     """Bytes of the input storages that start the step on the device (bytes)."""
+    devices: tuple[torch.device, ...]
+    """Where each flat input must be when the step is called (``placement.input_devices``)."""
     budget_bytes: int
     """The user's budget, resolved for this step (bytes)."""
     slack: int = 0
@@ -137,13 +141,21 @@ class TrainStep:
         self.hardware = as_hardware(hardware)
         if link is not None and not isinstance(link, EmulatedLink):
             raise TypeError(f"link must be an EmulatedLink, got {type(link).__name__}")
-        _check_devices(model, flatten_batch(example_batch)[0], self.hardware)
+        self.device = step_device(model, flatten_batch(example_batch)[0], self.hardware)
+        """The device the step computes on: the CPU (copies on an emulated link) or a CUDA GPU."""
+        if link is not None and self.device.type != "cpu":
+            raise ValueError(f"link= emulates a link between two pools of host memory for a step on the CPU; the "
+                             f"model is on {self.device}, whose copies run over its own link: leave link out")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.budget, self.policy, self.offload, self.measure = budget, policy, offload, measure
         self.rollback = rollback
         self._progress = progress if progress is not None else (lambda text: None)
-        self.link = link if link is not None else EmulatedLink.for_hardware(self.hardware)
-        self.copies = cache_ops.AsyncCopies(client=self.link.client(), release_waits=True)
+        if self.device.type == "cpu":
+            self.link: EmulatedLink | None = link if link is not None else EmulatedLink.for_hardware(self.hardware)
+            client = self.link.client()
+        else:
+            self.link, client = None, CudaCopyStreams(self.device)
+        self.copies = cache_ops.AsyncCopies(client=client, release_waits=True)
         self.last: StepFigures | None = None
         """What the latest call measured; None before the first call."""
         self._forms: dict[str, _Compiled] = {}
@@ -219,9 +231,9 @@ class TrainStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one training step on ``batch`` (shaped like the example); returns the loss (a detached tensor)."""
         tensors, spec, leaves = flatten_batch(batch)
-        _check_devices(self.model, tensors, self.hardware)
+        self._check_batch(tensors)
         compiled = self._form_for(batch, spec, leaves)
-        flat = compiled.inputs.flat(self.optimizer, self._learning_rates(), _own_storages(tensors))
+        flat = self._inputs(compiled, tensors)
         copies = self.copies
         h2d, d2h = copies.h2d_bytes, copies.d2h_bytes
         start = time.perf_counter()
@@ -229,6 +241,8 @@ class TrainStep:
         try:
             with deferred_interrupts():
                 out, peak = self._run(compiled, flat, measure=self.measure)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the call's wall time covers its kernels and copies
         except BaseException as error:
             copies.client.drain()  # no copy touches the state any more
             if snapshot is not None:
@@ -255,13 +269,29 @@ class TrainStep:
 
         if not measure:
             return call(), None
+        if self.link is None:
+            out, held = cuda_peak(call, self.device)
+            return out, compiled.resident_bytes + held
         with self.link.device_frees() as frees:
             out, peak = device_peak(call, extra_frees=frees)
         return out, compiled.resident_bytes + peak.peak_bytes
 
+    def _check_batch(self, tensors: Sequence[torch.Tensor]) -> None:
+        wrong = sorted({str(t.device) for t in tensors if t.device != self.device})
+        if wrong:
+            raise ValueError(f"the batch has tensors on {', '.join(wrong)}, but the step runs on {self.device}, "
+                             f"where the model is: move the batch there")
+
+    def _inputs(self, compiled: _Compiled, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The flat inputs of one call of ``compiled``, each where the plan expects it (state kept in remote memory
+        on a GPU is moved to host memory once, and stays there)."""
+        flat = compiled.inputs.flat(self.optimizer, self._learning_rates(), _own_storages(batch))
+        return place_inputs(compiled.inputs, self.optimizer, flat, compiled.devices)
+
     def _learning_rates(self) -> list[torch.Tensor]:
         """Each parameter group's learning rate now, as the step's 0-d float64 inputs."""
-        return [torch.tensor(learning_rate(g), dtype=torch.float64) for g in self.optimizer.param_groups]
+        return [torch.tensor(learning_rate(g), dtype=torch.float64, device=self.device)
+                for g in self.optimizer.param_groups]
 
     # --- making the compiled step --------------------------------------------------------------------
     def _key(self, spec: Any, leaves: Sequence[Any]) -> str:
@@ -300,12 +330,20 @@ class TrainStep:
         inputs = describe_inputs(self.model, self.optimizer, batch)
         tensors, spec, leaves = flatten_batch(batch)
         flat = inputs.flat(self.optimizer, self._learning_rates(), _own_storages(tensors))
+        # The step is traced with everything on its device (state an earlier plan kept in host memory comes back).
+        flat = place_inputs(inputs, self.optimizer, flat, (self.device,) * len(flat))
         self._progress("tracing the step (forward, loss, backward, optimizer)")
         gm = trace_whole_step(self.model, self.optimizer, self.loss_fn, inputs, flat)
         compiled = self._compile_planned(gm, inputs, flat, slack=0, trials=())
         while self.offload:
-            self._progress("a trial run on copies of the state, measuring the device bytes it holds")
-            _, peak = self._run(compiled, [t.clone() for t in flat], measure=True)  # copies: the state stays
+            self._progress("a trial run, measuring the device bytes it holds (the state is put back after)")
+            trial = self._inputs(compiled, tensors)
+            snapshot = Snapshot(trial[:inputs.state_tensors])
+            try:
+                _, peak = self._run(compiled, trial, measure=True)
+            finally:
+                self.copies.client.drain()
+                snapshot.restore()
             compiled = dataclasses.replace(compiled, trials=(*compiled.trials, peak))
             excess = peak - compiled.budget_bytes
             if excess <= 0:
@@ -356,7 +394,8 @@ class TrainStep:
         resident = sum(values[s].alloc_bytes for s in inputs_storages - set(plan.initial_remote))
         settings = tuple(hyperparameters(g) for g in self.optimizer.param_groups)
         return _Compiled(inputs=inputs, hyperparameters=settings, program=program, plan=plan, graph=planned["graph"],
-                         run=run, resident_bytes=resident, budget_bytes=planned["budget"], slack=slack, trials=trials)
+                         run=run, resident_bytes=resident, devices=input_devices(program, plan, self.device),
+                         budget_bytes=planned["budget"], slack=slack, trials=trials)
 
     def _program(self, graph: torch.fx.GraphModule, inputs: StepInputs) -> Program:
         graph = mark_phases(write_back_early(graph))
@@ -380,19 +419,6 @@ def _never_partitioned(*args, **kwargs):
 
 def _leaves_text(leaves: Sequence[Any]) -> str:
     return ", ".join(f"{dtype}{list(shape)}" for shape, dtype, _ in filter(is_tensor_leaf, leaves))
-
-
-def _check_devices(model: nn.Module, batch: Sequence[torch.Tensor], hardware: Hardware) -> None:
-    """The step runs on the CPU over an emulated link of ``hardware``: every tensor of the model and of the batch
-    (its tensors, ``batch``) must be a CPU tensor."""
-    devices = {t.device.type for t in (*model.parameters(), *model.buffers(), *batch)}
-    other = sorted(devices - {"cpu"})
-    if other:
-        raise NotImplementedError(
-            f"train_step runs a model on the CPU, with its copies on an emulated link of {hardware.name}; this model "
-            f"or batch has tensors on {', '.join(other)}, and the cache operators have no {other[0]} kernels inside "
-            f"compiled graphs yet. Move the model and batch to the CPU to try the plan, or run a planned step on "
-            f"the GPU with hyperoffload.run_async (docs/runtime.md)")
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],

@@ -1,4 +1,5 @@
-"""Measure the device-tier bytes a call holds on a CPU-only machine, where both tiers are host memory.
+"""Measure the device-tier bytes a call holds: on a CPU-only machine, where both tiers are host memory, from the
+profiler (``device_peak``); on a GPU, from the caching allocator's counters (``cuda_peak``).
 
 Inductor's compiled code allocates its buffers in C++ (no Python and no dispatcher mode sees them),
 so the bytes are read from PyTorch's profiler, which records every allocation and free of the CPU
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 T = TypeVar("T")
@@ -114,4 +116,16 @@ def _inside(event, names: frozenset[str]) -> bool:
     return False
 
 
-__all__ = ["DevicePeak", "REMOTE_ALLOCATING_OPS", "device_peak"]
+def cuda_peak(fn: Callable[[], T], device: torch.device) -> tuple[T, int]:
+    """Call ``fn()`` and return its result with the most bytes the CUDA caching allocator had allocated on
+    ``device`` at once while it ran (``torch.cuda.max_memory_allocated``), above what was allocated when it began.
+    The device is synchronized before and after, so the figure covers every kernel and copy the call queued."""
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return result, torch.cuda.max_memory_allocated(device) - start
+
+
+__all__ = ["DevicePeak", "REMOTE_ALLOCATING_OPS", "cuda_peak", "device_peak"]
