@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean gpu-check
+.PHONY: demo test install clean gpu-check gpu-native
 
 install: $(STAMP)
 
@@ -36,6 +36,13 @@ gpu-check:
 	PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu; tests=$$?; \
 	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_check.py; status=$$?; \
 	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_compare.py && [ $$tests -eq 0 ] && exit $$status
+
+# train_step beside PyTorch's own offloading (functorch activation offloading, save_on_cpu, FSDP2 CPUOffloadPolicy,
+# torchao's CPUOffloadOptimizer) and no offload, on a bf16 LLaMA of about 1B parameters on the GPU; the JSON goes to
+# $OUT (or results/) as gpu_native.json. Needs a GPU and the same GPU_PYTHON as gpu-check.
+gpu-native:
+	@$(GPU_PYTHON) -c "import torch" 2>/dev/null || { echo "gpu-native: $(GPU_PYTHON) has no PyTorch; set GPU_PYTHON to a Python with a CUDA build of PyTorch"; exit 2; }
+	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_native.py --json $${OUT:-results}/gpu_native.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
