@@ -17,9 +17,10 @@ compiled by Inductor.
 
 Each call reads the learning rates from the optimizer's groups (a scheduler's changes count), runs the
 compiled step on the model's and the optimizer's own tensors, which it updates in place, with the cache
-operators copying on an emulated link's engines, and records what it measured in ``last``. State the plan
-keeps in remote memory between steps is the model's (or optimizer's) own tensor, which holds it
-between calls, so ``state_dict()`` and checkpoints read it as usual. A batch of other shapes, or a
+operators copying on an emulated link's engines (a model on the CPU) or on CUDA side streams (a model on a GPU,
+``runtime.cuda_copies``), and records what it measured in ``last``. State the plan keeps in remote memory
+between steps is the model's (or optimizer's) own tensor, which holds it between calls (in page-locked host
+memory on a GPU: ``placement``), so ``state_dict()`` and checkpoints read it as usual. A batch of other shapes, or a
 changed optimizer setting other than the learning rate, makes the step trace and plan again, with a
 warning saying why.
 """
@@ -431,9 +432,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     ``loss_fn(model, batch)`` returns the loss; ``example_batch`` is any tree of tensors the step will be called
     with (``step(batch)``); ``optimizer`` a ``torch.optim`` AdamW, Adam or SGD over the model's parameters.
     ``budget``: bytes, ``"40GiB"``, ``"50%"`` of the step's no-offload peak, or ``"hideable"``; ``hardware``: the
-    profile planned for, whose link the copies are emulated at (``link=`` to give another). ``offload=False``
+    profile planned for, whose link the copies are emulated at for a model on the CPU (``link=`` to give another;
+    a model on a CUDA GPU copies over its own link, on side streams). ``offload=False``
     compiles the same step with nothing planned (plain Inductor), to compare against. ``measure`` records each
-    call's device peak in ``step.last`` (through PyTorch's profiler: turn it off to time steps). A Ctrl-C during a
+    call's device peak in ``step.last`` (on the CPU through PyTorch's profiler: turn it off to time steps; on a GPU
+from the caching allocator's counters). A Ctrl-C during a
     call takes effect once the call has completed; a call that fails while running (a failed copy, memory running
     out) leaves the state partly updated unless ``rollback=True``, which copies the state the step writes before
     each call (that many bytes more copying per step) and puts it back on failure. ``progress(text)``
