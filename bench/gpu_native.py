@@ -31,8 +31,7 @@ sharding it, ``train_step``'s planning and compiling), ``first_step_s`` (the fir
 compiling included), ``max_memory_allocated`` and ``max_memory_reserved`` (bytes, from an emptied cache and reset
 peaks at the start of the row, building it included; null on the CPU), ``max_abs_diff`` (largest absolute
 difference of any parameter after the first step against ``eager``'s after its first step; 0 for ``eager``) and
-``error`` (null, or the exception's text: a row that fails is recorded and the run goes on; ``train_step`` refuses
-CUDA models with ``NotImplementedError`` today). ``train_step`` rows also carry ``budget`` (the share) and
+``error`` (null, or the exception's text: a row that fails is recorded and the run goes on). ``train_step`` rows also carry ``budget`` (the share) and
 ``budget_bytes`` (null where the budget is a percentage).
 
 ``--smoke`` runs the same code on the CPU (``tiny-llama``'s float32 shape, 3 steps after 1, the ``train_step``
