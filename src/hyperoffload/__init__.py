@@ -46,6 +46,9 @@ _WHERE = {
     "AsyncExecutor": "hyperoffload.runtime",
     "EmulatedLink": "hyperoffload.runtime",
     "run_async": "hyperoffload.runtime",
+    "Planned": "hyperoffload.planning",
+    "plan": "hyperoffload.planning",
+    "plan_checked": "hyperoffload.planning",
 }
 """Where each attribute of the package lives (imported on first use: ``import hyperoffload`` alone
 imports neither torch nor the rest of the package)."""
@@ -55,21 +58,6 @@ lazy_package(__name__, _WHERE)
 __version__ = "0.1.0"
 
 __all__ = ["StepFigures", "TrainStep", "train_step", "AsyncExecutor", "EmulatedLink", "run_async", "PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "HardwareError", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
-           "hideable_budget", "parse_budget", "plan", "plan_hyperoffload", "simulate", "verify", "AdamW", "CaptureError", "Captured", "LiveRange", "MemoryProfile", "Op", "Phase", "Program", "Value",
+           "hideable_budget", "parse_budget", "plan", "plan_checked", "Planned", "plan_hyperoffload", "simulate", "verify", "AdamW", "CaptureError", "Captured", "LiveRange", "MemoryProfile", "Op", "Phase", "Program", "Value",
            "ValueKind", "capture_decode_step", "capture_prefill_step", "capture_train_step", "fake_build",
            "live_ranges", "memory_profile", "storage_ranges", "verify_program"]
-
-
-def plan(program, hardware, budget: int | str, *, policy: str = "hyperoffload"):
-    """Plan ``program`` on ``hardware`` (a profile or its name) under ``budget`` (bytes, or text such as
-    ``"40GiB"``, ``"50%"``, ``"hideable"``) with ``policy``; returns a verified ``hyperoffload.plans.Plan``."""
-    from hyperoffload.budgets import parse_budget
-    from hyperoffload.hardware import as_hardware
-    from hyperoffload.policies import get_policy
-    from hyperoffload.verify import verify
-
-    hardware = as_hardware(hardware)
-    budget_bytes = parse_budget(budget, program, hardware)
-    result = get_policy(policy)(program, hardware, budget_bytes)
-    verify(result)
-    return result

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import time
 import warnings
@@ -23,7 +22,6 @@ from hyperoffload.hardware.profile import field_problem
 from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth
-from hyperoffload.variants import find_captured, has_remote_kv, kv_placement
 from hyperoffload.workloads import WORKLOADS, UnknownWorkload, capture_workload, get_workload, with_nsa_block
 
 
@@ -44,21 +42,20 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
     return hardware.replace(**overrides) if overrides else hardware
 
 
-def _policy_from_args(args: argparse.Namespace, without_layout: str):
-    """``--policy``, planning with a static layout under ``--static-layout`` (a hyperoffload planner option;
-    ``without_layout`` says what another policy does instead, for the error)."""
+def _planner_config(args: argparse.Namespace, without_layout: str):
+    """The planner settings ``--policy`` and ``--static-layout`` ask for (None: the policy's own), checked before
+    anything is captured; ``without_layout`` says what another policy than hyperoffload does without a static
+    layout, for the error."""
     from hyperoffload.policies import get_policy
 
-    policy = get_policy(args.policy)
+    get_policy(args.policy)  # an unknown name fails here, listing the valid ones
     if not args.static_layout:
-        return policy
+        return None
     if args.policy != "hyperoffload":
         raise ValueError(f"--static-layout is a hyperoffload planner option; policy {args.policy!r} {without_layout}")
-    from functools import partial
+    from hyperoffload.policies import PlannerConfig
 
-    from hyperoffload.policies import PlannerConfig, plan_hyperoffload
-
-    return partial(plan_hyperoffload, config=PlannerConfig(static_layout=True))
+    return PlannerConfig(static_layout=True)
 
 
 def _policy_names(args: argparse.Namespace) -> list[str] | None:
@@ -295,71 +292,37 @@ def _note_over_device(budget: int, hardware, err: Console) -> None:
 
 
 def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
-    import time
-
-    from hyperoffload.allocator_model import fragmentation_figures
     from hyperoffload.analysis import memory_profile
-    from hyperoffload.analysis.link_bound import link_bound
-    from hyperoffload.analysis.traffic_bound import traffic_bound
-    from hyperoffload.analysis.window_bound import window_bound
     from hyperoffload.budgets import parse_budget
     from hyperoffload.report.figures import figures_table
+    from hyperoffload.report.plan_report import plan_report
     from hyperoffload.units import format_seconds
-    from hyperoffload.verify import verify
 
     hardware = hardware_from_args(args)
-    policy = _policy_from_args(args, "leaves addresses to the allocator (its arena and allocator figures are "
-                                     "reported anyway)")
+    config = _planner_config(args, "leaves addresses to the allocator (its arena and allocator figures are "
+                                   "reported anyway)")
     captured = _capture(args, err)
     program = captured.program
     budget = parse_budget(args.budget, program, hardware)
     _note_budget(args.budget, budget, program, hardware, err)
     _note_policies([args.policy], program, err)
-    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name}..."):
-        start = time.perf_counter()
-        plan = policy(program, hardware, budget)
-        plan_s = time.perf_counter() - start
-        timeline = verify(plan, hardware)
-    with err.status("Laying out memory and replaying the caching allocator..."):
-        # At the budget asked for, whatever the policy's plan claims (``none`` claims none).
-        memory = fragmentation_figures(plan, budget, timeline)  # frees ordered by the simulated copies
-        bound = window_bound(plan.program, hardware, budget, plan.compute_order())
-        window, free_budget = bound.seconds, bound.free_budget_bytes
-        any_order = link_bound(plan.program, hardware, budget).seconds
-    with err.status("Bounding what has to cross the link in this order (a linear program)..."):
-        traffic = traffic_bound(plan.program, hardware, budget, plan.compute_order()).seconds
-        # None where no plan in this order meets the budget (a policy that does not, such as ``none``)
-        traffic = traffic if math.isfinite(traffic) else None
-    # A decode step with a remote-KV form is two programs; the bound is of the one this plan runs.
-    kv_where = "remote" if kv_placement(plan.program).get("kv") == "remote" else "on the device"
-    scope = (f"no plan of this form of the step (its KV cache {kv_where}), in any order," if has_remote_kv(program)
-             else "no plan in any order")
-    figures = timeline.figures
-    title = f"{program.name} {program.mode} on {hardware.name}, {args.policy}, budget {format_bytes(budget)}"
-    if figures.steady_state:
-        title += " (two consecutive steps: state stays in remote memory between them)"
-    _write_outputs(args, timeline, title=title, limit_bytes=budget, err=err)
+    with err.status("Planning...") as status:
+        report = plan_report(program, hardware, budget, policy=args.policy, config=config, stage=status.update)
+    plan, figures, memory = report.plan, report.figures, report.memory
+    window, free_budget, traffic = report.window_bound_s, report.free_budget_bytes, report.traffic_bound_s
+    any_order, plan_s, title = report.link_bound_s, report.plan_s, report.title
+    _write_outputs(args, report.timeline, title=title, limit_bytes=budget, err=err)
     if args.graph:
         from hyperoffload.lower import plan_code
 
         with _writing("--graph", args.graph):
             Path(args.graph).write_text(plan_code(plan))
         err.print(f"planned graph written to {args.graph}")
-    # A policy may not meet the budget (``none`` never offloads): say so rather than hide it.
-    feasible = figures.peak_bytes <= budget
     if args.json:
-        print(json.dumps({"workload": program.meta.get("workload", program.name), "mode": program.mode,
-                          "hardware": hardware.name, "policy": args.policy, **figures.as_dict(),
-                          "budget_bytes": budget, "feasible": feasible, "plan_s": plan_s,
-                          "device_memory_bytes": hardware.memory_bytes,
-                          "instructions": len(plan.instructions), "static_layout": plan.layout is not None,
-                          "window_bound_s": window, "traffic_bound_s": traffic, "link_bound_s": any_order,
-                          "free_budget_bytes": free_budget,
-                          **memory,
-                          **kv_placement(plan.program)}))
+        print(json.dumps(report.as_dict()))
         return 0
     out.print(figures_table(figures, title=title, hardware=hardware))
-    kv = kv_placement(plan.program)
+    kv = report.kv
     if kv.get("kv") == "remote":
         pool = "no block pool" if kv["pool_blocks"] is None else f"a block pool of {kv['pool_blocks']} blocks per " \
             f"sequence and layer"
@@ -385,7 +348,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
               f"the caching allocator model reserves {format_bytes(memory['allocator_reserved_bytes'])} with "
               f"{memory['allocator_stalls']} free-and-retry stalls and {memory['allocator_failures']} out-of-memory "
               f"failures at this budget")
-    if not feasible:
+    if not report.feasible:  # a policy may not meet the budget (``none`` never offloads): say so
         out.print(f"[yellow]policy {args.policy} does not meet the budget: it needs "
                   f"{format_bytes(figures.peak_bytes)}, the budget is {format_bytes(budget)}[/yellow]")
     elif figures.bound_s is not None:
@@ -395,7 +358,7 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                   f"{format_seconds(window)}, nor traffic_bound_s {format_seconds(traffic)}, what has to cross the "
                   f"link at all; step_s / traffic_bound_s = {figures.step_s / traffic:.3f}); below "
                   f"{format_bytes(free_budget)} no plan in this order can "
-                  f"offload for free; {scope} can beat link_bound_s {format_seconds(any_order)} "
+                  f"offload for free; {report.bound_scope} can beat link_bound_s {format_seconds(any_order)} "
                   f"(step_s / link_bound_s = {figures.step_s / any_order:.3f})")
     return 0
 
@@ -553,11 +516,10 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     from hyperoffload.analysis import memory_profile
     from hyperoffload.budgets import parse_budget
-    from hyperoffload.runtime import BudgetExceeded, EmulatedLink, TransferError
-    from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor, measure_run
-    from hyperoffload.simulate import simulate
+    from hyperoffload.runtime import BudgetExceeded, TransferError
+    from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor
+    from hyperoffload.report.run_report import run_report
     from hyperoffload.units import format_bandwidth, format_seconds
-    from hyperoffload.verify import verify
 
     cores = os.cpu_count() or 1
     if args.threads is not None and args.threads > cores:
@@ -566,8 +528,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         raise ValueError(f"--threads {args.threads} is more than this machine's {cores} cores; give at most {cores}")
     threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)
-    policy = _policy_from_args(args, "has no static layout to run from")
-    config = RunConfig(steps=args.steps, warmup=args.warmup, arena=args.static_layout)
+    config = _planner_config(args, "has no static layout to run from")
+    run_config = RunConfig(steps=args.steps, warmup=args.warmup, arena=args.static_layout)
     with err.status("Loading the cpu-emulated profile (calibrates this machine once per thread count)..."):
         cache = cpu_cache_path().with_name(f"cpu-calibration-{threads}-threads.json")
         hardware = get_hardware("cpu-emulated", cpu_cache=cache).replace(
@@ -587,39 +549,24 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     budget = parse_budget(args.budget, program, hardware)
     _note_budget(args.budget, budget, program, hardware, err)
     _note_policies([args.policy], program, err)
-    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} with {args.policy}..."):
-        plan = policy(program, hardware, budget)
-        verify(plan, hardware)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err,
                   transient=True) as progress:
         tasks: dict[str, int] = {}
 
-        def report(phase: str, done: int, total: int) -> None:
+        def steps_done(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
                 tasks[phase] = progress.add_task(phase, total=total)
             progress.update(tasks[phase], completed=done)
 
-        # A decode plan may run the step's remote-KV form: its inputs are that capture's.
-        form = find_captured(plan.program) or captured
         try:
-            with EmulatedLink.for_hardware(hardware) as link:
-                figures = measure_run(plan, form.inputs, link, hardware, config, progress=report)
+            report = run_report(captured, hardware, bare, budget, policy=args.policy, config=config,
+                                run_config=run_config, threads=threads, stage=progress.console.print,
+                                progress=steps_done)
         except (BudgetExceeded, TransferError) as error:
             err.print(f"[red]run failed:[/red] {error}", highlight=False)
             return 1
-    result = {"workload": program.meta.get("workload", program.name), "mode": program.mode, "policy": args.policy,
-              "link_bw": args.link, "copy_latency_s": args.copy_latency, "threads": threads,
-              "steps": config.steps, **figures.as_dict(), "launch_s": hardware.launch_s,
-              "sim_step_s_uncalibrated": simulate(plan, bare).figures.step_s}
-    # A policy may not promise the budget (``none`` never offloads): report against the budget asked for.
-    within = figures.measured_peak_bytes <= budget
-    result.update(budget_bytes=budget, feasible=within, static_layout=args.static_layout,
-                  **kv_placement(plan.program))
-    exact = figures.max_abs_diff == 0.0
-    if form is not captured:
-        # max_abs_diff compares with the remote form unplanned; close the chain to the on-device cache.
-        result["max_abs_diff_vs_device_kv"] = _form_diff(program, captured, plan.program, form)
-        exact = exact and result["max_abs_diff_vs_device_kv"] == 0.0
+    figures, plan, result, exact, within = report.figures, report.plan, report.as_dict(), report.exact, report.feasible
+    form_differs = report.max_abs_diff_vs_device_kv is not None
     if args.json:
         print(json.dumps(result))
         return 0 if exact else 1
@@ -629,7 +576,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     for column in ("figure", "value", "note"):
         table.add_column(column)
     table.add_row("wall_s", format_seconds(figures.wall_s),
-                  f"median of {config.steps} steps; fastest {format_seconds(figures.wall_min_s)}")
+                  f"median of {run_config.steps} steps; fastest {format_seconds(figures.wall_min_s)}")
     table.add_row("unplanned_wall_s", format_seconds(figures.unplanned_wall_s), "the same step without offloading")
     table.add_row("sim_step_s", format_seconds(figures.sim_step_s),
                   f"simulated; compute alone {format_seconds(figures.sim_compute_s)}")
@@ -647,7 +594,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     table.add_row("max_abs_diff", f"{figures.max_abs_diff:g}",
                   "bit-identical to the unplanned step" if figures.max_abs_diff == 0.0
                   else "DIFFERS from the unplanned step")
-    if form is not captured:
+    if form_differs:
         kv = result["max_abs_diff_vs_device_kv"]
         pool = "speculative prefetch" if result["speculative"] else "no pool" if result["pool_blocks"] is None \
             else f"a pool of {result['pool_blocks']} blocks"
@@ -667,18 +614,6 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
               f"the simulator predicted {figures.sim_step_s / figures.sim_compute_s:.2f}x (its planned step over "
               f"its unplanned one, which is the compute alone).", highlight=False)
     return 0 if exact else 1
-
-
-def _form_diff(program, captured, variant, form) -> float:
-    """Largest difference of the step's outputs between its captured form and another form of it (the
-    remote-KV decode step), each run unplanned on fresh copies of its own inputs."""
-    from hyperoffload.plans import plan_without_offload
-    from hyperoffload.runtime import run_plan
-    from hyperoffload.runtime.measure import max_abs_diff
-
-    device = run_plan(plan_without_offload(program), [t.clone() for t in captured.inputs]).outputs
-    other = run_plan(plan_without_offload(variant), [t.clone() for t in form.inputs]).outputs
-    return max_abs_diff(list(other), list(device))
 
 
 USER_ERRORS = (UnknownWorkload, CaptureError, HardwareError, PlanError, InfeasibleBudget, ValueError, OSError)

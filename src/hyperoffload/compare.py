@@ -20,10 +20,10 @@ from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, check_plan
-from hyperoffload.policies import InfeasibleBudget, get_policy, policies_for
+from hyperoffload.planning import plan_checked
+from hyperoffload.policies import InfeasibleBudget, policies_for
 from hyperoffload.simulate import Timeline, budget_bounds
 from hyperoffload.units import parse_bandwidth
-from hyperoffload.verify import verify
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,13 +64,13 @@ _REFUSALS = 4
 def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: str,
                peak_bytes: int | None = None) -> PolicyResult:
     """Plan ``program`` with ``policy`` for ``budget_bytes``, verify the plan and simulate it on ``hardware``."""
-    planner = get_policy(policy)
     note = ""
     start = time.perf_counter()
     target = budget_bytes
     for _ in range(_REFUSALS):
+        attempt = time.perf_counter()
         try:
-            plan = planner(program, hardware, target)
+            planned = plan_checked(program, hardware, target, policy=policy)
             break
         except InfeasibleBudget as error:
             if error.min_budget_bytes <= target:
@@ -80,8 +80,8 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
             note = f"refuses the budget; planned at the smallest it can meet ({target} bytes)"
     else:
         raise InfeasibleBudget(f"{policy} refused {_REFUSALS} budgets in a row, the last {target} bytes", target)
-    plan_s = time.perf_counter() - start
-    timeline = verify(plan, hardware)
+    plan, timeline = planned.plan, planned.timeline
+    plan_s = attempt - start + planned.plan_s  # the refused budgets' planning too, not the verification
     peak = max(check_plan(plan).peak_bytes, timeline.figures.peak_bytes)
     feasible = peak <= budget_bytes
     if not feasible and not note:

@@ -45,7 +45,7 @@ import torch.fx
 
 from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
-from hyperoffload.budgets import check_budget_text, parse_budget
+from hyperoffload.budgets import check_budget_text
 from hyperoffload.capture.graph_to_program import program_from_graph
 from hyperoffload.compile.inductor import KeepPlanOrder, compile_planned
 from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
@@ -54,11 +54,11 @@ from hyperoffload.compile.split import keep_backward_inputs_in_backward, split_l
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.ir import Program, ValueKind
 from hyperoffload.lower import lower_plan
+from hyperoffload.planning import plan_checked
 from hyperoffload.plans import Kind, Plan, check_plan
 from hyperoffload.policies import get_policy
 from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.simulate import Figures, simulate
-from hyperoffload.verify import verify
 
 COMPILERS = ("eager", "inductor")
 """How a backend runs its planned graphs: op by op, or compiled by Inductor."""
@@ -213,9 +213,8 @@ class Backend:
 
     # --- planning ------------------------------------------------------------------------------------
     def _plan(self, program: Program) -> tuple[Plan, int]:
-        budget = self.budget if isinstance(self.budget, int) else parse_budget(self.budget, program, self.hardware)
-        plan = get_policy(self.policy)(program, self.hardware, budget)
-        verify(plan)
+        planned = plan_checked(program, self.hardware, self.budget, policy=self.policy, simulate=False)
+        plan, budget = planned.plan, planned.budget_bytes
         return plan, budget
 
     def _plan_training(self, index: int, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,

@@ -54,6 +54,7 @@ from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatte
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.lower import lower_plan
+from hyperoffload.planning import plan_checked
 from hyperoffload.plans import Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, get_policy
 from hyperoffload.runtime.cuda_copies import CudaCopyStreams
@@ -61,7 +62,6 @@ from hyperoffload.runtime.device_peak import cuda_peak, device_peak
 from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.simulate import Figures, simulate
 from hyperoffload.units import format_bytes
-from hyperoffload.verify import verify
 
 
 WHOLE_STEP_CONFIG = MappingProxyType({**PLANNED_GRAPH_CONFIG, "pattern_matcher": False,
@@ -409,9 +409,8 @@ class TrainStep:
                                   meta={"mode": "train", "optimizer": type(self.optimizer).__name__.lower()})
 
     def _plan(self, program: Program, budget: int) -> Plan:
-        plan = start_released_inputs_remote(get_policy(self.policy)(program, self.hardware, budget))
-        verify(plan)
-        return plan
+        return plan_checked(program, self.hardware, budget, policy=self.policy,
+                            passes=(start_released_inputs_remote,), simulate=False).plan
 
 
 def _never_partitioned(*args, **kwargs):

@@ -1,0 +1,107 @@
+"""What ``hyperoffload run`` reports: a planned step executed on this machine over an emulated link, measured.
+
+``run_report`` plans a captured step (``planning.plan_checked``) on the executor-calibrated profile, runs the plan
+against the unplanned step (``runtime.measure.measure_run``) and, for a decode step whose plan keeps the KV cache
+in remote memory, checks that form of the step against the on-device one. ``RunReport.as_dict()`` is the object
+``run --json`` prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hyperoffload.capture import Captured
+from hyperoffload.hardware import Hardware
+from hyperoffload.planning import plan_checked
+from hyperoffload.plans import Plan, plan_without_offload
+from hyperoffload.policies import PlannerConfig
+from hyperoffload.runtime import EmulatedLink, run_plan
+from hyperoffload.runtime.measure import RunConfig, RunFigures, max_abs_diff, measure_run
+from hyperoffload.simulate import simulate
+from hyperoffload.variants import find_captured, kv_placement
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunReport:
+    """One measured run of a planned step (seconds, bytes)."""
+
+    captured: Captured
+    plan: Plan
+    policy: str
+    budget_bytes: int
+    figures: RunFigures
+    run_config: RunConfig
+    link_bw: float
+    """The emulated link's bandwidth each way (bytes per second)."""
+    copy_latency_s: float
+    threads: int
+    """Compute threads the step ran with."""
+    launch_s: float
+    """The calibrated profile's per-op launch cost (seconds)."""
+    sim_step_s_uncalibrated: float
+    """The plan simulated on the profile before the executor's dispatch costs were added (seconds)."""
+    max_abs_diff_vs_device_kv: float | None = None
+    """For a plan of a decode step's remote-KV form: that form's outputs against the on-device cache's, both
+    unplanned; None otherwise."""
+
+    @property
+    def feasible(self) -> bool:
+        """Whether the measured peak stayed within the budget asked for (a policy such as ``none`` may not)."""
+        return self.figures.measured_peak_bytes <= self.budget_bytes
+
+    @property
+    def exact(self) -> bool:
+        """Whether the planned step's outputs equal the unplanned step's bit for bit (and the on-device cache's)."""
+        return self.figures.max_abs_diff == 0.0 and self.max_abs_diff_vs_device_kv in (None, 0.0)
+
+    def as_dict(self) -> dict:
+        """The object ``hyperoffload run --json`` prints."""
+        program = self.captured.program
+        result = {"workload": program.meta.get("workload", program.name), "mode": program.mode,
+                  "policy": self.policy, "link_bw": self.link_bw, "copy_latency_s": self.copy_latency_s,
+                  "threads": self.threads, "steps": self.run_config.steps, **self.figures.as_dict(),
+                  "launch_s": self.launch_s, "sim_step_s_uncalibrated": self.sim_step_s_uncalibrated,
+                  "budget_bytes": self.budget_bytes, "feasible": self.feasible,
+                  "static_layout": self.run_config.arena, **kv_placement(self.plan.program)}
+        if self.max_abs_diff_vs_device_kv is not None:
+            result["max_abs_diff_vs_device_kv"] = self.max_abs_diff_vs_device_kv
+        return result
+
+
+def run_report(captured: Captured, hardware: Hardware, uncalibrated: Hardware, budget: int | str, *,
+               policy: str = "hyperoffload", config: PlannerConfig | None = None,
+               run_config: RunConfig = RunConfig(), threads: int,
+               stage: Callable[[str], None] = lambda text: None,
+               progress: Callable[[str, int, int], None] | None = None) -> RunReport:
+    """Plan ``captured``'s step on ``hardware`` (the profile with the executor's dispatch costs;
+    ``uncalibrated`` without them) under ``budget`` with ``policy``, and measure it over an emulated link of
+    ``hardware``'s bandwidths. ``stage(text)`` hears each step as it starts, ``progress(phase, done, total)`` the
+    timed steps. Raises ``BudgetExceeded`` or ``TransferError`` if the run does."""
+    program = captured.program
+    stage(f"Planning {len(program.ops):,} ops with {policy}...")
+    planned = plan_checked(program, hardware, budget, policy=policy, config=config)
+    plan = planned.plan
+    # A decode plan may run the step's remote-KV form: its inputs are that capture's.
+    form = find_captured(plan.program) or captured
+    stage("Running the planned and the unplanned step...")
+    with EmulatedLink.for_hardware(hardware) as link:
+        figures = measure_run(plan, form.inputs, link, hardware, run_config, progress=progress)
+    # max_abs_diff compares with the remote form unplanned; close the chain to the on-device cache.
+    kv_diff = None if form is captured else _form_diff(captured, plan.program, form)
+    return RunReport(captured=captured, plan=plan, policy=policy, budget_bytes=planned.budget_bytes, figures=figures,
+                     run_config=run_config, link_bw=hardware.h2d_bw, copy_latency_s=hardware.h2d_latency_s,
+                     threads=threads, launch_s=hardware.launch_s,
+                     sim_step_s_uncalibrated=simulate(plan, uncalibrated).figures.step_s,
+                     max_abs_diff_vs_device_kv=kv_diff)
+
+
+def _form_diff(captured: Captured, variant, form: Captured) -> float:
+    """Largest difference of the step's outputs between its captured form and another form of it (the
+    remote-KV decode step), each run unplanned on fresh copies of its own inputs."""
+    device = run_plan(plan_without_offload(captured.program), [t.clone() for t in captured.inputs]).outputs
+    other = run_plan(plan_without_offload(variant), [t.clone() for t in form.inputs]).outputs
+    return max_abs_diff(list(other), list(device))
+
+
+__all__ = ["RunReport", "run_report"]
