@@ -22,6 +22,7 @@ from hyperoffload.layout import LayoutError, assign_offsets, check_layout
 from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import PlannerConfig, plan_hyperoffload
 from hyperoffload.runtime import ArenaOverlap, AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
+from hyperoffload.runtime import arena as arena_module
 from hyperoffload.runtime import plan_executor as executor_module
 from hyperoffload.runtime.plan_executor import SyncTransfers, move_order, out_variant
 from hyperoffload.workloads import capture_workload, get_workload
@@ -527,14 +528,14 @@ def test_op_results_are_written_into_their_slots_not_copied_there(captured, refe
     def refusing(*args, **kwargs):
         raise RuntimeError("out= refused")
 
-    original = executor_module.out_variant
+    original = arena_module.out_variant  # where the arena looks up the out= overloads
     try:
-        executor_module.out_variant = lambda target, device_type: (
+        arena_module.out_variant = lambda target, device_type: (
             (refusing, "out") if original(target, device_type) else None)
         inputs = [t.clone() for t in captured.inputs]
         fallback = run_plan(planned, inputs, arena=True)
     finally:
-        executor_module.out_variant = original
+        arena_module.out_variant = original
     assert_identical([*fallback.outputs, *inputs], [*reference[0], *reference[1]])
     assert fallback.arena_copied_bytes == made  # every op result copied in, the step's inputs not counted
     assert run_plan(planned, [t.clone() for t in captured.inputs]).arena_copied_bytes == 0  # no arena

@@ -39,16 +39,13 @@ import torch
 from hyperoffload.hardware import Hardware
 from hyperoffload.layout import Layout
 from hyperoffload.plans import Plan
+from hyperoffload.runtime.arena import with_arena
 from hyperoffload.runtime.emulated_link import EmulatedLink
-from hyperoffload.runtime.plan_executor import (
-    PlanRun,
-    PreparedPlan,
-    Transfers,
-    execute_plan,
-    place_state,
-    prepare_plan,
-    with_arena,
-)
+from hyperoffload.runtime.interpreter import execute_plan
+from hyperoffload.runtime.placement import place_state
+from hyperoffload.runtime.prepared_plan import PreparedPlan, prepare_plan
+from hyperoffload.runtime.step_results import PlanRun
+from hyperoffload.runtime.transfers import Transfers
 
 CUDA = "cuda"
 

@@ -51,7 +51,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hyperoffload.runtime.plan_executor import TransferError, place_state, run_lane_inline
+from hyperoffload.runtime.placement import place_state
+from hyperoffload.runtime.transfers import TransferError, run_lane_inline
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

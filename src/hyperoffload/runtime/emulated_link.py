@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hyperoffload.hardware import Hardware
-from hyperoffload.runtime.plan_executor import TransferError
+from hyperoffload.runtime.transfers import TransferError
 
 H2D, D2H = "h2d", "d2h"
 

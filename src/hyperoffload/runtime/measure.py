@@ -62,8 +62,10 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.runtime.async_executor import AsyncExecutor
-from hyperoffload.runtime.plan_executor import PlanRun, Transfers, run_plan
+from hyperoffload.runtime.interpreter import run_plan
 from hyperoffload.runtime.reference import replayed_random_numbers
+from hyperoffload.runtime.step_results import PlanRun
+from hyperoffload.runtime.transfers import Transfers
 from hyperoffload.simulate import simulate
 
 
@@ -137,7 +139,9 @@ def executor_dispatch_s(ops: int = 400, repeats: int = 15) -> float:
     from torch import nn
 
     from hyperoffload.capture import capture_prefill_step
-    from hyperoffload.runtime.plan_executor import SyncTransfers, execute_plan, prepare_plan
+    from hyperoffload.runtime.interpreter import execute_plan
+    from hyperoffload.runtime.prepared_plan import prepare_plan
+    from hyperoffload.runtime.transfers import SyncTransfers
 
     class Chain(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +171,8 @@ def executor_issue_s(values: int = 100, repeats: int = 9) -> float:
     from hyperoffload.capture import capture_prefill_step
     from hyperoffload.plans import Instr, Kind
     from hyperoffload.runtime.emulated_link import EmulatedLink
-    from hyperoffload.runtime.plan_executor import execute_plan, prepare_plan
+    from hyperoffload.runtime.interpreter import execute_plan
+    from hyperoffload.runtime.prepared_plan import prepare_plan
 
     class SideValues(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,7 +272,9 @@ def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats:
     from torch._subclasses.fake_tensor import is_fake
 
     from hyperoffload.cost import op_signature
-    from hyperoffload.runtime.plan_executor import SyncTransfers, execute_plan, prepare_plan
+    from hyperoffload.runtime.interpreter import execute_plan
+    from hyperoffload.runtime.prepared_plan import prepare_plan
+    from hyperoffload.runtime.transfers import SyncTransfers
 
     if any(is_fake(t) for t in inputs) or not program.ops:
         return {}

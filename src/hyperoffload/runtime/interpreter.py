@@ -1,0 +1,332 @@
+"""The interpreter: one loop over a plan's instructions, one method per instruction kind.
+
+``execute_plan`` runs one step of a plan on real tensors with a transfer backend doing the copies; ``run_plan``
+is the reference, with synchronous copies. The step (``_Step``) dispatches each instruction to the method named
+after its kind (``compute``, ``offload``, ``release``, ``prefetch``, ``wait``), as ``torch.fx.Interpreter``
+dispatches each node to the method named after its op. What each instruction does, and how device bytes,
+the arena and lane ops behave, is described in ``hyperoffload.runtime.plan_executor``; the step's arena, lane
+ops, transfer bookkeeping and results are its mixins (``arena_step``, ``lane_ops``, ``transfers``,
+``step_results``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, MutableSequence, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx
+
+from hyperoffload.layout import Layout
+from hyperoffload.plans import Kind, Plan
+from hyperoffload.runtime.arena import ArenaOverlap, with_arena
+from hyperoffload.runtime.arena_step import _ArenaStep
+from hyperoffload.runtime.device_bytes import BudgetExceeded, _DeviceBytes
+from hyperoffload.runtime.lane_ops import _LaneFlight, _LaneOps
+from hyperoffload.runtime.prepared_plan import PreparedPlan, prepare_plan
+from hyperoffload.runtime.reference import run_op
+from hyperoffload.runtime.step_results import PlanRun, _StepResults
+from hyperoffload.runtime.transfers import SyncTransfers, Transfers, _InFlight, _TransferTracking
+from hyperoffload.runtime.views import _ViewMeta
+
+
+def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor] | Sequence[torch.Tensor],
+                 transfers: Transfers, *, donate: bool = False, carry: bool = False,
+                 carried: dict[int, Any] | None = None,
+                 on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False,
+                 kept_arena: list[torch.UntypedStorage] | None = None) -> PlanRun:
+    """Run one step of ``plan`` on ``inputs`` with ``transfers`` doing the copies (see ``plan_executor``).
+
+    ``plan`` may be a ``PreparedPlan`` (``prepare_plan``), to check and analyse it once for many steps.
+    ``donate``: take the tensors out of ``inputs`` (a list, emptied) and return the state in ``PlanRun.state``
+    instead of updating the caller's tensors. ``carry``: leave offloads that write a donated input's final
+    state into its remote copy in flight when the step returns, recorded in ``carried`` (remote storage
+    address -> handle) so that the next step (given the same dict) orders its prefetches after them; the
+    caller completes them with the backend before reading that state. ``on_instruction(i)`` is called after
+    each instruction (progress, or stopping a step from outside by raising). ``arena``: run from one arena
+    (``True``, or a ``Layout`` of the plan; see ``plan_executor``). ``kept_arena``: where a donated step keeps
+    its arena for the next (a list of at most one); a later donated step whose state lives in it reuses it.
+
+    If anything raises (a failed copy, an op, ``on_instruction``), every transfer of the step is stopped or
+    finished before the exception propagates, so no copy thread or stream touches a buffer afterwards.
+    """
+    prepared = plan if isinstance(plan, PreparedPlan) else prepare_plan(plan)
+    if arena is not False and arena is not None:
+        prepared = with_arena(prepared, arena)
+    elif prepared.arena is not None:
+        prepared = replace(prepared, arena=None)
+    return _Step(prepared, inputs, transfers, donate=donate, carry=carry, carried=carried,
+                 kept_arena=kept_arena).run(on_instruction)
+
+
+def run_plan(plan: Plan, inputs: Sequence[torch.Tensor], *, arena: bool | Layout = False) -> PlanRun:
+    """Execute ``plan`` (whose program must carry its fx graph) on ``inputs`` with synchronous copies.
+
+    Raises ``PlanError`` (from ``check_plan``) if the plan is invalid, before anything runs. Inputs
+    are used as given and updated in place, as in ``run_reference``: pass clones to keep the originals.
+    ``arena``: run from one arena (``True``: ``plan.layout`` or ``assign_offsets(plan)``; or a ``Layout``
+    of this plan), allocated on the device of the inputs the step starts with on the device tier; see
+    ``hyperoffload.runtime.plan_executor``.
+    """
+    return execute_plan(plan, inputs, SyncTransfers(), arena=arena)
+
+
+class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
+    """Mutable state of one step; ``run`` is the interpreter loop, and each instruction kind has its method."""
+
+    def __init__(self, prepared: PreparedPlan, inputs, transfers: Transfers, *, donate: bool, carry: bool,
+                 carried: dict[int, Any] | None, kept_arena: list[torch.UntypedStorage] | None = None) -> None:
+        plan = prepared.plan
+        program = plan.program
+        if len(inputs) != len(program.inputs):
+            raise ValueError(f"program {program.name} takes {len(program.inputs)} inputs, got {len(inputs)}")
+        if carry and not donate:
+            raise ValueError("carry=True needs donate=True: in place, the final state must be in the caller's "
+                             "tensors when the step returns")
+        if donate and prepared.repeatable is not None:
+            raise ValueError(prepared.repeatable)
+        self.plan, self.program, self.transfers = plan, program, transfers
+        self.checked = prepared.checked
+        self.storage_of, self.nodes = prepared.storage_of, prepared.nodes
+        self.last_read, self.alloc = prepared.last_read, prepared.alloc
+        self.donate, self.carry = donate, carry
+        self.carried = carried if carried is not None else {}
+        values = program.values
+        self.returned = set(program.outputs)
+
+        self.caller: dict[int, torch.Tensor] = dict(zip(program.inputs, inputs))
+        self.slots = prepared.arena.slots if prepared.arena is not None else None
+        self.arena_reused = False
+        self.writes_into_slot: dict[int, tuple[Any, str, _ViewMeta]] = {}
+        if self.slots is not None:
+            self._take_arena(prepared.arena, kept_arena if donate else None)
+        if donate:
+            del inputs[:]  # the executor holds the only references from here on
+        for vid in program.constants:
+            self.caller[vid] = getattr(program.graph, self.nodes[values[vid].name].target)
+        self.caller_storages = {self.storage_of[v]: t.untyped_storage() for v, t in self.caller.items()}
+        self.state_storages = frozenset(self.caller_storages)
+
+        self.env: dict[int, torch.Tensor] = {}
+        self.aliases: dict[int, set[int]] = {}  # storage id -> ids of the values in env that alias it
+        self.remote: dict[int, torch.UntypedStorage] = {}
+        # Inputs starting in remote memory: the caller's storage is their remote copy, and offloads write it.
+        self.remote_home = {s: self.caller_storages[s] for s in plan.initial_remote}
+        self.remembered: dict[int, dict[int, _ViewMeta]] = {}  # storage id -> released value id -> its view
+        self.replaced: set[int] = set()  # caller storages the step no longer runs on
+        self.bytes = _DeviceBytes()
+        self.in_flight: dict[int, _InFlight] = {}  # storage id -> its latest transfer not yet waited for
+        self.holding: list[_InFlight] = []  # offloads whose device storage still counts on their behalf
+        self.started: list[_InFlight] = []
+        self.h2d = self.d2h = 0
+        self.copy_wait_s = self.memory_wait_s = 0.0
+        self.slot_waits = 0
+        self.arena_copied = 0
+        self.caller_meta: dict[int, _ViewMeta] = {}  # caller tensors' views, when the step drops the tensors
+        # Storages in remote memory for the whole step: in the environment for the lane ops, never device bytes.
+        self.remote_tier = frozenset(s for s in set(self.storage_of) if values[s].remote)
+        self.deps = program.dependencies()
+        self.lanes: dict[int, _LaneFlight] = {}  # op id -> lane op not yet seen finished, in issue order
+        self.lane_op = getattr(transfers, "lane_op", None)
+
+        self._enter_inputs()
+        if donate:
+            self._hold_donated_state()
+
+    def _enter_inputs(self) -> None:
+        """Bring the caller's tensors into the step: remote copies for those starting in remote memory, the
+        others into the device tier (into their slots, from an arena), once no carried offload writes them."""
+        for vid, tensor in self.caller.items():
+            s = self.storage_of[vid]
+            if s in self.plan.initial_remote:
+                self.remote[s] = tensor.untyped_storage()
+                self.remembered.setdefault(s, {})[vid] = _ViewMeta.of(tensor)
+                self.replaced.add(s)
+            else:
+                self._wait_carried(tensor.untyped_storage())
+                if self.slots is not None and (s, -1) in self.slots:
+                    tensor = self._into_arena(vid, tensor)
+                self.put(vid, tensor)
+
+    def _hold_donated_state(self) -> None:
+        """The executor holds the only references to donated state: keep the layouts of the caller's tensors, not
+        the tensors, so that a storage the plan sends out is freed when the step lets go of it (and, from an arena,
+        the state now lives in the step's arena). Graph constants stay: they are not state, so ``_constants_back``
+        copies the bytes of mutated ones back into them."""
+        inputs_on_device = [v for v in self.program.inputs if self.storage_of[v] not in self.plan.initial_remote]
+        for vid in inputs_on_device:
+            self.caller_meta[vid] = _ViewMeta.of(self.caller.pop(vid))
+            self.caller_storages.pop(self.storage_of[vid], None)
+
+    # --- the device tier --------------------------------------------------------------------------
+    def put(self, vid: int, tensor: torch.Tensor) -> None:
+        s = self.storage_of[vid]
+        self.env[vid] = tensor
+        self.aliases.setdefault(s, set()).add(vid)
+        if s not in self.remote_tier:
+            self.bytes.hold(tensor.untyped_storage())
+
+    def drop_storage(self, s: int) -> dict[int, torch.Tensor]:
+        if s in self.remote_tier:
+            return {}  # not a device storage: nothing to give back, and the lane ops still need it
+        dropped = {v: self.env.pop(v) for v in self.aliases.pop(s, ())}
+        for t in dropped.values():
+            self._let_go(t.untyped_storage())
+        return dropped
+
+    def _let_go(self, storage: torch.UntypedStorage) -> None:
+        if self.bytes.let_go(storage) and self.slots is not None:
+            self.ranges.remove(storage.data_ptr() - self.arena_base)
+
+    def _where(self, index: int) -> str:
+        if index < 0:
+            return "before the first instruction"
+        return f"instruction #{index} ({self.plan.instructions[index].describe(self.program)})"
+
+    def device_storage(self, s: int, index: int) -> torch.UntypedStorage:
+        """The device storage of ``s``, through any value aliasing it."""
+        members = self.aliases.get(s)
+        if not members:
+            raise RuntimeError(f"instruction #{index}: storage {self.program.values[s].name} is not on the device")
+        return self.env[next(iter(members))].untyped_storage()
+
+    def lookup(self, node: torch.fx.Node) -> torch.Tensor:
+        return self.env[self.program.node_values[node.name]]
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def run(self, on_instruction: Callable[[int], None] | None) -> PlanRun:
+        start = time.perf_counter()
+        initial_bytes = self.bytes.total
+        live: list[int] = []
+        # Instruction kind -> the method that executes it (``compute``, ``offload``, ...), as fx dispatches on a
+        # node's ``op``. Kept local: stored on the step, its bound methods would make a reference cycle, and the
+        # step's tensors (its arena too) would then wait for the garbage collector to be freed.
+        by_kind: dict[Kind, Callable[[int, int], None]] = {kind: getattr(self, kind.value) for kind in Kind}
+        i = -1
+        try:
+            with torch.no_grad():
+                for i, ins in enumerate(self.plan.instructions):
+                    if self.alloc[i]:
+                        self._make_room(self.alloc[i])
+                    by_kind[ins.kind](i, ins.target)
+                    if self.lanes:
+                        self._land_finished()
+                    self._poll()
+                    live.append(self.bytes.total)
+                    if self.plan.budget_bytes is not None and self.bytes.total > self.plan.budget_bytes:
+                        raise BudgetExceeded(
+                            f"instruction #{i} ({ins.describe(self.program)}): measured {self.bytes.total} device "
+                            f"bytes, over the budget of {self.plan.budget_bytes}")
+                    for freed in self.checked.frees_after[i]:
+                        if self.lanes:
+                            self._await_producer(freed)
+                        self.drop_storage(freed)
+                    if on_instruction is not None:
+                        on_instruction(i)
+                i = len(self.plan.instructions)
+                outputs, state = self._finish()
+        except BaseException as error:
+            self.transfers.abort([f.handle for f in self.started] + [f.handle for f in self.lanes.values()])
+            if hasattr(error, "add_note"):  # Python 3.11+: say where, and that nothing is left running
+                where = (f"instruction #{i} ({self.plan.instructions[i].describe(self.program)})"
+                         if 0 <= i < len(self.plan.instructions) else "the end of the step")
+                error.add_note(f"hyperoffload: the step of {self.program.name} stopped at {where}; every copy it "
+                               f"had started was stopped or finished first")
+            raise
+        carried = len(self.carried)
+        return PlanRun(outputs=outputs, live_bytes=tuple(live), peak_bytes=max(live, default=initial_bytes),
+                       arena_reused=self.arena_reused,
+                       h2d_bytes=self.h2d, d2h_bytes=self.d2h, state=state,
+                       wall_s=time.perf_counter() - start, copy_wait_s=self.copy_wait_s,
+                       memory_wait_s=self.memory_wait_s, carried=carried,
+                       arena_bytes=self.arena.nbytes() if self.slots is not None else 0,
+                       slot_waits=self.slot_waits, arena_copied_bytes=self.arena_copied)
+
+    # --- one method per instruction kind (``Kind``), named after its value and dispatched by ``run`` -----
+    def compute(self, i: int, op_id: int) -> None:
+        """``COMPUTE op``: hand a lane op to its lane; run any other op's fx node once the lane ops it depends on
+        have finished (from an arena, into its slot), and put its outputs into the device tier."""
+        program = self.program
+        op = program.ops[op_id]
+        if op.lane is not None:
+            self._issue_lane(i, op)
+            return
+        if self.lanes:
+            self._await_lanes(self.deps[op_id])
+        node = self.nodes[op.name]
+        outputs = self._run_into_slot(i, op, node) if self.slots is not None else None
+        if outputs is None:
+            outputs = run_op(program, op, node, self.lookup)
+            if self.slots is not None:
+                outputs = list(outputs)
+                self._outputs_into_arena(i, op, outputs)
+        for vid, tensor in zip(op.outputs, outputs):
+            self.put(vid, tensor)
+        for w in {self.storage_of[v] for v in op.mutates}:
+            self.remote.pop(w, None)  # stale now; check_plan forbids prefetching it
+
+    def offload(self, i: int, s: int) -> None:
+        """``OFFLOAD s``: start copying the whole storage of ``s`` into its remote copy."""
+        if self.lanes:  # a lane op still writing the storage: copy its result, not what was there before
+            for flight in [f for f in self.lanes.values() if s in f.writes]:
+                self._await_lane(flight)
+        source = self.device_storage(s, i)
+        target = self.remote_home.get(s)
+        if target is None:
+            target = self.transfers.remote_storage(s, source.nbytes(), source)
+        handle = self.transfers.offload(self.program.values[s].name, source, target)
+        self._track(_InFlight(Kind.OFFLOAD, s, handle, source, target))
+        self.remote[s] = target
+        self.d2h += source.nbytes()
+
+    def release(self, i: int, s: int) -> None:
+        """``RELEASE s``: drop every value aliasing ``s`` from the device tier, remembering the views read again."""
+        values = self.program.values
+        storage = self.device_storage(s, i)
+        dropped = self.drop_storage(s)
+        # The owner is always kept so a prefetched storage stays referenced, hence measured, even
+        # if no alias of it is read again.
+        self.remembered[s] = {v: _ViewMeta.of(t) for v, t in dropped.items()
+                              if v == s or self.last_read[v] > i or v in self.returned}
+        if s in self.caller_storages:
+            self.replaced.add(s)
+        # The IR's aliasing must match the tensors', or the measured bytes would silently disagree.
+        copies = sum(f.held and f.device.data_ptr() == storage.data_ptr() for f in self.holding)
+        if self.bytes.references(storage) > copies:
+            raise RuntimeError(f"instruction #{i}: {values[s].name} is still referenced after its release "
+                               f"by a value the program does not record as aliasing it")
+        del storage, dropped
+
+    def prefetch(self, i: int, s: int) -> None:
+        """``PREFETCH s``: allocate a device storage (from an arena, its slot) and start copying the remote copy
+        of ``s`` into it, after the offload that fills that copy."""
+        values = self.program.values
+        source = self.remote[s]
+        if self.slots is None:
+            storage = self.transfers.device_storage(source.nbytes(), source)
+        else:
+            storage = self._slot(s, i)
+            if storage.nbytes() != source.nbytes():
+                raise ArenaOverlap(f"{self._where(i)}: the remote copy of {values[s].name} has "
+                                   f"{source.nbytes()} bytes but its slot {storage.nbytes()}")
+        previous = self.in_flight.get(s)
+        if previous is not None and previous.kind is Kind.OFFLOAD:
+            dependency = previous.handle  # the lanes order the prefetch after the offload that fills `source`
+        else:
+            dependency = self.carried.pop(source.data_ptr(), None) if self.carried else None
+        handle = self.transfers.prefetch(values[s].name, source, storage, dependency)
+        self._track(_InFlight(Kind.PREFETCH, s, handle, storage, source))
+        self.h2d += storage.nbytes()
+
+    def wait(self, i: int, s: int) -> None:
+        """``WAIT s``: wait for the latest transfer of ``s``; a prefetched storage's views become readable."""
+        flight = self.in_flight.pop(s, None)
+        if flight is None:
+            raise RuntimeError(f"instruction #{i}: wait for {self.program.values[s].name}, whose transfer never "
+                               f"happened")
+        start = time.perf_counter()
+        self.transfers.wait(flight.handle)
+        self.copy_wait_s += time.perf_counter() - start
+        self._landed(flight)
