@@ -297,6 +297,9 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     example = batches[0]
     compile_s: dict[str, float] = {}
 
+    def stage(text: str) -> None:
+        progress(f"{spec.name}:   {text}")
+
     eager_model, eager_opt = with_adamw(copy.deepcopy(initial))
     compiled_model, compiled_opt = with_adamw(copy.deepcopy(initial))
     compiled_forward = torch.compile(compiled_model)
@@ -306,7 +309,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     progress(f"{spec.name}: train_step at 100%")
     full, compile_s["train_step_100"] = timed_first(lambda: hyperoffload.train_step(
         *with_adamw(copy.deepcopy(initial)), lm_loss, example, budget="100%", hardware=base, policy=cfg.policy,
-        measure=False))
+        measure=False, progress=stage))
     copy_bw = base.hbm_bw / 2  # an engine's copy reads and writes every byte: the fastest link it can emulate
     scale = compiled_compute_scale(full, batches, base)
     issue = cache_op_issue_s()
@@ -320,7 +323,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     progress(f"{spec.name}: train_step at {cfg.budget}, link {format_bandwidth(bw)} each way")
     half, compile_s["train_step_50"] = timed_first(lambda: hyperoffload.train_step(
         *with_adamw(copy.deepcopy(initial)), lm_loss, example, budget=cfg.budget, hardware=hardware,
-        policy=cfg.policy, link=EmulatedLink.for_hardware(hardware), measure=False))
+        policy=cfg.policy, link=EmulatedLink.for_hardware(hardware), measure=False, progress=stage))
 
     interpreter, interpreter_error = None, None
     interpreter_link = EmulatedLink.for_hardware(hardware)
@@ -360,7 +363,8 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     progress(f"{spec.name}: train_step(offload=False) on the same {len(order)} batches, for exactness")
     ref_model, ref_opt = with_adamw(copy.deepcopy(initial))
     reference, compile_s["offload_false"] = timed_first(lambda: hyperoffload.train_step(
-        ref_model, ref_opt, lm_loss, example, hardware=hardware, policy=cfg.policy, offload=False, measure=False))
+        ref_model, ref_opt, lm_loss, example, hardware=hardware, policy=cfg.policy, offload=False, measure=False,
+        progress=stage))
     for k in order:
         reference(batches[k])
     half.link.close()
