@@ -263,7 +263,7 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(tiny_train):
 
     from hyperoffload.gc_pause import collector_paused
 
-    hyperoffload_policy = importlib.import_module("hyperoffload.policies.hyperoffload")
+    hyperoffload_policy = importlib.import_module("hyperoffload.policies.hyperoffload.driver")
     seen = []
     original = hyperoffload_policy._plan_forms
 

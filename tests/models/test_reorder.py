@@ -198,6 +198,7 @@ def test_each_partly_hoisted_order_gets_a_pass_from_its_least_budget_up(monkeypa
     """``PARTLY_HOISTED``: near the peak both partly hoisted orders get a quick pass with the captured and refined
     ones; below the first one's least share of the peak only the order hoisting every small update does."""
     import hyperoffload.policies.hyperoffload as planner
+    from hyperoffload.policies.hyperoffload import search
 
     prog = capture_workload(get_workload("tiny-llama"), "train").program
     peak = check_plan(plan_without_offload(prog)).peak_bytes
@@ -205,14 +206,14 @@ def test_each_partly_hoisted_order_gets_a_pass_from_its_least_budget_up(monkeypa
     names = [planner.order_name(prog, order) for order in planner.candidate_orders(prog)]
     assert names[:2] == ["captured", "refined"] and {"partly 15%", "partly 100%"} <= set(names)
     passed: list[str] = []
-    real = planner._plan_in_order
+    real = search._plan_in_order
 
     def recording(program, hw, budget, facts, times, config, seeds=(), **kwargs):
         if not seeds:  # a quick pass
             passed.append(planner.order_name(program, facts.order))
         return real(program, hw, budget, facts, times, config, seeds, **kwargs)
 
-    monkeypatch.setattr(planner, "_plan_in_order", recording)
+    monkeypatch.setattr(search, "_plan_in_order", recording)
     (small, small_least), (every, every_least) = planner.PARTLY_HOISTED
     assert small < every == 1.0 and small_least > every_least
     for share in (small_least + 0.1, small_least - 0.2):

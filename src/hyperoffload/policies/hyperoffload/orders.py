@@ -1,0 +1,73 @@
+"""The execution orders the planner starts from, their names, and how much of the step's peak the step makes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from weakref import WeakKeyDictionary
+
+from hyperoffload.analysis import memory_profile
+from hyperoffload.ir import Program
+from hyperoffload.plans import state_storages
+from hyperoffload.policies.hyperoffload.config import PlannerConfig
+from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops, sink_views
+
+
+def candidate_orders(program: Program, config: PlannerConfig = PlannerConfig()) -> list[tuple[int, ...]]:
+    """Execution orders the planner starts from: the captured one, then the refined ones that differ
+    from it (optimizer updates hoisted into the backward pass, see ``reorder``): each update in one piece
+    where its gradient is final, and each op as early as its inputs allow. In all, the step's own lane
+    ops (a decode step's block fetches) get independent compute to overlap (``overlap_lane_ops``), and each
+    view op runs just before the first op that needs it (``sink_views``: a captured step detaches every
+    parameter at its start, which would count as a use there).
+
+    The anchored order moves each moment once per step and wins on slow links (PCIe); the eager one
+    runs AdamW's gradient-free ``exp_avg_sq.mul_`` at the step's start, so those moments cross twice,
+    which a fast link (NVLink-C2C) hides and which then leaves the planner a slightly better schedule. The
+    partly hoisted ones (``PlannerConfig.partly_hoisted``) leave the large updates (an output projection's, an
+    embedding's) in the optimizer phase and hoist the others whose gradients are final in the first share of the
+    backward pass (``reorder.early_updates``): the first layers' only, which on a PCIe-class link at a budget just
+    under the peak fills the early backward pass's idle offload direction without crowding the link right after the
+    peak, or all of them, which keeps the large states' traffic out of the backward pass at any budget."""
+    return list(dict.fromkeys(_orders(program, config)))
+
+
+def _orders(program: Program, config: PlannerConfig = PlannerConfig()) -> tuple[tuple[int, ...], ...]:
+    """The captured, anchored refined, eager refined and partly hoisted orders (one per
+    ``PlannerConfig.partly_hoisted``) of ``candidate_orders`` (equal where they coincide), computed once per program
+    and set of shares: every search and every smallest-budget question starts here."""
+    shares = tuple(share for share, _ in config.partly_hoisted)
+    by_shares = _ORDERS.setdefault(program, {})
+    cached = by_shares.get(shares)
+    if cached is None:
+        cached = by_shares[shares] = tuple(sink_views(program, overlap_lane_ops(program, order)) for order in (
+            None,
+            hoist_updates(program),
+            hoist_updates(program, anchored=False),
+            *(hoist_updates(program, share=share) for share in shares)))
+    return cached
+
+
+_ORDERS: WeakKeyDictionary[Program, dict[tuple[float, ...], tuple[tuple[int, ...], ...]]] = WeakKeyDictionary()
+
+
+def order_name(program: Program, order: Sequence[int], config: PlannerConfig = PlannerConfig()) -> str:
+    """Which of ``candidate_orders`` ``order`` is: "captured", "refined" (every update hoisted where its gradient
+    is final), "eager" (each op as early as its inputs allow), "partly 15%" (the partly hoisted order of that
+    ``PlannerConfig.partly_hoisted`` share), or "other"; where orders coincide, the first of these names."""
+    names = ("captured", "refined", "eager", *(f"partly {share:.0%}" for share, _ in config.partly_hoisted))
+    return next((name for name, candidate in zip(names, _orders(program, config)) if candidate == tuple(order)),
+                "other")
+
+
+def made_share(program: Program) -> float:
+    """Share of the captured no-offload peak held by storages the step makes (not its state)."""
+    cached = _MADE_SHARE.get(program)
+    if cached is None:
+        profile = memory_profile(program)
+        state = state_storages(program)
+        made = sum(program.values[s].alloc_bytes for s in profile.peak_storages if s not in state)
+        cached = _MADE_SHARE[program] = made / profile.peak_bytes if profile.peak_bytes else 0.0
+    return cached
+
+
+_MADE_SHARE: WeakKeyDictionary[Program, float] = WeakKeyDictionary()

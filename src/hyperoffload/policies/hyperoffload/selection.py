@@ -1,0 +1,245 @@
+"""Greedy selection of idle spans and their schedule on the two copy lanes, for one order, margin and start.
+
+Where the profile is furthest over budget, the selection takes the span whose offload and prefetch hide in the
+compute between its uses and that relieves the most over-budget time per byte moved (a span that cannot be hidden
+is taken only when nothing hideable covers the position). Each offload goes right after the use before its span,
+each release where the lane model says the offload has finished, each prefetch as late as its deadline needs; a
+storage whose remote copy is still current is released without a second offload.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyperoffload.plans import Plan
+from hyperoffload.policies.hyperoffload.context import PassContext, _Choice
+from hyperoffload.policies.hyperoffload.passes import (_current_copy, _emit, _full_window, _prefetch_early,
+                                                       _reuse_remote_copies, _widened)
+from hyperoffload.policies.lanes import Lane
+from hyperoffload.policies.spans import positions_arrays
+
+
+def _plan_for_margin(ctx: PassContext) -> Plan:
+    """The plan of one selection pass: the spans chosen and scheduled, then the post-passes, then the emission."""
+    choices, excess = _Selection(ctx).run()
+    choices = _reuse_remote_copies(ctx, choices)
+    if ctx.config.early_prefetch:
+        choices = _prefetch_early(ctx, choices, excess)
+    return _emit(ctx, choices)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _SpanTimes:
+    """Per-span arrays of one pass (positions, bytes, seconds), and the same as lists for the per-span placement,
+    which runs some 20 times per selection step: Python lists and bisect give the same answers as the arrays and
+    np.searchsorted at a fraction of their cost per item."""
+
+    first: np.ndarray
+    last: np.ndarray
+    size: np.ndarray
+    cyclic: np.ndarray
+    offload_s: np.ndarray
+    prefetch_s: np.ndarray
+    start_at: np.ndarray
+    """Each position's start; position n: after the step's last op."""
+    lo1: np.ndarray
+    """With hi1 and hi2, the windows if each span had the lanes to itself (an upper bound used to rank candidates):
+    freed positions [lo1, hi1) and, for cyclic spans, also [0, hi2) at the start of the step."""
+    hi1: np.ndarray
+    hi2: np.ndarray
+    favour: np.ndarray | None
+    """Selection scores' factors, above 1 for cyclic spans in the state-first start (``PlannerConfig.state_first``)."""
+    latency_bytes: float
+    starts: list[float]
+    starts_at: list[float]
+    offload_l: list[float]
+    prefetch_l: list[float]
+    ready_l: list[float]
+    end_s: float
+
+
+def _span_times(ctx: PassContext) -> _SpanTimes:
+    hardware, step, margin = ctx.hardware, ctx.step, ctx.margin
+    first, last, size = positions_arrays(ctx.spans)
+    cyclic = first >= last
+    n = step.live.size
+    total = step.end[-1]
+    start_at = np.append(step.start, total)
+    offload_s = hardware.d2h_latency_s + size / (hardware.d2h_bw * margin)
+    prefetch_s = hardware.h2d_latency_s + size / (hardware.h2d_bw * margin)
+    ready = step.end[first]  # when the use before the span is done
+    lo1 = np.minimum(np.maximum(np.searchsorted(start_at, ready + offload_s, side="left"), first + 1), n)
+    latest = np.searchsorted(step.start, step.start[last] - prefetch_s, side="right") - 1
+    favour = 1.0 + ctx.config.state_first_tie * cyclic if ctx.state_first else None
+    return _SpanTimes(
+        first=first, last=last, size=size, cyclic=cyclic, offload_s=offload_s, prefetch_s=prefetch_s,
+        start_at=start_at, lo1=lo1, hi1=np.where(cyclic, n, np.minimum(latest, last)),
+        hi2=np.where(cyclic, np.maximum(latest, 0), 0), favour=favour,
+        latency_bytes=hardware.h2d_latency_s * hardware.h2d_bw, starts=step.start.tolist(),
+        starts_at=start_at.tolist(), offload_l=offload_s.tolist(), prefetch_l=prefetch_s.tolist(),
+        ready_l=ready.tolist(), end_s=float(total))
+
+
+class _Selection:
+    """One greedy selection pass over ``ctx``: the lanes' reservations, the spans chosen so far and the bytes still
+    over the budget at each position change as it runs; ``run`` hands back the choices and the excess."""
+
+    def __init__(self, ctx: PassContext) -> None:
+        self.ctx = ctx
+        self.t = t = _span_times(ctx)
+        self.n = ctx.positions
+        self.d2h = Lane(float(t.offload_s.min(initial=np.inf)))
+        self.h2d = Lane(float(t.prefetch_s.min(initial=np.inf)))
+        self.choices: dict[int, _Choice] = {}
+        self.free = np.ones(len(ctx.spans), dtype=bool)  # spans not chosen yet
+        self.out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed)
+        self.excess = (ctx.step.live - ctx.budget.at).astype(np.float64)
+        self.over: np.ndarray | None = None
+        """over[k]: compute time of the over-budget positions before k; kept while they stay the same."""
+
+    def run(self) -> tuple[dict[int, _Choice], np.ndarray]:
+        """The chosen spans (index -> choice, in the order chosen) and the bytes over budget at each position."""
+        while True:
+            p = int(self.excess.argmax())
+            need = self.excess[p]
+            if need <= 0:
+                return dict(self.choices), self.excess.copy()
+            if self.over is None:
+                self.over = np.concatenate([[0.0], np.cumsum(np.where(self.excess > 0, self.ctx.step.times, 0.0))])
+            best = self._hidden(p, need)
+            if best is None:  # nothing hides here: take the span that idles longest around p, unhidden
+                best = self._unhidden(p, need)
+            if best is None:  # every span that could free p is taken: stretch one to its whole idle time
+                self._widen(p)
+            else:
+                self._take(*best)
+
+    def _hidden(self, p: int, need: float) -> tuple[int, _Choice] | None:
+        """The best-scoring lane-aware placement among the best-ranked spans that could free ``p``."""
+        t, over = self.t, self.over
+        best: tuple[float, int, _Choice] | None = None
+        for i in self._ranked(p, need)[:self.ctx.config.candidates_per_step]:
+            choice = self._window(int(i), p)
+            if choice is None:
+                continue
+            score = choice.covered(over, self.n) * min(t.size[i], need) / (t.size[i] + t.latency_bytes)
+            if t.favour is not None:
+                score *= t.favour[i]
+            if best is None or score > best[0]:
+                best = (score, int(i), choice)
+        return None if best is None else best[1:]
+
+    def _ranked(self, p: int, need: float) -> np.ndarray:
+        """The spans not chosen yet whose own window covers ``p``, best upper bound of their score first."""
+        t, over = self.t, self.over
+        covers = (t.lo1 <= p) & (p < t.hi1) | (p < t.hi2)
+        candidates = np.flatnonzero(self.free & covers)
+        covered = over[t.hi1[candidates]] - over[np.minimum(t.lo1[candidates], t.hi1[candidates])] + over[
+            t.hi2[candidates]]
+        bound = covered * np.minimum(t.size[candidates], need) / (t.size[candidates] + t.latency_bytes)
+        if t.favour is not None:
+            bound *= t.favour[candidates]
+        return candidates[np.argsort(-bound, kind="stable")]
+
+    def _window(self, i: int, p: int) -> _Choice | None:
+        """Lane-aware placement of span i, if it frees position p."""
+        span, t = self.ctx.spans[i], self.t
+        if span.cyclic:
+            return self._cyclic_window(i, p)
+        landed = _current_copy(self.out_until.get(span.storage, ()), span, self.ctx.writes)
+        if landed is None:
+            q = self.d2h.earliest(t.starts, span.first + 1, t.offload_l[i], p + 1)
+            if q < 0:
+                return None
+            done, offload = t.starts[q] + t.offload_l[i], q
+        else:
+            done, offload = max(t.ready_l[i], landed), -1
+        release = max(bisect.bisect_left(t.starts, done), span.first + 1)
+        if release > p:
+            return None
+        q = self.h2d.latest(t.starts, span.last, t.prefetch_l[i], t.starts[span.last], p + 1)
+        if q < 0:
+            return None
+        return _Choice(offload, release, q)
+
+    def _cyclic_window(self, i: int, p: int) -> _Choice | None:
+        span, t, n = self.ctx.spans[i], self.t, self.n
+        prefetch = self.h2d.latest(t.starts, span.last, t.prefetch_l[i], t.starts[span.last], 0)
+        if prefetch < 0:
+            return None
+        begin = -1.0
+        if self.ctx.writes.get(span.storage):  # changed this step: the copy from the last step is stale
+            q = self.d2h.earliest(t.starts_at, span.first + 1, t.offload_l[i], n + 1)
+            if q < 0:  # the lane is booked to the end: go out after the step, once the lane is free
+                q, begin = n, max(t.end_s, max(self.d2h.ends, default=t.end_s))
+            landed, offload = (begin if begin >= 0 else t.starts_at[q]) + t.offload_l[i], q
+        else:
+            landed, offload = t.ready_l[i], -1
+        if landed <= t.end_s:
+            release, resumes = max(bisect.bisect_left(t.starts_at, landed), span.first + 1), 0
+        else:  # lands during the next step: the storage is still on the device when that step starts
+            release, resumes = n, bisect.bisect_left(t.starts, landed - t.end_s)
+        if not (release <= p or resumes <= p < prefetch):
+            return None
+        return _Choice(offload, release, prefetch, resumes, begin)
+
+    def _unhidden(self, p: int, need: float) -> tuple[int, _Choice] | None:
+        """The span whose whole idle time around ``p`` relieves the most over-budget time, placed without
+        regard to the lanes: out right after its use, back right before its next (the compute stream may
+        wait for the copies, but the budget holds)."""
+        t, over, n = self.t, self.over, self.n
+        first, last, cyclic = t.first, t.last, t.cyclic
+        inside = ~cyclic & (first + 1 <= p) & (p < last)
+        wrapped = cyclic & ((first + 1 <= p) | (p < last))
+        candidates = np.flatnonzero(self.free & (inside | wrapped))
+        if candidates.size == 0:
+            return None
+        lo = first[candidates] + 1
+        hi = last[candidates]
+        idle = np.where(cyclic[candidates], over[n] - over[np.minimum(lo, n)] + over[hi], over[hi] - over[lo])
+        i = int(candidates[np.argmax(idle * np.minimum(t.size[candidates], need))])
+        return i, _full_window(self.ctx.spans[i], self.ctx.writes, self.out_until)
+
+    def _widen(self, p: int) -> None:
+        """Stretch a chosen span to its whole idle time to free ``p`` (``passes._widened``)."""
+        i, choice = _widened(self.ctx, p, self.choices, self.out_until)
+        self.over = None
+        self._free(i, self.choices[i], -1)
+        self.choices[i] = choice
+        self._free(i, choice, 1)
+
+    def _free(self, i: int, choice: _Choice, sign: int) -> None:
+        """Take span i's bytes off (``sign`` 1) or back onto (-1) the excess where ``choice`` frees them."""
+        size = self.t.size[i]
+        for lo, hi in choice.freed(self.n):
+            if sign > 0:
+                self.excess[lo:hi] -= size
+            else:
+                self.excess[lo:hi] += size
+
+    def _take(self, i: int, choice: _Choice) -> None:
+        """Choose span i as placed by ``choice``: book its copies on the lanes and take its bytes off the excess."""
+        t, span = self.t, self.ctx.spans[i]
+        self.choices[i] = choice
+        self.free[i] = False
+        landed = 0.0
+        if choice.offload >= 0:
+            begin = choice.offload_begin if choice.offload_begin >= 0 else t.start_at[choice.offload]
+            self.d2h.reserve(begin, begin + t.offload_s[i])
+            landed = begin + t.offload_s[i]
+            if not span.cyclic:
+                self.out_until.setdefault(span.storage, []).append((span.first, landed))
+        if span.cyclic:
+            # Kept in remote memory between steps, the storage has a current copy there from the step's start
+            # (once the last step's offload has landed) to its first write: spans before that need no offload.
+            self.out_until.setdefault(span.storage, []).append((-1, max(0.0, landed - t.end_s)))
+        begin = self.ctx.step.start[choice.prefetch]
+        self.h2d.reserve(begin, begin + t.prefetch_s[i])
+        for lo, hi in choice.freed(self.n):
+            was_over = self.excess[lo:hi] > 0
+            self.excess[lo:hi] -= t.size[i]
+            if self.over is not None and (was_over != (self.excess[lo:hi] > 0)).any():
+                self.over = None
