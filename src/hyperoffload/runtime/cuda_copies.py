@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperoffload.runtime.plan_executor import TransferError
+from hyperoffload.runtime.transfers import TransferError
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
