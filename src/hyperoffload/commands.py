@@ -512,14 +512,12 @@ def profile_dict(hardware: Hardware) -> dict:
 
 def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from rich.table import Table
 
     from hyperoffload.analysis import memory_profile
     from hyperoffload.budgets import parse_budget
+    from hyperoffload.report.run_report import run_report
     from hyperoffload.runtime import BudgetExceeded, TransferError
     from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor
-    from hyperoffload.report.run_report import run_report
-    from hyperoffload.units import format_bandwidth, format_seconds
 
     cores = os.cpu_count() or 1
     if args.threads is not None and args.threads > cores:
@@ -565,11 +563,23 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         except (BudgetExceeded, TransferError) as error:
             err.print(f"[red]run failed:[/red] {error}", highlight=False)
             return 1
-    figures, plan, result, exact, within = report.figures, report.plan, report.as_dict(), report.exact, report.feasible
-    form_differs = report.max_abs_diff_vs_device_kv is not None
     if args.json:
-        print(json.dumps(result))
-        return 0 if exact else 1
+        print(json.dumps(report.as_dict()))
+    else:
+        _print_run(report, args, out)
+    return 0 if report.exact else 1
+
+
+def _print_run(report, args: argparse.Namespace, out: Console) -> None:
+    """``run``'s table and summary of ``report`` (a ``RunReport``)."""
+    from rich.table import Table
+
+    from hyperoffload.analysis import memory_profile
+    from hyperoffload.units import format_bandwidth, format_seconds
+
+    figures, plan, result, within = report.figures, report.plan, report.as_dict(), report.feasible
+    program, budget, run_config = report.captured.program, report.budget_bytes, report.run_config
+    form_differs = report.max_abs_diff_vs_device_kv is not None
     table = Table(title=f"{program.name} {program.mode}, {args.policy}, budget {format_bytes(budget)} "
                         f"({args.budget}), emulated link {format_bandwidth(args.link)} each way",
                   title_justify="left")
@@ -613,7 +623,6 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
               f"{format_bytes(peak)} peak), {figures.wall_s / figures.unplanned_wall_s:.2f}x the unplanned step's time; "
               f"the simulator predicted {figures.sim_step_s / figures.sim_compute_s:.2f}x (its planned step over "
               f"its unplanned one, which is the compute alone).", highlight=False)
-    return 0 if exact else 1
 
 
 USER_ERRORS = (UnknownWorkload, CaptureError, HardwareError, PlanError, InfeasibleBudget, ValueError, OSError)
