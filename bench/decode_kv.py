@@ -115,7 +115,7 @@ def real_runs(link: str, share: float) -> None:
     print("policy       | form            | wall_s    | sim_step_s | sim_error | measured peak | meets | in / token | diff")
     for policy in POLICIES:
         r = run_policy(program, hardware, budget, policy, peak)
-        form = find_captured(r.plan.program) or captured
+        form = find_captured(r.plan.program, program) or captured
         with EmulatedLink.for_hardware(hardware) as emulated:
             f = measure_run(r.plan, form.inputs, emulated, hardware, RunConfig(steps=7, warmup=2))
         meta = r.plan.program.meta

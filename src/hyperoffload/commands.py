@@ -506,6 +506,7 @@ def _hardware(args: argparse.Namespace, out: Console, err: Console) -> int:
 def profile_dict(hardware: Hardware) -> dict:
     fields = {f: getattr(hardware, f) for f in hardware.__slots__}
     fields["peak_flops"] = dict(hardware.peak_flops)
+    fields["measured_op_s"] = dict(hardware.measured_op_s)
     fields["sources"] = dict(hardware.sources)
     return fields
 

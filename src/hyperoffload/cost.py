@@ -9,23 +9,22 @@ bandwidth; the simulator slows the data phase while both directions copy at once
 **Measured op costs.** A roofline describes an aten kernel; an operator implemented in Python (a
 custom op running many aten calls and loops) costs far more than its FLOPs and bytes say. A profile
 made by ``with_measured_op_costs`` charges such targets what they were measured to take on that
-machine (``hyperoffload.runtime.measure.for_executor`` measures them on the CPU). ``Hardware`` is an
-immutable record with no field for them, so the costs are kept here, keyed by the new profile's name,
-and every ``op_time``/``lane_op_time`` on that profile (or a ``replace`` of it) sees them; no other
-profile does.
+machine (``hyperoffload.runtime.measure.for_executor`` measures them on the CPU). The costs are part of
+the profile (``Hardware.measured_op_s``), so every ``op_time``/``lane_op_time`` on that profile (or a
+``replace`` of it) sees them, and no other profile does, whatever its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
+import hashlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from weakref import WeakKeyDictionary
 
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Op, Program
+from hyperoffload.memo import per_program
 
 CostRule = Callable[[Op, Program, Hardware], float]
 _RULES: dict[str, CostRule] = {}
@@ -59,11 +58,8 @@ def roofline_time(op: Op, program: Program, hardware: Hardware) -> float:
     return max(compute, memory) + hardware.launch_s
 
 
-# Profile name -> (name of the profile it was made from, target -> measured seconds per call).
-_MEASURED: dict[str, tuple[str, Mapping[str, float]]] = {}
-# Each profile made by ``with_measured_op_costs`` gets a name of its own, so that two measurements (two
-# machines, two runs) never share costs through a common name.
-_SERIAL = itertools.count(1)
+MEASURED_SUFFIX = "+measured-ops-"
+"""What ``with_measured_op_costs`` appends to a profile's name, before a digest of the costs it carries."""
 
 
 def op_signature(op: Op, program: Program) -> str:
@@ -91,29 +87,34 @@ def with_measured_op_costs(hardware: Hardware, costs: Mapping[str, float]) -> Ha
       ``lane_op_time`` is what the dependency bound (``Figures.dependency_bound_s``) charges.
 
     Other targets cost what they cost on ``hardware``. Costs already attached to ``hardware`` are kept unless
-    ``costs`` measures the same target again. With no ``costs``, ``hardware`` itself is returned."""
+    ``costs`` measures the same target again. The new profile carries them (``Hardware.measured_op_s``; a
+    value out of range raises ``HardwareError``, a ``ValueError``) and is named after ``hardware``'s unmeasured
+    name and a digest of them, so that two measurements (two machines, two runs) are told apart in reports.
+    With no ``costs``, ``hardware`` itself is returned."""
     if not costs:
         return hardware
-    for target, seconds in costs.items():
-        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
-            raise ValueError(f"measured cost of {target} must be finite seconds >= 0, got {seconds!r}")
-    base, earlier = _MEASURED.get(hardware.name, (hardware.name, {}))
-    name = f"{base}+measured-ops-{next(_SERIAL)}"
-    _MEASURED[name] = (base, MappingProxyType({**earlier, **{t: float(c) for t, c in costs.items()}}))
+    measured = {**hardware.measured_op_s, **costs}
+    base = hardware.name.partition(MEASURED_SUFFIX)[0] if hardware.measured_op_s else hardware.name
     sources = dict(hardware.sources)
-    measured = _MEASURED[name][1]
     targets = sorted(key for key in measured if "(" not in key)
     shapes = len(measured) - len(targets)
     sources["measured_op_costs"] = (f"{len(measured)} op target(s) or op signature(s) charged their measured time "
                                     f"on this machine: {shapes} signatures"
                                     + (f"; targets {', '.join(targets)}" if targets else ""))
-    return dataclasses.replace(hardware, name=name, sources=MappingProxyType(sources))
+    profile = dataclasses.replace(hardware, measured_op_s=measured, sources=MappingProxyType(sources))
+    return dataclasses.replace(profile, name=f"{base}{MEASURED_SUFFIX}{_digest(profile.measured_op_s)}")
+
+
+def _digest(costs: Mapping[str, float]) -> str:
+    """Eight hex digits that tell one table of measured costs from another (the same in every process)."""
+    text = "\n".join(f"{op}={seconds!r}" for op, seconds in sorted(costs.items()))
+    return hashlib.blake2s(text.encode(), digest_size=4).hexdigest()
 
 
 def measured_op_costs(hardware: Hardware) -> Mapping[str, float]:
-    """Seconds per call that ``hardware`` charges by measurement, keyed by op target (empty for a profile not
-    made by ``with_measured_op_costs``)."""
-    return _MEASURED.get(hardware.name, ("", MappingProxyType({})))[1]
+    """Seconds per call that ``hardware`` charges by measurement, keyed by op signature or target
+    (``Hardware.measured_op_s``; empty for a profile not made by ``with_measured_op_costs``)."""
+    return hardware.measured_op_s
 
 
 def op_time(op: Op, program: Program, hardware: Hardware) -> float:
@@ -122,9 +123,9 @@ def op_time(op: Op, program: Program, hardware: Hardware) -> float:
     which runs on a copy lane instead (``lane_op_time``)."""
     if op.lane is not None:
         return 0.0
-    measured = _MEASURED.get(hardware.name)
-    if measured is not None:
-        seconds = measured[1].get(op_signature(op, program), measured[1].get(op.target))
+    measured = hardware.measured_op_s
+    if measured:
+        seconds = measured.get(op_signature(op, program), measured.get(op.target))
         if seconds is not None:
             return seconds
     return _RULES.get(op.target, roofline_time)(op, program, hardware)
@@ -139,26 +140,35 @@ def lane_op_time(op: Op, hardware: Hardware) -> float:
         link = transfer_time(op.transfer_bytes, hardware.d2h_bw, hardware.d2h_latency_s)
     else:
         raise ValueError(f"op {op.name} is not a lane op")
-    measured = _MEASURED.get(hardware.name)
-    if measured is not None and op.target in measured[1]:
-        return max(link, measured[1][op.target])
+    measured = hardware.measured_op_s.get(op.target)
+    if measured is not None:
+        return max(link, measured)
     return link
 
 
 def op_times(program: Program, hardware: Hardware) -> tuple[float, ...]:
     """Seconds of every op of ``program``, indexed by op id; computed once per program and profile object
-    (a planner simulates many plans of one program on one profile)."""
-    cached = _TIMES.get(program)
-    if cached is not None and cached[0] is hardware:
-        return cached[1]
-    times = tuple(op_time(op, program, hardware) for op in program.ops)
-    _TIMES[program] = (hardware, times)
-    return times
+    (a planner simulates many plans of one program on one profile); only the latest profile's are kept."""
+    latest = _latest_op_times(program)
+    if latest.hardware is not hardware:
+        latest.times = tuple(op_time(op, program, hardware) for op in program.ops)
+        latest.hardware = hardware
+    return latest.times
 
 
-# Program -> (the profile object its op times were computed on, the times). Keyed by the profile's
-# identity, not its name: ``Hardware.replace`` keeps the name and may change what ops cost.
-_TIMES: WeakKeyDictionary[Program, tuple[Hardware, tuple[float, ...]]] = WeakKeyDictionary()
+@dataclass(slots=True)
+class _OpTimes:
+    """The op times (seconds, by op id) of one program on the profile object they were last computed on. Keyed
+    by the profile's identity, not its name: ``Hardware.replace`` keeps the name and may change what ops cost.
+    Mutable on purpose: another profile's times replace them."""
+
+    hardware: Hardware | None = None
+    times: tuple[float, ...] = ()
+
+
+@per_program
+def _latest_op_times(program: Program) -> _OpTimes:
+    return _OpTimes()
 
 
 def transfer_time(nbytes: int, bandwidth: float, latency_s: float) -> float:

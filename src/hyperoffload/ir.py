@@ -13,8 +13,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from weakref import WeakKeyDictionary
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hyperoffload.memo import per_program
+
+if TYPE_CHECKING:
+    from hyperoffload.variants import RemoteKvForms
 
 
 class ValueKind(str, Enum):
@@ -133,6 +137,10 @@ class Program:
     node_values: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Free-form facts about the capture (workload, batch, dtype policy) for reports."""
+    remote_kv: RemoteKvForms | None = field(default=None, repr=False)
+    """For a decode step that can also be captured with its KV cache in remote memory (a DeepSeek-style
+    workload's), how to capture those forms and the ones captured so far (``hyperoffload.variants``); the
+    policies that plan such a form (``paged``, ``hyperoffload``) read it here. None for every other step."""
 
     def __post_init__(self) -> None:
         verify_program(self)
@@ -150,6 +158,7 @@ class Program:
         """Ids of the values that own a storage, in id order."""
         return tuple(v.id for v in self.values if v.owns_storage)
 
+    @per_program
     def dependencies(self) -> tuple[tuple[int, ...], ...]:
         """For each op, the ops that must run before it.
 
@@ -160,21 +169,16 @@ class Program:
         themselves, so every order draws the same numbers for the same op.
         Computed once per program (every plan check needs it; the program never changes).
         """
-        cached = _DEPENDENCIES.get(self)
-        if cached is None:
-            cached = _DEPENDENCIES[self] = self._dependencies()
-        return cached
+        return self._dependencies()
 
+    @per_program
     def dependents(self) -> tuple[tuple[int, ...], ...]:
         """For each op, the ops that depend on it directly (``dependencies()`` inverted), cached likewise."""
-        cached = _DEPENDENTS.get(self)
-        if cached is None:
-            after: list[list[int]] = [[] for _ in self.ops]
-            for op_id, before in enumerate(self.dependencies()):
-                for d in before:
-                    after[d].append(op_id)
-            cached = _DEPENDENTS[self] = tuple(tuple(a) for a in after)
-        return cached
+        after: list[list[int]] = [[] for _ in self.ops]
+        for op_id, before in enumerate(self.dependencies()):
+            for d in before:
+                after[d].append(op_id)
+        return tuple(tuple(a) for a in after)
 
     def has_lane_ops(self) -> bool:
         """Whether the step moves data itself (``Op.lane``)."""
@@ -222,10 +226,6 @@ class Program:
                 if position[d] > position[op.id]:
                     raise ValueError(
                         f"order runs {op.name} ({op.target}) before {self.ops[d].name}, which it depends on")
-
-
-_DEPENDENCIES: WeakKeyDictionary[Program, tuple[tuple[int, ...], ...]] = WeakKeyDictionary()
-_DEPENDENTS: WeakKeyDictionary[Program, tuple[tuple[int, ...], ...]] = WeakKeyDictionary()
 
 
 def verify_program(program: Program) -> None:

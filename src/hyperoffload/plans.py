@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple
-from weakref import WeakKeyDictionary
 
 from hyperoffload.ir import Program
+from hyperoffload.memo import per_program
 
 
 class Kind(str, Enum):
@@ -288,57 +288,34 @@ def check_plan(plan: Plan) -> PlanCheck:
                      initial_bytes=initial)
 
 
+@per_program
 def compute_instructions(program: Program) -> tuple[Instr, ...]:
     """``Instr(COMPUTE, op)`` for each op id of ``program``, made once per program: instructions are immutable,
     and planners that make many plans of a 20k-op step spent much of their time making them anew."""
-    cached = _COMPUTES.get(program)
-    if cached is None:
-        cached = _COMPUTES[program] = tuple(Instr(Kind.COMPUTE, i) for i in range(len(program.ops)))
-    return cached
+    return tuple(Instr(Kind.COMPUTE, i) for i in range(len(program.ops)))
 
 
-_COMPUTES: WeakKeyDictionary[Program, tuple[Instr, ...]] = WeakKeyDictionary()
-
-
+@per_program
 def owned_outputs(program: Program) -> tuple[tuple[int, ...], ...]:
     """Per op id, its outputs that own their storage (what running it allocates); computed once per program."""
-    cached = _OWNED.get(program)
-    if cached is None:
-        values = program.values
-        cached = _OWNED[program] = tuple(tuple(o for o in op.outputs if values[o].owns_storage)
-                                         for op in program.ops)
-    return cached
+    values = program.values
+    return tuple(tuple(o for o in op.outputs if values[o].owns_storage) for op in program.ops)
 
 
-_OWNED: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()
-
-
+@per_program
 def op_writes(program: Program) -> tuple[frozenset[int], ...]:
     """Per op id, the storages it writes: those it mutates and those its outputs own (creates); computed once
     per program (the simulator and every order's storage uses read it)."""
-    cached = _WRITES.get(program)
-    if cached is None:
-        mutated = op_storages(program)[2]
-        cached = _WRITES[program] = tuple(mutated[i] | frozenset(owned)
-                                          for i, owned in enumerate(owned_outputs(program)))
-    return cached
+    mutated = op_storages(program)[2]
+    return tuple(mutated[i] | frozenset(owned) for i, owned in enumerate(owned_outputs(program)))
 
 
-_WRITES: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()
-
-
+@per_program
 def op_storages(program: Program) -> tuple[tuple[frozenset[int], ...], tuple[tuple[int, ...], ...],
                                             tuple[frozenset[int], ...]]:
     """Per op id, the storages it touches (reads or writes), those it reads (sorted) and those it mutates;
     computed once per program (every plan of it is checked against the same ops)."""
-    cached = _OP_STORAGES.get(program)
-    if cached is None:
-        storage_of = [v.storage for v in program.values]
-        cached = _OP_STORAGES[program] = (
-            tuple(frozenset(storage_of[v] for v in (*op.inputs, *op.outputs)) for op in program.ops),
+    storage_of = [v.storage for v in program.values]
+    return (tuple(frozenset(storage_of[v] for v in (*op.inputs, *op.outputs)) for op in program.ops),
             tuple(tuple(sorted({storage_of[v] for v in op.inputs})) for op in program.ops),
             tuple(frozenset(storage_of[v] for v in op.mutates) for op in program.ops))
-    return cached
-
-
-_OP_STORAGES: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()

@@ -9,9 +9,9 @@ to back and timing the second gives the period a training loop actually sees.
 from __future__ import annotations
 
 from dataclasses import replace
-from weakref import WeakKeyDictionary
 
 from hyperoffload.ir import Op, Program, Value
+from hyperoffload.memo import per_program
 from hyperoffload.plans import Instr, Kind, Plan, compute_instructions, op_storages
 
 
@@ -63,35 +63,30 @@ def _releases_after_last_use(plan: Plan, storages: set[int]) -> set[int]:
     return result
 
 
-_REPEATED: WeakKeyDictionary[Program, dict[int, tuple[Program, list[dict[int, int]]]]] = WeakKeyDictionary()
-
-
+@per_program
 def _repeated(program: Program, times: int) -> tuple[Program, list[dict[int, int]]]:
     """``program`` ``times`` times in a row, and each step's value-id mapping; built once per program and
     count (every plan of a program repeats the same ops, and planners simulate many plans)."""
-    cached = _REPEATED.setdefault(program, {})
-    if times not in cached:
-        shared = set(program.inputs) | set(program.constants)
-        values: list[Value] = list(program.values)
-        ops: list[Op] = list(program.ops)
-        maps: list[dict[int, int]] = [{v.id: v.id for v in program.values}]
-        for k in range(1, times):
-            mapping: dict[int, int] = {}
-            for v in program.values:
-                if v.id in shared:
-                    mapping[v.id] = v.id
-                    continue
-                mapping[v.id] = len(values)
-                values.append(replace(v, id=len(values), name=f"{v.name}#{k + 1}", storage=mapping[v.storage]))
-            for op in program.ops:
-                ops.append(replace(op, id=len(ops), name=f"{op.name}#{k + 1}",
-                                   inputs=tuple(mapping[v] for v in op.inputs),
-                                   outputs=tuple(mapping[v] for v in op.outputs),
-                                   mutates=tuple(mapping[v] for v in op.mutates)))
-            maps.append(mapping)
-        # Earlier steps' outputs are handed to the caller when their step ends, not held through later steps.
-        outputs = tuple(maps[-1][v] for v in program.outputs)
-        repeated = Program(name=program.name, mode=program.mode, values=tuple(values), ops=tuple(ops),
-                           inputs=program.inputs, outputs=outputs, constants=program.constants, meta=program.meta)
-        cached[times] = (repeated, maps)
-    return cached[times]
+    shared = set(program.inputs) | set(program.constants)
+    values: list[Value] = list(program.values)
+    ops: list[Op] = list(program.ops)
+    maps: list[dict[int, int]] = [{v.id: v.id for v in program.values}]
+    for k in range(1, times):
+        mapping: dict[int, int] = {}
+        for v in program.values:
+            if v.id in shared:
+                mapping[v.id] = v.id
+                continue
+            mapping[v.id] = len(values)
+            values.append(replace(v, id=len(values), name=f"{v.name}#{k + 1}", storage=mapping[v.storage]))
+        for op in program.ops:
+            ops.append(replace(op, id=len(ops), name=f"{op.name}#{k + 1}",
+                               inputs=tuple(mapping[v] for v in op.inputs),
+                               outputs=tuple(mapping[v] for v in op.outputs),
+                               mutates=tuple(mapping[v] for v in op.mutates)))
+        maps.append(mapping)
+    # Earlier steps' outputs are handed to the caller when their step ends, not held through later steps.
+    outputs = tuple(maps[-1][v] for v in program.outputs)
+    repeated = Program(name=program.name, mode=program.mode, values=tuple(values), ops=tuple(ops),
+                       inputs=program.inputs, outputs=outputs, constants=program.constants, meta=program.meta)
+    return repeated, maps

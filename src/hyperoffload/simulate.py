@@ -30,13 +30,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
-from weakref import WeakKeyDictionary
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.dependency_bound import dependency_bound
 from hyperoffload.cost import lane_op_time, op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
+from hyperoffload.memo import per_program
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan, op_storages, op_writes, owned_outputs
 
 COMPUTE, H2D, D2H = "compute", "h2d", "d2h"
@@ -139,17 +139,12 @@ def budget_bounds(program, hardware: Hardware, compute_s: float, budget_bytes: i
     return excess, bound, duplex
 
 
+@per_program
 def lane_traffic(program) -> tuple[int, int]:
     """Bytes the program's own lane ops move per step: (remote -> device, device -> remote); once per program
     (every simulation of its plans asks)."""
-    cached = _LANE_TRAFFIC.get(program)
-    if cached is None:
-        cached = _LANE_TRAFFIC[program] = (sum(op.transfer_bytes for op in program.ops if op.lane == "h2d"),
-                                           sum(op.transfer_bytes for op in program.ops if op.lane == "d2h"))
-    return cached
-
-
-_LANE_TRAFFIC: WeakKeyDictionary[Program, tuple[int, int]] = WeakKeyDictionary()
+    return (sum(op.transfer_bytes for op in program.ops if op.lane == "h2d"),
+            sum(op.transfer_bytes for op in program.ops if op.lane == "d2h"))
 
 
 def plan_traffic(plan: Plan) -> tuple[int, int]:
@@ -208,21 +203,15 @@ def _keeps_state_remote(plan: Plan) -> bool:
     return all(on_device[s] == (s not in plan.initial_remote) for s in on_device)
 
 
+@per_program
 def _op_facts(program: Program) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[frozenset[int], ...]]:
     """Per op id: the bytes it allocates (storages its outputs own), the storages it reads (``op_storages``)
     and those it writes (mutates or creates); once per program, as a planner simulates many plans of one
     program."""
-    cached = _OP_FACTS.get(program)
-    if cached is None:
-        values = program.values
-        cached = _OP_FACTS[program] = (
-            tuple(sum(values[o].alloc_bytes for o in outs) for outs in owned_outputs(program)),
+    values = program.values
+    return (tuple(sum(values[o].alloc_bytes for o in outs) for outs in owned_outputs(program)),
             op_storages(program)[1],
             op_writes(program))
-    return cached
-
-
-_OP_FACTS: WeakKeyDictionary[Program, tuple] = WeakKeyDictionary()
 
 
 _EVENTS_PER_INSTRUCTION = 3

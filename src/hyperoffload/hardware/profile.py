@@ -120,6 +120,11 @@ class Hardware:
     """Compute-stream time spent issuing each cache instruction (offload, prefetch, wait, release), for
     runtimes whose one thread both issues copies and runs the ops (seconds). 0 on accelerators, whose
     host issues copies ahead of the device stream."""
+    measured_op_s: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    """Seconds per call measured on this machine for ops the roofline misjudges, keyed by op signature (target,
+    input and output shapes: ``cost.op_signature``) or by op target (``"hyperoffload.nsa_select.default"``); the
+    cost model charges such an op its measured time (``cost.with_measured_op_costs`` says how). Empty for a
+    profile of nominal figures (every preset and profile file)."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Where each field's number comes from, keyed by field name."""
 
@@ -145,6 +150,18 @@ class Hardware:
             if _bad_number(rate) or not 0 < rate:
                 raise HardwareError(f"{self.name}: peak_flops[{dtype!r}] must be a finite number > 0 FLOP/s, got "
                                     f"{_shown(rate)}")
+        if not isinstance(self.measured_op_s, Mapping):
+            raise HardwareError(f"{self.name}: measured_op_s must map op signatures or targets to seconds per call, "
+                                f"got {_shown(self.measured_op_s)}")
+        for op, seconds in self.measured_op_s.items():
+            if not isinstance(op, str):
+                raise HardwareError(f"{self.name}: measured_op_s is keyed by op signature or target (text), got "
+                                    f"{_shown(op)}")
+            if _bad_number(seconds) or seconds < 0:
+                raise HardwareError(f"{self.name}: measured cost of {op} must be finite seconds >= 0, got {seconds!r}")
+        # An immutable table of plain floats, whatever mapping the caller gave.
+        object.__setattr__(self, "measured_op_s",
+                           MappingProxyType({op: float(seconds) for op, seconds in self.measured_op_s.items()}))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; dtypes without a figure use float32's (or the slowest listed)."""

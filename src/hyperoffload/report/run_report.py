@@ -83,7 +83,7 @@ def run_report(captured: Captured, hardware: Hardware, uncalibrated: Hardware, b
     planned = plan_checked(program, hardware, budget, policy=policy, config=config)
     plan = planned.plan
     # A decode plan may run the step's remote-KV form: its inputs are that capture's.
-    form = find_captured(plan.program) or captured
+    form = find_captured(plan.program, program) or captured
     stage("Running the planned and the unplanned step...")
     with EmulatedLink.for_hardware(hardware) as link:
         figures = measure_run(plan, form.inputs, link, hardware, run_config, progress=progress)

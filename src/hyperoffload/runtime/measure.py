@@ -326,11 +326,10 @@ def _measurable_forms(program: Program,
     between them every cache lane op the policies may plan (captured on first use and kept for the policies)."""
     if inputs is not None:
         yield program, inputs
-    from hyperoffload.variants import has_remote_kv, remote_kv_captured
-
-    if has_remote_kv(program):
-        for pool, speculative in ((None, False), (None, True), (program.meta["nsa_top_n"], False)):
-            form = remote_kv_captured(program, pool, speculative)
+    forms = program.remote_kv
+    if forms is not None:
+        for pool, speculative in ((None, False), (None, True), (forms.smallest_pool, False)):
+            form = forms.captured(pool, speculative)
             yield form.program, form.inputs
 
 

@@ -9,12 +9,11 @@ import torch
 from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_step, capture_prefill_step,
                                   capture_train_step, default_dtype, fake_build)
 from hyperoffload.capture.steps import check_step_tokens
-from hyperoffload.workloads.deepseek import DeepSeekConfig
-from hyperoffload.variants import register_remote_kv
-from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION, capture_remote_decode_step, pool_facts
+from hyperoffload.variants import RemoteKvForms
 from hyperoffload.workloads.catalog import MODES
+from hyperoffload.workloads.deepseek import DeepSeekConfig
+from hyperoffload.workloads.deepseek_remote import DEFAULT_RESELECTION, capture_remote_decode_step, pool_facts
 from hyperoffload.workloads.presets import Workload
-
 
 
 def capture_workload(workload: Workload, mode: str, *, batch: int | None = None, seq: int | None = None,
@@ -32,7 +31,8 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
     cache in remote memory (``deepseek_remote.capture_remote_decode_step``), with a device block pool
     of ``pool_blocks`` blocks per sequence and layer (None: no pool), or with ``speculative`` prefetch of
     the previous step's selection instead of a pool, and the stated ``reselection`` statistic (default
-    ``deepseek_remote.DEFAULT_RESELECTION``).
+    ``deepseek_remote.DEFAULT_RESELECTION``). A decode step of such a workload captured with its cache on the
+    device says how to capture those forms in its Program (``Program.remote_kv``, a ``variants.RemoteKvForms``).
     """
     if mode not in MODES:
         raise CaptureError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -80,15 +80,16 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
             reselection=DEFAULT_RESELECTION if reselection is None else reselection)
     if not isinstance(workload.config, DeepSeekConfig):
         return capture_decode_step(model, tokens, context, name=workload.name, meta=meta)
-    captured = capture_decode_step(model, tokens, context, name=workload.name,
-                                   meta={**meta, **pool_facts(workload.config, batch, context, workload.dtype.itemsize)})
+    facts = pool_facts(workload.config, batch, context, workload.dtype.itemsize)
+    captured = capture_decode_step(model, tokens, context, name=workload.name, meta={**meta, **facts})
 
     def remote(pool: int | None, speculative: bool = False):
         return capture_workload(workload, "decode", batch=batch, context=context, fake=fake, seed=seed,
                                 remote_kv=True, pool_blocks=pool, reselection=reselection, speculative=speculative)
 
-    register_remote_kv(captured.program, remote)
-    return captured
+    forms = RemoteKvForms(capture=remote, smallest_pool=facts["nsa_top_n"], valid_blocks=facts["valid_blocks"],
+                          pool_block_bytes=facts["pool_block_bytes"])
+    return dataclasses.replace(captured, program=dataclasses.replace(captured.program, remote_kv=forms))
 
 
 def with_nsa_block(workload: Workload, block: int | None) -> Workload:

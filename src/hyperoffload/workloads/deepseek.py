@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hyperoffload.workloads.deepseek_attention import MLAttention, cache_shapes
+from hyperoffload.workloads.deepseek_attention import MLAttention
+from hyperoffload.workloads.deepseek_cache_shapes import cache_shapes
 from hyperoffload.workloads.deepseek_moe import MoE, SwiGLU
 from hyperoffload.workloads.llama import RMSNorm, rope_tables
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperoffload.workloads.deepseek_cache_shapes import cache_shapes
 from hyperoffload.workloads.deepseek_remote import RemoteLayerCache
 from hyperoffload.workloads.llama import RMSNorm, apply_rope
 
@@ -103,13 +104,6 @@ class Compressor(nn.Module):
     def _project(self, pooled: torch.Tensor) -> torch.Tensor:
         batch, blocks, dim = pooled.shape
         return self.proj(pooled.reshape(batch * blocks, dim)).view(batch, blocks, dim)
-
-
-def cache_shapes(tokens: int, cfg) -> tuple[int, int]:
-    """(latent slots, compressed slots) of a cache for ``tokens`` tokens: latent slots are rounded up
-    to whole selection blocks, so the cache views as (blocks, nsa_sel_block, dim) without copying."""
-    slots = max(1, math.ceil(tokens / cfg.nsa_sel_block)) * cfg.nsa_sel_block
-    return slots, (slots - cfg.nsa_cmp_block) // cfg.nsa_cmp_stride + 1
 
 
 class MLAttention(nn.Module):

@@ -39,7 +39,9 @@ import torch
 from torch.utils._pytree import register_pytree_node
 
 from hyperoffload.cache_ops import fetch_blocks_pooled, fetch_missing_blocks, prefetch_blocks, store_rows
+from hyperoffload.capture.steps import capture_decode_step
 from hyperoffload.workloads.catalog import DEFAULT_RESELECTION
+from hyperoffload.workloads.deepseek_cache_shapes import cache_shapes
 
 
 @dataclass(slots=True)
@@ -271,8 +273,6 @@ def new_remote_cache(model, batch: int, context: int, pool_blocks: int | None = 
     prefetches the blocks it selected at the previous step before its selection is known, then fetches
     only the selected blocks that guess missed (``fetch_missing_blocks``).
     """
-    from hyperoffload.workloads.deepseek_attention import cache_shapes  # that module imports this one
-
     cfg = model.cfg
     if batch <= 0 or context <= 0:
         raise ValueError(f"batch and context must be positive, got batch={batch}, context={context}")
@@ -334,8 +334,6 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
     blocks (``reselection`` is the stated statistic; ``meta`` records both). ``speculative``: no pool; each
     layer prefetches the previous step's selection and then fetches the share ``1 - reselection`` it missed.
     """
-    from hyperoffload.capture.steps import capture_decode_step
-
     cfg = model.cfg
     batch = tokens.shape[0]
     cache = new_remote_cache(model, batch, context + 1, pool_blocks=pool_blocks, speculative=speculative)
