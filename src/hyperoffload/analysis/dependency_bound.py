@@ -16,22 +16,17 @@ step's compute. What it leaves out is exactly what can overlap a transfer: the o
 
 from __future__ import annotations
 
-from weakref import WeakKeyDictionary
 
 import numpy as np
 
 from hyperoffload.cost import lane_op_time, op_times
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
+from hyperoffload.memo import per_program
 
-_REACH: WeakKeyDictionary[Program, tuple[list[int], np.ndarray, np.ndarray]] = WeakKeyDictionary()
-
-
+@per_program
 def _reach(program: Program) -> tuple[list[int], np.ndarray, np.ndarray]:
     """The lane op ids, and for each its ancestors and descendants among all ops (boolean rows)."""
-    cached = _REACH.get(program)
-    if cached is not None:
-        return cached
     deps, dependents = program.dependencies(), program.dependents()
     n = len(program.ops)
     lanes = [op.id for op in program.ops if op.lane is not None]
@@ -45,8 +40,7 @@ def _reach(program: Program) -> tuple[list[int], np.ndarray, np.ndarray]:
                 if not seen[op_id]:
                     seen[op_id] = True
                     stack.extend(edges[op_id])
-    _REACH[program] = cached = (lanes, ancestors, descendants)
-    return cached
+    return lanes, ancestors, descendants
 
 
 def dependency_bound(program: Program, hardware: Hardware, compute_s: float | None = None) -> float:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from weakref import WeakKeyDictionary
 
 from hyperoffload.ir import Program
+from hyperoffload.memo import per_program
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,16 +95,16 @@ def memory_profile(program: Program, order: Sequence[int] | None = None) -> Memo
     The captured order's profile is computed once per program and shared: every simulation measures
     its plan's excess against it, and a planner simulates many plans of one program."""
     if order is None:
-        cached = _CAPTURED_PROFILES.get(program)
-        if cached is None:
-            cached = _CAPTURED_PROFILES[program] = _memory_profile(program, None)
+        cached = _captured_profile(program)
         # Every other field is immutable; the caller gets a dict of its own (a copy costs little next to the
         # analysis), so nothing it does reaches the next caller's profile.
         return replace(cached, storage_ranges=dict(cached.storage_ranges))
     return _memory_profile(program, order)
 
 
-_CAPTURED_PROFILES: WeakKeyDictionary[Program, MemoryProfile] = WeakKeyDictionary()
+@per_program
+def _captured_profile(program: Program) -> MemoryProfile:
+    return _memory_profile(program, None)
 
 
 def _memory_profile(program: Program, order: Sequence[int] | None) -> MemoryProfile:

@@ -67,7 +67,6 @@ step: where the forced bytes are the whole peak and all of them are state that c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -76,6 +75,7 @@ from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows, solved
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
+from hyperoffload.memo import per_program
 from hyperoffload.plans import op_storages, state_storages
 
 
@@ -131,13 +131,11 @@ def _closure(start: int, edges) -> set[int]:
     return seen
 
 
+@per_program
 def _forced(program: Program) -> tuple[_Forced, ...]:
     """What the bound needs of ``program`` whatever the budget and hardware, at each op it is taken at (see
     ``link_bound``), computed once per program."""
-    cached = _FORCED.get(program)
-    if cached is None:
-        cached = _FORCED[program] = _forced_at_candidates(program)
-    return cached
+    return _forced_at_candidates(program)
 
 
 def _forced_at_candidates(program: Program) -> tuple[_Forced, ...]:
@@ -254,9 +252,6 @@ def _written_and_read(program: Program) -> tuple[set[int], set[int], set[int]]:
     return made, set().union(*written) | made, set().union(*read)
 
 
-_FORCED: WeakKeyDictionary[Program, tuple[_Forced, ...]] = WeakKeyDictionary()
-
-
 @dataclass(frozen=True, slots=True)
 class _Pair:
     """Two ops, ``first`` and ``second`` (after it in every order), and per storage that may be off the device
@@ -281,27 +276,22 @@ class _Pair:
     and the next step's first, in every order."""
 
 
+@per_program
 def _pairs(program: Program) -> tuple[_Pair, ...]:
     """``_Pair`` of the op of most forced bytes among those the bound is taken at, with each of the
     ``_SECONDS`` ops after it (in every order) that touch the most bytes; computed once per program."""
-    cached = _PAIRS.get(program)
-    if cached is None:
-        singles = [f for f in _forced(program) if f.peak_op >= 0]
-        if not singles:
-            cached = ()
-        else:
-            first = max(singles, key=lambda f: f.forced).peak_op
-            touched = op_storages(program)[0]
-            values = program.values
-            after = _closure(first, program.dependents())
-            seconds = sorted(after, key=lambda o: (-sum(values[s].alloc_bytes for s in touched[o]), o))[:_SECONDS]
-            cached = tuple(_pair_of(program, first, second) for second in seconds)
-        _PAIRS[program] = cached
-    return cached
+    singles = [f for f in _forced(program) if f.peak_op >= 0]
+    if not singles:
+        return ()
+    first = max(singles, key=lambda f: f.forced).peak_op
+    touched = op_storages(program)[0]
+    values = program.values
+    after = _closure(first, program.dependents())
+    seconds = sorted(after, key=lambda o: (-sum(values[s].alloc_bytes for s in touched[o]), o))[:_SECONDS]
+    return tuple(_pair_of(program, first, second) for second in seconds)
 
 
 _SECONDS = 3
-_PAIRS: WeakKeyDictionary[Program, tuple[_Pair, ...]] = WeakKeyDictionary()
 
 
 def _forced_set(program: Program, op: int) -> tuple[set[int], set[int], set[int]]:

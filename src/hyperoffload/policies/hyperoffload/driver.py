@@ -19,7 +19,8 @@ from hyperoffload.policies.hyperoffload.orders import _orders
 from hyperoffload.policies.hyperoffload.search import _Hint, _search
 from hyperoffload.simulate import simulate
 from hyperoffload.units import format_bytes
-from hyperoffload.variants import has_remote_kv, largest_pool_variant, remote_kv_variant, speculative_variant
+from hyperoffload.variants import (has_remote_kv, largest_pool_variant, remote_kv_variant, smallest_pool_variant,
+                                   speculative_variant)
 
 
 def plan_hyperoffload(program: Program, hardware: Hardware | str, budget_bytes: int,
@@ -71,7 +72,7 @@ def _forms(program: Program, budget_bytes: int) -> list[Program]:
     # No pool fits the step as captured; one may once the planner moves other state (weights) out. Or
     # guess instead: prefetch each layer's previous selection a layer ahead, for a pool's hits in
     # transient memory, at the price of moving those blocks every step.
-    return [program, remote, remote_kv_variant(program, program.meta["nsa_top_n"]), speculative_variant(program)]
+    return [program, remote, smallest_pool_variant(program), speculative_variant(program)]
 
 
 def _plan_program(program: Program, hardware: Hardware, budget_bytes: int, config: PlannerConfig) -> Plan:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from weakref import WeakKeyDictionary
 
 import numpy as np
 
 from hyperoffload.ir import Program
+from hyperoffload.memo import per_program
 from hyperoffload.plans import check_plan, plan_without_offload
 from hyperoffload.policies.hyperoffload.config import InfeasibleBudget, PlannerConfig
 from hyperoffload.policies.hyperoffload.orders import candidate_orders
 from hyperoffload.policies.spans import Span, Uses, idle_spans, storage_uses
 from hyperoffload.units import format_bytes
-from hyperoffload.variants import has_remote_kv, remote_kv_variant, speculative_variant
+from hyperoffload.variants import has_remote_kv, remote_kv_variant, smallest_pool_variant, speculative_variant
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,19 +71,15 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
     the step as captured once the cache is long: ``plan_hyperoffload`` meets every budget from this one up."""
     if order is not None:
         return _minimum(program, _order_facts(program, order, config))
-    # Asked again for the same program (the hideable budget, and then why it is what it is; every row of a
-    # table of budgets): the default question is answered once per program.
-    default = config == PlannerConfig()
-    cached = _MINIMUM.get(program) if default else None
-    if cached is None:
-        cached = min((_least_over_orders(form, config, label) for label, form in _small_budget_forms(program)),
-                     key=lambda r: r[0])
-        if default:
-            _MINIMUM[program] = cached
-    return cached
+    return _least_over_forms(program, config)
 
 
-_MINIMUM: WeakKeyDictionary[Program, tuple[int, str]] = WeakKeyDictionary()
+@per_program
+def _least_over_forms(program: Program, config: PlannerConfig) -> tuple[int, str]:
+    """``minimum_budget`` in any order, answered once per program and config (it is asked again for the same program:
+    the hideable budget, and then why it is what it is; every row of a table of budgets)."""
+    return min((_least_over_orders(form, config, label) for label, form in _small_budget_forms(program)),
+               key=lambda r: r[0])
 
 
 def _least_over_orders(program: Program, config: PlannerConfig, label: str) -> tuple[int, str]:
@@ -100,7 +96,7 @@ def _small_budget_forms(program: Program) -> list[tuple[str, Program]]:
     return [("", program),
             ("with the KV cache in remote memory and no block pool", remote_kv_variant(program, None)),
             ("with the KV cache in remote memory and the smallest block pool",
-             remote_kv_variant(program, program.meta["nsa_top_n"])),
+             smallest_pool_variant(program)),
             ("with the KV cache in remote memory and speculative block prefetch", speculative_variant(program))]
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from weakref import WeakKeyDictionary
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.ir import Program
+from hyperoffload.memo import per_program
 from hyperoffload.plans import state_storages
 from hyperoffload.policies.hyperoffload.config import PlannerConfig
 from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops, sink_views
@@ -35,19 +35,16 @@ def _orders(program: Program, config: PlannerConfig = PlannerConfig()) -> tuple[
     """The captured, anchored refined, eager refined and partly hoisted orders (one per
     ``PlannerConfig.partly_hoisted``) of ``candidate_orders`` (equal where they coincide), computed once per program
     and set of shares: every search and every smallest-budget question starts here."""
-    shares = tuple(share for share, _ in config.partly_hoisted)
-    by_shares = _ORDERS.setdefault(program, {})
-    cached = by_shares.get(shares)
-    if cached is None:
-        cached = by_shares[shares] = tuple(sink_views(program, overlap_lane_ops(program, order)) for order in (
-            None,
-            hoist_updates(program),
-            hoist_updates(program, anchored=False),
-            *(hoist_updates(program, share=share) for share in shares)))
-    return cached
+    return _orders_for_shares(program, tuple(share for share, _ in config.partly_hoisted))
 
 
-_ORDERS: WeakKeyDictionary[Program, dict[tuple[float, ...], tuple[tuple[int, ...], ...]]] = WeakKeyDictionary()
+@per_program
+def _orders_for_shares(program: Program, shares: tuple[float, ...]) -> tuple[tuple[int, ...], ...]:
+    return tuple(sink_views(program, overlap_lane_ops(program, order)) for order in (
+        None,
+        hoist_updates(program),
+        hoist_updates(program, anchored=False),
+        *(hoist_updates(program, share=share) for share in shares)))
 
 
 def order_name(program: Program, order: Sequence[int], config: PlannerConfig = PlannerConfig()) -> str:
@@ -59,15 +56,10 @@ def order_name(program: Program, order: Sequence[int], config: PlannerConfig = P
                 "other")
 
 
+@per_program
 def made_share(program: Program) -> float:
     """Share of the captured no-offload peak held by storages the step makes (not its state)."""
-    cached = _MADE_SHARE.get(program)
-    if cached is None:
-        profile = memory_profile(program)
-        state = state_storages(program)
-        made = sum(program.values[s].alloc_bytes for s in profile.peak_storages if s not in state)
-        cached = _MADE_SHARE[program] = made / profile.peak_bytes if profile.peak_bytes else 0.0
-    return cached
-
-
-_MADE_SHARE: WeakKeyDictionary[Program, float] = WeakKeyDictionary()
+    profile = memory_profile(program)
+    state = state_storages(program)
+    made = sum(program.values[s].alloc_bytes for s in profile.peak_storages if s not in state)
+    return made / profile.peak_bytes if profile.peak_bytes else 0.0
