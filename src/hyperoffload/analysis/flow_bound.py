@@ -71,8 +71,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows, solved
-from hyperoffload.analysis.segments import Segment, order_profile, segments
+from hyperoffload.analysis.lp import SOLVER_MARGIN, SparseProgram, link_rows, solved
+from hyperoffload.analysis.segments import OrderProfile, Segment, order_profile, segments
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 
@@ -117,53 +117,102 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
     ``bins``: how many bins to cut the order into (fewer if it has fewer compute ops); more is tighter and
     slower.
     """
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
-
     started = time.perf_counter()
     profile = order_profile(program, hardware, order)
-    order, times, computing, live = profile.order, profile.times, profile.computing, profile.live
-    n = len(order)
-    compute = float(times.sum())
-    compute_positions = np.flatnonzero(computing)
-    if compute_positions.size == 0 or int(live[compute_positions].max()) <= budget_bytes:
+    compute = float(profile.times.sum())
+    compute_positions = np.flatnonzero(profile.computing)
+    if compute_positions.size == 0 or int(profile.live[compute_positions].max()) <= budget_bytes:
         return FlowBound(seconds=compute, compute_s=compute, status="fits", bins=0,
                          solve_s=time.perf_counter() - started)
+    slots = _cut_into_slots(profile, compute_positions, bins, budget_bytes)
+    free, charged = _charged_segments(program, profile.order, slots)
+    blocks = _blocks(charged, slots)
+    scale = _scale(hardware, compute, slots.count)
+    lp = _build_program(blocks, slots, free, scale, hardware.duplex_share)
+    result = lp.solve()
+    solve_s = time.perf_counter() - started
+    common = {"compute_s": compute, "bins": slots.bins, "instants": tuple(int(p) for p in slots.instants),
+              "need_bytes": tuple(int(x) for x in slots.need), "segments": len(charged), "blocks": len(blocks),
+              "variables": lp.program.variables, "constraints": lp.program.constraints}
+    if solved(result, "flow bound") is None:
+        return FlowBound(seconds=float("inf"), status="infeasible", solve_s=solve_s, **common)
+    return _optimal(result, lp, slots, scale, compute, solve_s, common)
 
-    # Bins of consecutive compute ops (lane ops ride in the bin of the compute op before them; those ahead
-    # of every compute op in the first bin), split into two slots at the bin's instant.
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Slots:
+    """The order cut into bins of consecutive compute ops, each split into two slots at its instant (positions in
+    the order, seconds, bytes)."""
+
+    compute_positions: np.ndarray
+    """Positions of the compute ops, ascending."""
+    computing: np.ndarray
+    """Per position: whether the op runs on the compute stream."""
+    instants: np.ndarray
+    """Per bin: position of its instant (its compute op of most unplanned live bytes)."""
+    slot_start: np.ndarray
+    """Per slot ``j``: its first position (slot ``2k``: bin ``k``'s first op, or 0; slot ``2k + 1``: the instant)."""
+    slot_of: np.ndarray
+    """Per position: the slot it lies in."""
+    slot_compute: np.ndarray
+    """Per slot: compute seconds of its ops."""
+    need: np.ndarray
+    """Per bin: bytes that must be off at its instant (``live - budget``, at least 0)."""
+
+    @property
+    def bins(self) -> int:
+        """Bins: at most as many as asked for, and no more than compute ops."""
+        return int(self.instants.size)
+
+    @property
+    def count(self) -> int:
+        """Slots: two per bin."""
+        return int(self.slot_start.size)
+
+    def d2h_from(self, position: int) -> int:
+        """First slot an offload started after op ``position`` finished may move data in (a lane op's write
+        ends after the compute op before it started)."""
+        anchor = position if self.computing[position] else _previous(self.compute_positions, position)
+        return 0 if anchor < 0 else int(self.slot_of[anchor])
+
+    def h2d_until(self, position: int) -> int:
+        """Last slot a prefetch landing before the op at ``position`` starts may move data in."""
+        # The next compute op at or after ``position``: there is one, as a segment whose use comes after the
+        # last compute op charges no H2D (``_charged_segments``).
+        i = int(np.searchsorted(self.compute_positions, position))
+        anchor = int(self.compute_positions[i])
+        j = int(self.slot_of[anchor])
+        # A slot's time begins when its first op starts (the first slot begins with the step).
+        return j - 1 if j > 0 and self.slot_start[j] == anchor else j
+
+
+def _cut_into_slots(profile: OrderProfile, compute_positions: np.ndarray, bins: int, budget_bytes: int) -> _Slots:
+    """Bins of consecutive compute ops (``bins``, fewer if there are fewer compute ops; lane ops ride in the bin
+    of the compute op before them, those ahead of every compute op in the first bin), split into two slots at
+    the bin's instant."""
+    live, n = profile.live, len(profile.order)
     k_bins = min(bins, compute_positions.size)
     groups = np.array_split(compute_positions, k_bins)
     first_of_bin = np.array([g[0] for g in groups])
     instants = np.array([g[int(np.argmax(live[g]))] for g in groups])
-    # slot_start[j]: first position of slot j (slot 2k: the bin's first op, or 0; slot 2k + 1: the instant)
     slot_start = np.empty(2 * k_bins, dtype=np.int64)
     slot_start[0::2] = first_of_bin
     slot_start[0] = 0
     slot_start[1::2] = instants
     slots = 2 * k_bins
     slot_of = np.searchsorted(slot_start, np.arange(n), side="right") - 1  # slot of each position
-    slot_compute = np.bincount(slot_of, weights=times, minlength=slots) if n else np.zeros(slots)
-    need = np.maximum(live[instants] - budget_bytes, 0)
+    slot_compute = np.bincount(slot_of, weights=profile.times, minlength=slots) if n else np.zeros(slots)
+    return _Slots(compute_positions=compute_positions, computing=profile.computing, instants=instants,
+                  slot_start=slot_start, slot_of=slot_of, slot_compute=slot_compute,
+                  need=np.maximum(live[instants] - budget_bytes, 0))
 
-    def d2h_from(position: int) -> int:
-        """First slot an offload started after op ``position`` finished may move data in (a lane op's write
-        ends after the compute op before it started)."""
-        anchor = position if computing[position] else _previous(compute_positions, position)
-        return 0 if anchor < 0 else int(slot_of[anchor])
 
-    def h2d_until(position: int) -> int:
-        """Last slot a prefetch landing before the op at ``position`` starts may move data in."""
-        # The next compute op at or after ``position``: there is one, as a segment whose use comes after the
-        # last compute op charges no H2D (below).
-        i = int(np.searchsorted(compute_positions, position))
-        anchor = int(compute_positions[i])
-        j = int(slot_of[anchor])
-        # A slot's time begins when its first op starts (the first slot begins with the step).
-        return j - 1 if j > 0 and slot_start[j] == anchor else j
-
-    # Each segment's instants; segments that charge nothing are free capacity.
-    free = np.zeros(k_bins, dtype=np.float64)
+def _charged_segments(program: Program, order: list[int], slots: _Slots
+                      ) -> tuple[np.ndarray, list[tuple[Segment, np.ndarray]]]:
+    """Each segment's instants where bytes must be off; segments that charge nothing are free capacity. Returns
+    the free bytes per bin and the charged segments, each with its instants."""
+    instants, need = slots.instants, slots.need
+    free = np.zeros(slots.bins, dtype=np.float64)
     charged: list[tuple[Segment, np.ndarray]] = []
     for seg in segments(program, order):
         lo_k = int(np.searchsorted(instants, seg.lo, side="right"))
@@ -174,7 +223,7 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
         ks = ks[need[ks] > 0]
         if ks.size == 0:
             continue
-        if seg.returns and seg.hi > compute_positions[-1]:
+        if seg.returns and seg.hi > slots.compute_positions[-1]:
             # A use after the last compute op may wait for its prefetch past the end of the compute this
             # bound counts: charge no H2D for it (looser).
             seg = Segment(seg.storage, seg.lo, seg.hi, seg.nbytes, seg.epoch, False)
@@ -182,42 +231,17 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
             free[ks] += seg.nbytes
         else:
             charged.append((seg, ks))
-    # Units keep the LP's coefficients near 1: time in mean slot compute, bytes in what the slower lane
-    # moves in that time.
-    tau = compute / slots if compute > 0 else 1.0
-    unit = min(hardware.h2d_bw, hardware.d2h_bw) * tau
-    x_d2h = unit / (hardware.d2h_bw * tau)  # slot-durations one unit of D2H bytes takes alone
-    x_h2d = unit / (hardware.h2d_bw * tau)
+    return free, charged
 
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    rhs: list[float] = []
-    upper: list[float] = [np.inf] * slots
-    lower: list[float] = list(slot_compute / tau)
-    link_d2h: list[list[tuple[int, float]]] = [[] for _ in range(slots)]  # (variable, coefficient) of X_j
-    link_h2d: list[list[tuple[int, float]]] = [[] for _ in range(slots)]
-    memory: list[list[int]] = [[] for _ in range(k_bins)]
-    d2h_last: list[int] = []  # each epoch's cumulative flow at its last slot (the bytes it moved)
-    h2d_first: list[int] = []
 
-    def new_vars(count: int, cap: float) -> int:
-        base = len(upper)
-        upper.extend([cap] * count)
-        lower.extend([0.0] * count)
-        return base
+def _blocks(charged: list[tuple[Segment, np.ndarray]], slots: _Slots) -> dict[tuple, int]:
+    """Blocks: a write epoch with the segments it serves (or one segment the step charges no D2H for). Blocks
+    alike in every slot and instant differ only in bytes, and every constraint of a block scales with its
+    bytes, so alike blocks are merged into one of their summed size: the same LP, much smaller.
 
-    def row(entries: list[tuple[int, float]], bound: float) -> None:
-        r = len(rhs)
-        for c, v in entries:
-            rows.append(r)
-            cols.append(c)
-            vals.append(v)
-        rhs.append(bound)
-
-    # Blocks: a write epoch with the segments it serves (or one segment the step charges no D2H for). Blocks
-    # alike in every slot and instant differ only in bytes, and every constraint of a block scales with its
-    # bytes, so alike blocks are merged into one of their summed size: the same LP, much smaller.
+    Keyed by shape: the first slot the epoch's offload may move data in (None: no D2H charged), and per
+    segment its instants and the last slot its prefetch may move data in (-1: no H2D charged); the value is
+    the block's bytes."""
     groups: dict[tuple, list[tuple[Segment, np.ndarray]]] = {}
     for seg, ks in charged:
         key = (seg.storage, seg.epoch) if seg.epoch is not None else (seg.storage, seg.lo, None)
@@ -225,76 +249,140 @@ def flow_bound(program: Program, hardware: Hardware, budget_bytes: int, order: S
     blocks: dict[tuple, int] = {}
     for members in groups.values():
         head = members[0][0]
-        shape = (None if head.epoch is None else d2h_from(head.epoch),
-                 tuple(sorted((tuple(int(k) for k in ks), h2d_until(seg.hi) if seg.returns else -1)
+        shape = (None if head.epoch is None else slots.d2h_from(head.epoch),
+                 tuple(sorted((tuple(int(k) for k in ks), slots.h2d_until(seg.hi) if seg.returns else -1)
                               for seg, ks in members)))
         blocks[shape] = blocks.get(shape, 0) + head.nbytes
+    return blocks
 
-    for (d2h_first, members), nbytes in blocks.items():
-        size = nbytes / unit
-        if d2h_first is not None:
-            # F_j: bytes of the epoch's offload moved up to slot j, from the write's slot to the last instant.
-            last = max(2 * ks[-1] for ks, _ in members)
-            f_base = new_vars(last - d2h_first + 1, size)
-            for j in range(d2h_first, last + 1):
-                v = f_base + j - d2h_first
-                link_d2h[j].append((v, x_d2h))
-                if j > d2h_first:
-                    link_d2h[j].append((v - 1, -x_d2h))
-                    row([(v - 1, 1.0), (v, -1.0)], 0.0)  # the flow in slot j is not negative
-            d2h_last.append(f_base + last - d2h_first)
-        for ks, h2d_last in members:
-            off = new_vars(len(ks), size)
-            for i, k in enumerate(ks):
-                memory[k].append(off + i)
-                if d2h_first is not None:
-                    row([(off + i, 1.0), (f_base + 2 * k - d2h_first, -1.0)], 0.0)
-            if h2d_last < 0:
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Scale:
+    """Units that keep the LP's coefficients near 1: time in mean slot compute (``tau``, seconds), bytes in what
+    the slower lane moves in that time (``unit``)."""
+
+    tau: float
+    unit: float
+    x_d2h: float
+    """Slot-durations one unit of D2H bytes takes alone."""
+    x_h2d: float
+    """Slot-durations one unit of H2D bytes takes alone."""
+
+
+def _scale(hardware: Hardware, compute: float, slots: int) -> _Scale:
+    tau = compute / slots if compute > 0 else 1.0
+    unit = min(hardware.h2d_bw, hardware.d2h_bw) * tau
+    return _Scale(tau=tau, unit=unit, x_d2h=unit / (hardware.d2h_bw * tau), x_h2d=unit / (hardware.h2d_bw * tau))
+
+
+class _FlowProgram:
+    """The flow bound's LP as it is built. Variables: the slots' durations ``d_j`` (in ``tau``), then per block
+    its D2H flows ``F_j`` and per segment its amounts off ``o_k`` and H2D flows ``R_j`` (in ``unit``). Each
+    slot's link rows and each instant's memory row collect their entries as the blocks come in."""
+
+    __slots__ = ("program", "slots", "link_d2h", "link_h2d", "memory", "d2h_last", "h2d_first")
+
+    def __init__(self, slots: _Slots, scale: _Scale) -> None:
+        self.program = SparseProgram()
+        self.slots = slots.count
+        self.program.add_variables(slots.count, lower=slots.slot_compute / scale.tau, upper=np.inf)
+        self.link_d2h: list[list[tuple[int, float]]] = [[] for _ in range(slots.count)]  # (variable, coeff) of X_j
+        self.link_h2d: list[list[tuple[int, float]]] = [[] for _ in range(slots.count)]
+        self.memory: list[list[int]] = [[] for _ in range(slots.bins)]
+        self.d2h_last: list[int] = []  # each epoch's cumulative flow at its last slot (the bytes it moved)
+        self.h2d_first: list[int] = []
+
+    def add_offload(self, first: int, last: int, size: float, x_d2h: float) -> int:
+        """``F_j``: bytes of the epoch's offload moved up to slot ``j``, from the write's slot ``first`` to the
+        last instant's slot ``last``. Returns ``F_first``'s index."""
+        f_base = self.program.add_variables(last - first + 1, upper=size)
+        for j in range(first, last + 1):
+            v = f_base + j - first
+            self.link_d2h[j].append((v, x_d2h))
+            if j > first:
+                self.link_d2h[j].append((v - 1, -x_d2h))
+                self.program.add_row([(v - 1, 1.0), (v, -1.0)], 0.0)  # the flow in slot j is not negative
+        self.d2h_last.append(f_base + last - first)
+        return f_base
+
+    def add_off(self, ks: tuple[int, ...], size: float, offload: tuple[int, int] | None) -> int:
+        """``o_k``: bytes of a segment off at each of its instants ``ks``, at most what its epoch's offload
+        ``(F_first's index, first)`` has moved by then, where it is charged one. Returns ``o``'s index."""
+        off = self.program.add_variables(len(ks), upper=size)
+        for i, k in enumerate(ks):
+            self.memory[k].append(off + i)
+            if offload is not None:
+                f_base, d2h_first = offload
+                self.program.add_row([(off + i, 1.0), (f_base + 2 * k - d2h_first, -1.0)], 0.0)
+        return off
+
+    def add_prefetch(self, ks: tuple[int, ...], last: int, size: float, off: int, x_h2d: float) -> None:
+        """``R_j``: bytes of the returning prefetch moved from slot ``j`` on, from the first instant's second slot
+        to the slot ``last`` the use starts in; each ``o_k`` is at most what moves after its instant."""
+        first = 2 * ks[0] + 1
+        r_base = self.program.add_variables(last - first + 1, upper=size)
+        for j in range(first, last + 1):
+            v = r_base + j - first
+            self.link_h2d[j].append((v, x_h2d))
+            if j < last:
+                self.link_h2d[j].append((v + 1, -x_h2d))
+                self.program.add_row([(v + 1, 1.0), (v, -1.0)], 0.0)  # the flow in slot j is not negative
+        self.h2d_first.append(r_base)
+        for i, k in enumerate(ks):
+            self.program.add_row([(off + i, 1.0), (r_base + 2 * k + 1 - first, -1.0)], 0.0)
+
+    def add_memory_rows(self, need: np.ndarray, free: np.ndarray, unit: float) -> None:
+        """At each instant that needs bytes off: ``sum_i o_ik >= live(p*) - budget``, less the free capacity."""
+        for k, entries in enumerate(self.memory):
+            if need[k] > 0:
+                self.program.add_row([(v, -1.0) for v in entries], -float(need[k] - free[k]) / unit)
+
+    def add_link_rows(self, duplex_share: float) -> None:
+        """In each slot that copies, the link's rows over its ``X_j``, ``Y_j`` and duration ``d_j``."""
+        for j in range(self.slots):
+            if not self.link_d2h[j] and not self.link_h2d[j]:
                 continue
-            # R_j: bytes of the returning prefetch moved from slot j on, from the first instant's second slot
-            # to the slot the use starts in.
-            first = 2 * ks[0] + 1
-            r_base = new_vars(h2d_last - first + 1, size)
-            for j in range(first, h2d_last + 1):
-                v = r_base + j - first
-                link_h2d[j].append((v, x_h2d))
-                if j < h2d_last:
-                    link_h2d[j].append((v + 1, -x_h2d))
-                    row([(v + 1, 1.0), (v, -1.0)], 0.0)  # the flow in slot j is not negative
-            h2d_first.append(r_base)
-            for i, k in enumerate(ks):
-                row([(off + i, 1.0), (r_base + 2 * k + 1 - first, -1.0)], 0.0)
+            for a, b, c in link_rows(duplex_share):  # (d2h weight, h2d weight, duration weight)
+                entries = ([(v, a * x) for v, x in self.link_d2h[j] if a]
+                           + [(v, b * x) for v, x in self.link_h2d[j] if b])
+                self.program.add_row(entries + [(j, -c)], 0.0)
 
-    for k in range(k_bins):
-        if need[k] > 0:
-            row([(v, -1.0) for v in memory[k]], -float(need[k] - free[k]) / unit)
+    def solve(self):
+        """Least total duration (``scipy.optimize.linprog``'s result)."""
+        objective = np.zeros(self.program.variables)
+        objective[:self.slots] = 1.0
+        return self.program.solve(objective)
 
-    for j in range(slots):
-        if not link_d2h[j] and not link_h2d[j]:
-            continue
-        for a, b, c in link_rows(hardware.duplex_share):  # (d2h weight, h2d weight, duration weight)
-            entries = [(v, a * x) for v, x in link_d2h[j] if a] + [(v, b * x) for v, x in link_h2d[j] if b]
-            row(entries + [(j, -c)], 0.0)
 
-    n_vars = len(upper)
-    matrix = coo_matrix((vals, (rows, cols)), shape=(len(rhs), n_vars)).tocsr()
-    objective = np.zeros(n_vars)
-    objective[:slots] = 1.0
-    result = linprog(objective, A_ub=matrix, b_ub=np.asarray(rhs), bounds=np.column_stack([lower, upper]),
-                     method="highs-ipm")
-    solve_s = time.perf_counter() - started
-    common = {"compute_s": compute, "bins": k_bins, "instants": tuple(int(p) for p in instants),
-              "need_bytes": tuple(int(x) for x in need), "segments": len(charged), "blocks": len(blocks),
-              "variables": n_vars, "constraints": len(rhs)}
-    if solved(result, "flow bound") is None:
-        return FlowBound(seconds=float("inf"), status="infeasible", solve_s=solve_s, **common)
-    durations = result.x[:slots] * tau
-    stall = np.maximum(durations - slot_compute, 0.0)
-    total_stall = max(0.0, float(result.fun) * tau - compute)
+def _build_program(blocks: dict[tuple, int], slots: _Slots, free: np.ndarray, scale: _Scale,
+                   duplex_share: float) -> _FlowProgram:
+    """The flow bound's LP: each block's flows and amounts off, then the memory rows, then the link rows."""
+    lp = _FlowProgram(slots, scale)
+    for (d2h_first, members), nbytes in blocks.items():
+        size = nbytes / scale.unit
+        offload = None
+        if d2h_first is not None:
+            last = max(2 * ks[-1] for ks, _ in members)
+            offload = (lp.add_offload(d2h_first, last, size, scale.x_d2h), d2h_first)
+        for ks, h2d_last in members:
+            off = lp.add_off(ks, size, offload)
+            if h2d_last >= 0:
+                lp.add_prefetch(ks, h2d_last, size, off, scale.x_h2d)
+    lp.add_memory_rows(slots.need, free, scale.unit)
+    lp.add_link_rows(duplex_share)
+    return lp
+
+
+def _optimal(result, lp: _FlowProgram, slots: _Slots, scale: _Scale, compute: float, solve_s: float,
+             common: dict) -> FlowBound:
+    """The bound the LP's optimum gives: compute plus the stall it finds, less the solver margin."""
+    durations = result.x[:slots.count] * scale.tau
+    stall = np.maximum(durations - slots.slot_compute, 0.0)
+    total_stall = max(0.0, float(result.fun) * scale.tau - compute)
     return FlowBound(seconds=compute + total_stall * (1.0 - SOLVER_MARGIN), status="optimal", solve_s=solve_s,
                      stall_s=tuple(float(x) for x in stall[0::2] + stall[1::2]),
-                     d2h_bytes=float(result.x[d2h_last].sum()) * unit if d2h_last else 0.0,
-                     h2d_bytes=float(result.x[h2d_first].sum()) * unit if h2d_first else 0.0, **common)
+                     d2h_bytes=float(result.x[lp.d2h_last].sum()) * scale.unit if lp.d2h_last else 0.0,
+                     h2d_bytes=float(result.x[lp.h2d_first].sum()) * scale.unit if lp.h2d_first else 0.0, **common)
 
 
 def _previous(positions: np.ndarray, position: int) -> int:

@@ -57,9 +57,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows, solved
-from hyperoffload.analysis.segments import order_profile, segments
-from hyperoffload.analysis.uses import storage_uses
+from hyperoffload.analysis.lp import SOLVER_MARGIN, SparseProgram, link_rows, solved
+from hyperoffload.analysis.segments import OrderProfile, Segment, order_profile, segments
+from hyperoffload.analysis.uses import Uses, storage_uses
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import state_storages
@@ -93,43 +93,83 @@ class TrafficBound:
 def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
                   order: Sequence[int] | None = None) -> TrafficBound:
     """The traffic bound of ``program`` run in ``order`` (default: as captured) under ``budget_bytes``."""
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix, vstack
-
     started = time.perf_counter()
     profile = order_profile(program, hardware, order)
-    order, computing, live = profile.order, profile.computing, profile.live
-    n = len(order)
     compute = float(profile.times.sum())
-    need = np.where(computing, np.maximum(live - budget_bytes, 0), 0) if n else np.zeros(0, dtype=np.int64)
+    need = _need(profile, budget_bytes)
     if not need.any():
         return TrafficBound(seconds=compute, compute_s=compute, copy_s=0.0, status="fits",
                             solve_s=time.perf_counter() - started)
-    last_compute = int(np.flatnonzero(computing)[-1])
-    values = program.values
+    uses = storage_uses(program, profile.order)
+    found = segments(program, profile.order, uses)
+    copies = _copies(program, profile, found, uses)
+    scale = _scale(hardware, need)
+    lp, columns, a_eq, b_eq = _build_program(program, found, copies, need, scale, hardware.duplex_share)
+    constraints = a_eq.shape[0] + lp.constraints
+    bounds = lp.bounds()
+    if (bounds[:, 1] < bounds[:, 0] - 1e-12).any():
+        return _infeasible(compute, len(found), lp.variables, constraints, started)
+    result = lp.solve(_objective(columns, lp.variables), a_eq=a_eq, b_eq=b_eq)
+    solve_s = time.perf_counter() - started
+    if solved(result, "traffic bound") is None:
+        return _infeasible(compute, len(found), lp.variables, constraints, started)
+    copy_s = float(result.x[columns.copy_time]) * scale.t_h2d * (1.0 - SOLVER_MARGIN)
+    return TrafficBound(seconds=max(compute, copy_s), compute_s=compute, copy_s=copy_s, status="optimal",
+                        h2d_bytes=float(result.x[columns.prefetches:columns.copy_time].sum()) * scale.unit,
+                        d2h_bytes=float(result.x[columns.offloads:columns.prefetches].sum()) * scale.unit,
+                        segments=len(found), variables=lp.variables, constraints=constraints, solve_s=solve_s)
 
-    # Units keep the LP's coefficients near 1: bytes in the largest need, time in what the H2D lane takes to
-    # move that alone.
-    unit = float(need.max())
-    t_h2d = unit / hardware.h2d_bw  # seconds one unit takes on each lane alone
-    t_d2h = unit / hardware.d2h_bw
 
-    uses = storage_uses(program, order)
-    found = segments(program, order, uses)
+def _build_program(program: Program, found: list[Segment], copies: _Copies, need: np.ndarray, scale: _Scale,
+                   duplex_share: float):
+    """The traffic bound's LP: its variables with their bounds and inequality rows, and its equality rows
+    ``(A_eq, b_eq)``, returned as ``(program, columns, A_eq, b_eq)``."""
+    lp, columns = _variables(program, found, copies, need, scale)
+    a_eq, b_eq = _flow_rows(found, need.size, columns, lp.variables)
+    _add_cover_rows(lp, copies, columns)
+    _add_link_rows(lp, copies, columns, scale, duplex_share)
+    return lp, columns, a_eq, b_eq
+
+
+def _need(profile: OrderProfile, budget_bytes: int) -> np.ndarray:
+    """Per position: bytes that must be off while its op starts (``live - budget`` at a compute op, at least 0;
+    0 at a lane op)."""
+    if not profile.order:
+        return np.zeros(0, dtype=np.int64)
+    return np.where(profile.computing, np.maximum(profile.live - budget_bytes, 0), 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Copies:
+    """The copies the segments share (indices into the order's segments)."""
+
+    epochs: dict[tuple[int, int], int]
+    """``(storage, write position) -> index`` of each write epoch whose offload some segment needs."""
+    epoch_of: list[int]
+    """Per segment: the epoch whose offload it needs, or -1: no offload needed."""
+    groups: list[list[int]]
+    """Per prefetch: the segments it brings back."""
+
+
+def _copies(program: Program, profile: OrderProfile, found: list[Segment], uses: Uses) -> _Copies:
+    """Which offload and which prefetch each segment needs (module docstring, *Copies*)."""
     at_start = state_storages(program)
-    # Variables: f_p (the flow past position p along the order, what is *not* off there: at most total - need),
-    # z_i (bytes of segment i off), y_e (bytes of epoch e's offload), r_g (bytes of prefetch g), then L (the copy
-    # time, in units of t_h2d).
     epochs: dict[tuple[int, int], int] = {}
-    epoch_of: list[int] = []  # each segment's epoch, or -1: no offload needed
+    epoch_of: list[int] = []
     for seg in found:
         epoch = seg.epoch
         if epoch is None and seg.storage in at_start and uses.writes.get(seg.storage):
-            epoch = uses.writes[seg.storage][-1]  # before the first write: the last step's last write (see above)
+            epoch = uses.writes[seg.storage][-1]  # before the first write: the last step's last write
         epoch_of.append(-1 if epoch is None else epochs.setdefault((seg.storage, epoch), len(epochs)))
-    # Prefetches: one per segment that returns within the compute, except that a storage the step starts with
-    # is per step one stretch from its last use to its first (see above): its segment after the last use and
-    # its segment before the first share one prefetch (r_g >= z_i), even where the latter charges none.
+    return _Copies(epochs=epochs, epoch_of=epoch_of, groups=_prefetch_groups(profile, found, uses, at_start))
+
+
+def _prefetch_groups(profile: OrderProfile, found: list[Segment], uses: Uses, at_start: set[int]) -> list[list[int]]:
+    """Prefetches: one per segment that returns within the compute, except that a storage the step starts with
+    is per step one stretch from its last use to its first (module docstring): its segment after the last use
+    and its segment before the first share one prefetch (``r_g >= z_i``), even where the latter charges none."""
+    n = len(profile.order)
+    last_compute = int(np.flatnonzero(profile.computing)[-1])
     returns: dict[tuple[int, int], list[int]] = {}  # group -> its segments
     for i, seg in enumerate(found):
         if seg.storage in at_start and (seg.lo < 0 or seg.hi >= n):
@@ -137,84 +177,116 @@ def traffic_bound(program: Program, hardware: Hardware, budget_bytes: int,
                 returns.setdefault((seg.storage, -1), []).append(i)
         elif seg.returns and seg.hi <= last_compute:
             returns[(seg.storage, seg.lo)] = [i]
-    groups = list(returns.values())
-    m, e_count, g_count = len(found), len(epochs), len(groups)
-    size = np.array([seg.nbytes for seg in found], dtype=np.float64) / unit
-    total = float(size.sum()) + 1.0
-    z0, y0, r0 = n, n + m, n + m + e_count
-    l_var = r0 + g_count
-    n_vars = l_var + 1
+    return list(returns.values())
 
-    rows: list[np.ndarray] = []
-    cols: list[np.ndarray] = []
-    vals: list[np.ndarray] = []
-    # Flow conservation at the boundary before each position 1..n-1 (node p: between positions p - 1 and p);
-    # node 0 supplies ``total``, node n takes it. Position p's arc runs from node p to p + 1, segment i's from
-    # node lo + 1 to node hi: every position's cut then carries f_p + (segments around p) = total.
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Scale:
+    """Units that keep the LP's coefficients near 1: bytes in the largest need (``unit``), time in what the H2D
+    lane takes to move that alone (``t_h2d``, seconds; ``t_d2h``: the D2H lane's)."""
+
+    unit: float
+    t_h2d: float
+    t_d2h: float
+
+
+def _scale(hardware: Hardware, need: np.ndarray) -> _Scale:
+    unit = float(need.max())
+    return _Scale(unit=unit, t_h2d=unit / hardware.h2d_bw, t_d2h=unit / hardware.d2h_bw)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Columns:
+    """Where each kind of variable starts in the LP. Variables: ``f_p`` from 0 (the flow past position ``p``
+    along the order, what is *not* off there: at most ``total - need``), ``z_i`` (bytes of segment ``i`` off),
+    ``y_e`` (bytes of epoch ``e``'s offload), ``r_g`` (bytes of prefetch ``g``), then ``L`` (the copy time, in
+    units of ``t_h2d``); bytes in ``unit``."""
+
+    segments: int
+    offloads: int
+    prefetches: int
+    copy_time: int
+    total: float
+    """What the flow carries past every position: every segment's bytes, and one more unit."""
+
+
+def _variables(program: Program, found: list[Segment], copies: _Copies, need: np.ndarray, scale: _Scale
+               ) -> tuple[SparseProgram, _Columns]:
+    """The LP's variables, each within its bounds (``_Columns``), and no rows yet."""
+    size = np.array([seg.nbytes for seg in found], dtype=np.float64) / scale.unit
+    total = float(size.sum()) + 1.0
+    epoch_size = np.zeros(len(copies.epochs))
+    for (storage, _), e in copies.epochs.items():
+        epoch_size[e] = program.values[storage].alloc_bytes / scale.unit
+    group_size = np.array([size[members[0]] for members in copies.groups])
+    lp = SparseProgram()
+    lp.add_variables(need.size, upper=total - need / scale.unit)
+    segments_at = lp.add_variables(size.size, upper=size)
+    offloads_at = lp.add_variables(epoch_size.size, upper=epoch_size)
+    prefetches_at = lp.add_variables(group_size.size, upper=group_size)
+    copy_time_at = lp.add_variables(1, upper=np.inf)
+    return lp, _Columns(segments=segments_at, offloads=offloads_at, prefetches=prefetches_at,
+                        copy_time=copy_time_at, total=total)
+
+
+def _flow_rows(found: list[Segment], n: int, columns: _Columns, n_vars: int):
+    """The memory rows, as a flow along the order (module docstring): equality rows ``(A_eq, b_eq)``.
+
+    Flow conservation at the boundary before each position 1..n-1 (node p: between positions p - 1 and p);
+    node 0 supplies ``total``, node n takes it. Position p's arc runs from node p to p + 1, segment i's from
+    node lo + 1 to node hi: every position's cut then carries f_p + (segments around p) = total."""
+    from scipy.sparse import coo_matrix, vstack
+
+    z0 = columns.segments
     p = np.arange(n)
     lo = np.array([max(seg.lo + 1, 0) for seg in found], dtype=np.int64)
     hi = np.array([min(seg.hi, n) for seg in found], dtype=np.int64)
     spans = hi > lo
     seg_ids = np.flatnonzero(spans)
-    rows += [p + 1, p, hi[spans], lo[spans]]
-    cols += [p, p, z0 + seg_ids, z0 + seg_ids]
-    vals += [np.ones(n), -np.ones(n), np.ones(seg_ids.size), -np.ones(seg_ids.size)]
+    rows = [p + 1, p, hi[spans], lo[spans]]
+    cols = [p, p, z0 + seg_ids, z0 + seg_ids]
+    vals = [np.ones(n), -np.ones(n), np.ones(seg_ids.size), -np.ones(seg_ids.size)]
     eq = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n + 1, n_vars))
     eq = eq.tocsr()[1:n]  # nodes 1..n-1 balance; the source's and the sink's supply is the first cut's row below
     # With f_p + (segments around p) the same at every cut, fixing it at position 0 fixes it everywhere.
     around_first = np.flatnonzero(spans & (lo <= 0) & (hi > 0))
+    first_cut_cols = np.concatenate([[0], z0 + around_first])
     first_cut = coo_matrix((np.ones(1 + around_first.size),
-                            (np.zeros(1 + around_first.size, dtype=np.int64), np.concatenate([[0], z0 + around_first]))),
+                            (np.zeros(1 + around_first.size, dtype=np.int64), first_cut_cols)),
                            shape=(1, n_vars)).tocsr()
     eq = vstack([eq, first_cut]).tocsr()
     eq_rhs = np.zeros(eq.shape[0])
-    eq_rhs[-1] = total
+    eq_rhs[-1] = columns.total
+    return eq, eq_rhs
 
-    # Offloads cover their epoch's segments (z_i <= y_e), and the copy time covers the bytes (the link rows).
-    ub_rows, ub_cols, ub_vals = [], [], []
-    r = 0
-    for i, e in enumerate(epoch_of):
+
+def _add_cover_rows(lp: SparseProgram, copies: _Copies, columns: _Columns) -> None:
+    """Offloads cover their epoch's segments (``z_i <= y_e``), prefetches their group's (``z_i <= r_g``)."""
+    for i, e in enumerate(copies.epoch_of):
         if e >= 0:
-            ub_rows += [r, r]
-            ub_cols += [z0 + i, y0 + e]
-            ub_vals += [1.0, -1.0]
-            r += 1
-    for g, members in enumerate(groups):
+            lp.add_row([(columns.segments + i, 1.0), (columns.offloads + e, -1.0)], 0.0)
+    for g, members in enumerate(copies.groups):
         for i in members:
-            ub_rows += [r, r]
-            ub_cols += [z0 + i, r0 + g]
-            ub_vals += [1.0, -1.0]
-            r += 1
-    for a_h2d, b_d2h, c in link_rows(hardware.duplex_share):  # a X + b Y <= c L, with X, Y and L in units of t_h2d
-        ub_rows += [r] * (g_count + e_count + 1)
-        ub_cols += [*range(r0, r0 + g_count), *range(y0, y0 + e_count), l_var]
-        ub_vals += [a_h2d] * g_count + [b_d2h * t_d2h / t_h2d] * e_count + [-c]
-        r += 1
-    ub = coo_matrix((ub_vals, (ub_rows, ub_cols)), shape=(r, n_vars)).tocsr()
+            lp.add_row([(columns.segments + i, 1.0), (columns.prefetches + g, -1.0)], 0.0)
 
-    epoch_size = np.zeros(e_count)
-    for (storage, _), e in epochs.items():
-        epoch_size[e] = values[storage].alloc_bytes / unit
-    lower = np.zeros(n_vars)
-    group_size = np.array([size[members[0]] for members in groups])
-    upper = np.concatenate([total - need / unit, size, epoch_size, group_size, [np.inf]])
-    # Least copy time first; among the least, the fewest bytes (a tie-break far below the solver's tolerance
-    # on the copy time), so that the bytes reported are what that time needs.
+
+def _add_link_rows(lp: SparseProgram, copies: _Copies, columns: _Columns, scale: _Scale, duplex_share: float) -> None:
+    """The copy time covers the bytes: ``a X + b Y <= c L`` per link row, with ``X``, ``Y`` and ``L`` in units of
+    ``t_h2d``."""
+    prefetches = range(columns.prefetches, columns.prefetches + len(copies.groups))
+    offloads = range(columns.offloads, columns.offloads + len(copies.epochs))
+    for a_h2d, b_d2h, c in link_rows(duplex_share):
+        d2h = b_d2h * scale.t_d2h / scale.t_h2d
+        lp.add_row([*((v, a_h2d) for v in prefetches), *((v, d2h) for v in offloads), (columns.copy_time, -c)], 0.0)
+
+
+def _objective(columns: _Columns, n_vars: int) -> np.ndarray:
+    """Least copy time first; among the least, the fewest bytes (a tie-break far below the solver's tolerance
+    on the copy time), so that the bytes reported are what that time needs."""
     objective = np.zeros(n_vars)
-    objective[l_var] = 1.0
-    objective[y0:l_var] = 1e-9
-    if (upper < lower - 1e-12).any():
-        return _infeasible(compute, m, n_vars, eq.shape[0] + r, started)
-    result = linprog(objective, A_ub=ub, b_ub=np.zeros(r), A_eq=eq, b_eq=eq_rhs,
-                     bounds=np.column_stack([lower, upper]), method="highs-ipm")
-    solve_s = time.perf_counter() - started
-    if solved(result, "traffic bound") is None:
-        return _infeasible(compute, m, n_vars, eq.shape[0] + r, started)
-    copy_s = float(result.x[l_var]) * t_h2d * (1.0 - SOLVER_MARGIN)
-    return TrafficBound(seconds=max(compute, copy_s), compute_s=compute, copy_s=copy_s, status="optimal",
-                        h2d_bytes=float(result.x[r0:l_var].sum()) * unit,
-                        d2h_bytes=float(result.x[y0:r0].sum()) * unit,
-                        segments=m, variables=n_vars, constraints=eq.shape[0] + r, solve_s=solve_s)
+    objective[columns.copy_time] = 1.0
+    objective[columns.offloads:columns.copy_time] = 1e-9
+    return objective
 
 
 def _infeasible(compute: float, m: int, n_vars: int, constraints: int, started: float) -> TrafficBound:
