@@ -63,28 +63,26 @@ class KeepPlanOrder(InductorChoices):
         rules is never handed back for a planned graph."""
         return hashlib.sha256(b"hyperoffload KeepPlanOrder/1").hexdigest()
 
-    @staticmethod
-    def can_fuse(scheduler, node1, node2, shared_data_score: int) -> bool:
-        positions = _cache_op_positions(scheduler)
+    def __init__(self) -> None:
+        super().__init__()
+        self._positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """The positions of the cache operators among each scheduler's nodes (``_cache_op_positions``)."""
+
+    def can_fuse(self, scheduler, node1, node2, shared_data_score: int) -> bool:
+        positions = self._positions.get(scheduler)
+        if positions is None:  # the cache operators are never fused, so their positions stay
+            positions = self._positions[scheduler] = _cache_op_positions(scheduler)
         low, high = min(node1.min_order, node2.min_order), max(node1.max_order, node2.max_order)
         if bisect.bisect_right(positions, low) < bisect.bisect_left(positions, high):
             return False
         return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
 
 
-_CACHE_OP_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _cache_op_positions(scheduler) -> list[int]:
-    """The positions (``min_order``) of the cache operators among the scheduler's nodes, ascending; cached per
-    scheduler (the cache operators are never fused, so their positions stay)."""
-    positions = _CACHE_OP_POSITIONS.get(scheduler)
-    if positions is None:
-        positions = sorted(n.min_order for n in scheduler.nodes
-                           if getattr(getattr(n, "node", None), "op_overload", None) is not None
-                           and n.node.op_overload.namespace == cache_ops.NAMESPACE)
-        _CACHE_OP_POSITIONS[scheduler] = positions
-    return positions
+    """The positions (``min_order``) of the cache operators among the scheduler's nodes, ascending."""
+    return sorted(n.min_order for n in scheduler.nodes
+                  if getattr(getattr(n, "node", None), "op_overload", None) is not None
+                  and n.node.op_overload.namespace == cache_ops.NAMESPACE)
 
 
 Partition = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
