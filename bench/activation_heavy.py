@@ -4,7 +4,7 @@ Where the storages a step makes (saved activations) hold much of the peak, spans
 step's state often relieve the same over-budget stretch and tie; activations can leave only in the forward pass
 and come back only in the backward pass, one direction at a time, while the state's copies can run beside them.
 ``PlannerConfig.state_first`` plans once more taking the state first on ties (where activations hold at least
-``STATE_FIRST_FROM`` of the peak) and keeps the faster plan. Each row plans the step both ways, verifies both
+``PlannerConfig.state_first_from`` of the peak) and keeps the faster plan. Each row plans the step both ways, verifies both
 plans and prints ``step_s / bound_s`` and ``step_s / link_bound_s`` (the least any plan in any op order could
 reach, ``analysis.link_bound``; 1.000 is optimal) without and with the start, and the planning time (a real CPU
 timing, this machine's).
