@@ -39,9 +39,21 @@ import torch
 from hyperoffload.runtime.transfers import TransferError
 
 
-def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A one-dimensional uint8 tensor over the whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def cuda_device(device: torch.device | int | str | None, user: str) -> torch.device:
+    """``device`` (an index, a name, None: the current one) as a CUDA device with its index; a clear error naming
+    ``user`` without a GPU, or for a device that is not a CUDA one."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{user} copies on CUDA streams and needs a CUDA GPU and a CUDA build of torch; on this "
+                           f"machine use the emulated link (hyperoffload.runtime.EmulatedLink)")
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    if device.type != "cuda":
+        raise ValueError(f"{user} runs on a CUDA device, not {device}")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 class CudaCopy:
@@ -81,13 +93,7 @@ class CudaCopyStreams:
     """Copies between one CUDA device and page-locked host memory on two side streams, for ``AsyncCopies``."""
 
     def __init__(self, device: torch.device | int | str | None = None) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("copies on CUDA streams need a CUDA GPU and a CUDA build of torch; on this machine "
-                               "run the step on the CPU, over an emulated link (hyperoffload.runtime.EmulatedLink)")
-        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
-        if device.type != "cuda":
-            raise ValueError(f"CudaCopyStreams copies to and from a CUDA device, not {device}")
-        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = cuda_device(device, "CudaCopyStreams")
         self.h2d = torch.cuda.Stream(self.device)
         self.d2h = torch.cuda.Stream(self.device)
 
@@ -99,7 +105,7 @@ class CudaCopyStreams:
         if after is not None:
             stream.wait_event(after.event)
         with torch.cuda.stream(stream):
-            _bytes(dst).copy_(_bytes(src), non_blocking=True)
+            storage_bytes(dst).copy_(storage_bytes(src), non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
         return CudaCopy(label, direction, src.nbytes(), event, compute, src if direction == "h2d" else dst)
@@ -120,4 +126,4 @@ class CudaCopyStreams:
                 pass
 
 
-__all__ = ["CudaCopy", "CudaCopyStreams"]
+__all__ = ["CudaCopy", "CudaCopyStreams", "cuda_device", "storage_bytes"]

@@ -51,13 +51,9 @@ from collections.abc import Sequence
 
 import torch
 
+from hyperoffload.runtime.cuda_copies import cuda_device, storage_bytes
 from hyperoffload.runtime.placement import place_state
 from hyperoffload.runtime.transfers import TransferError, run_lane_inline
-
-
-def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A one-dimensional uint8 tensor over the whole storage."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class CudaTransfer:
@@ -81,13 +77,7 @@ class CudaStreams:
     """Copies between CUDA device memory and pinned host memory on two side streams (a ``Transfers`` backend)."""
 
     def __init__(self, device: torch.device | int | str | None = None) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("the CUDA runtime needs a CUDA GPU and a CUDA build of torch; on this machine use "
-                               "the emulated link (hyperoffload.runtime.EmulatedLink)")
-        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
-        if device.type != "cuda":
-            raise ValueError(f"CudaStreams runs on a CUDA device, not {device}")
-        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = cuda_device(device, "the CUDA runtime (CudaStreams)")
         self.h2d = torch.cuda.Stream(self.device)
         self.d2h = torch.cuda.Stream(self.device)
         self._pinned: dict[tuple[int, int], torch.UntypedStorage] = {}
@@ -106,7 +96,7 @@ class CudaStreams:
         arena = self.device_storage(nbytes, like)
         # Slots are sliced storages, outside the allocator's bookkeeping (their record_stream is a no-op): mark
         # the block itself, so that freeing it waits for whatever the side streams have queued by then.
-        whole = _bytes(arena)
+        whole = storage_bytes(arena)
         whole.record_stream(self.h2d)
         whole.record_stream(self.d2h)
         return arena
@@ -126,9 +116,9 @@ class CudaStreams:
 
     def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> CudaTransfer:
         self.d2h.wait_stream(self._compute_stream())
-        source = _bytes(src)
+        source = storage_bytes(src)
         with torch.cuda.stream(self.d2h):
-            _bytes(dst).copy_(source, non_blocking=True)
+            storage_bytes(dst).copy_(source, non_blocking=True)
         if source.is_cuda:
             source.record_stream(self.d2h)
         return self._done(label, "d2h", self.d2h, (src, dst))
@@ -138,9 +128,9 @@ class CudaStreams:
         self.h2d.wait_stream(self._compute_stream())
         if after is not None:
             self.h2d.wait_event(after.event)
-        target = _bytes(dst)
+        target = storage_bytes(dst)
         with torch.cuda.stream(self.h2d):
-            target.copy_(_bytes(src), non_blocking=True)
+            target.copy_(storage_bytes(src), non_blocking=True)
         if target.is_cuda:
             target.record_stream(self.h2d)
         return self._done(label, "h2d", self.h2d, (src, dst))
