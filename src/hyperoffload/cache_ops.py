@@ -17,14 +17,9 @@ operator                                MindSpore                   plan instruc
 ``hyperoffload::store_rows``            ``UpdateToRemote`` of rows  none: a step's new KV rows
 ======================================  ==========================  ===================================
 
-``prefetch_blocks(remote, block_ids, block_size)`` is the indexed prefetch of a remote KV cache
-(``workloads.deepseek_remote``): it copies only the cache blocks whose indices a decode step
-computes at run time (NSA's ``nsa_select``), so no plan instruction names it; the step itself calls it.
-``fetch_blocks_pooled`` does the same through a device block pool with a block table, so blocks still
-resident are not moved again; ``fetch_missing_blocks`` completes a speculative prefetch of the previous
-step's selection with the blocks it missed; and ``store_rows`` writes a step's new rows to the remote cache. The
-capture marks these four as *lane ops* (``LANE_OPS``, ``ir.Op.lane``): data movement that is part of
-the step itself, which the simulator runs on a copy lane.
+The last four operators of the table are the NSA block operators, lane ops that a
+decode step calls itself; they live in ``hyperoffload.block_ops`` (with ``LANE_OPS`` and their byte-count
+rules, ``LANE_OP_RULES``) and are importable from here too.
 
 ``release.live(x, live)`` is ``release(x)`` that also names ``live``, the values computed from ``x``
 before the release and read after it, so that a compiler computing values where they are read
@@ -68,7 +63,10 @@ from typing import Any
 import torch
 import torch.fx
 
-NAMESPACE = "hyperoffload"
+# The NSA block operators (lane ops) live in ``block_ops``; their names are also importable from here.
+from hyperoffload.block_ops import (FETCH_BLOCKS_POOLED, FETCH_MISSING_BLOCKS, LANE_OP_RULES, LANE_OPS, NAMESPACE,
+                                    PREFETCH_BLOCKS, STORE_ROWS, fetch_blocks_pooled, fetch_missing_blocks,
+                                    prefetch_blocks, store_rows)
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -317,189 +315,9 @@ def release_live(x: torch.Tensor, live: list[torch.Tensor]) -> None:
     _released(x)
 
 
-def _check_blocks(remote: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> int:
-    """Check the shapes ``prefetch_blocks`` takes; return the number of blocks in ``remote``."""
-    if block_size <= 0:
-        raise ValueError(f"prefetch_blocks: block_size must be positive, got {block_size}")
-    if remote.dim() < 2:
-        raise ValueError(f"prefetch_blocks: remote must be (..., slots, dim), got shape {tuple(remote.shape)}")
-    if remote.shape[-2] % block_size:
-        raise ValueError(f"prefetch_blocks: remote has {remote.shape[-2]} slots, not a whole number of blocks of "
-                         f"{block_size}; allocate the cache in whole blocks (deepseek_attention.cache_shapes)")
-    if block_ids.dtype != torch.int64 or block_ids.dim() != remote.dim() - 1 \
-            or tuple(block_ids.shape[:-1]) != tuple(remote.shape[:-2]):
-        raise ValueError(f"prefetch_blocks: block_ids must be int64 of shape (*{tuple(remote.shape[:-2])}, n) for a "
-                         f"remote cache of shape {tuple(remote.shape)}, got {block_ids.dtype} "
-                         f"{tuple(block_ids.shape)}")
-    return remote.shape[-2] // block_size
-
-
-@torch.library.custom_op(f"{NAMESPACE}::prefetch_blocks", mutates_args=(), device_types="cpu")
-def prefetch_blocks(remote: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Copy the blocks ``block_ids`` of the remote cache ``remote`` to the device; return the device copy.
-
-    ``remote`` (*lead, slots, dim) with ``slots`` a multiple of ``block_size`` (tokens): block ``j``
-    is rows ``j * block_size ... (j + 1) * block_size - 1`` of the slot axis. ``block_ids`` (*lead, n)
-    int64: for each leading index (a sequence of the batch), the blocks to copy, in any order and
-    possibly repeated. The result (*lead, n, block_size, dim) is a new tensor: entry ``[..., i, :, :]``
-    is block ``block_ids[..., i]``. Exactly ``n * block_size * dim`` elements per leading index are
-    copied. An index outside ``0 ... slots // block_size - 1`` raises ``IndexError``.
-    """
-    blocks = _check_blocks(remote, block_ids, block_size)
-    if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= blocks):
-        bad = block_ids[(block_ids < 0) | (block_ids >= blocks)][0]
-        raise IndexError(f"prefetch_blocks: block id {int(bad)} is out of range for a remote cache of {blocks} "
-                         f"blocks of {block_size} slots (valid ids 0 ... {blocks - 1})")
-    lead = remote.shape[:-2]
-    by_block = remote.reshape(*lead, blocks, block_size * remote.shape[-1])
-    out = torch.gather(by_block, -2, block_ids[..., None].expand(*block_ids.shape, by_block.shape[-1]))
-    return out.view(*block_ids.shape, block_size, remote.shape[-1])
-
-
-@prefetch_blocks.register_fake
-def _prefetch_blocks_fake(remote: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    _check_blocks(remote, block_ids, block_size)
-    return remote.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
-
-
-def _check_pool(remote: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor,
-                block_size: int) -> int:
-    """Check the shapes ``fetch_blocks_pooled`` takes; return the number of blocks in ``remote``."""
-    blocks = _check_blocks(remote, block_ids, block_size)
-    batch, _, dim = remote.shape
-    if pool.dim() != 4 or (pool.shape[0], pool.shape[2], pool.shape[3]) != (batch, block_size, dim) \
-            or pool.dtype != remote.dtype:
-        raise ValueError(f"fetch_blocks_pooled: pool must be {remote.dtype} of shape ({batch}, pool_blocks, "
-                         f"{block_size}, {dim}), got {pool.dtype} {tuple(pool.shape)}")
-    if slots.dtype != torch.int64 or tuple(slots.shape) != (batch, pool.shape[1], 2):
-        raise ValueError(f"fetch_blocks_pooled: slots must be int64 of shape ({batch}, {pool.shape[1]}, 2), got "
-                         f"{slots.dtype} {tuple(slots.shape)}")
-    if block_ids.shape[-1] > pool.shape[1]:
-        raise ValueError(f"fetch_blocks_pooled: {block_ids.shape[-1]} blocks per sequence do not fit a pool of "
-                         f"{pool.shape[1]}; a pool holds at least the blocks one step reads")
-    return blocks
-
-
-@torch.library.custom_op(f"{NAMESPACE}::store_rows", mutates_args=("remote",), device_types="cpu")
-def store_rows(remote: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
-    """Write ``rows`` (batch, seq, dim) into the remote cache ``remote`` (batch, slots, dim) at the slot
-    indices ``positions`` (seq,): the device -> remote copy of a step's new KV rows."""
-    remote.index_copy_(1, positions, rows)
-
-
-@store_rows.register_fake
-def _store_rows_fake(remote: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
-    if rows.dim() != 3 or rows.shape[0] != remote.shape[0] or rows.shape[2] != remote.shape[2]:
-        raise ValueError(f"store_rows: rows must be ({remote.shape[0]}, seq, {remote.shape[2]}), got {tuple(rows.shape)}")
-
-
-@torch.library.custom_op(f"{NAMESPACE}::fetch_blocks_pooled", mutates_args=("pool", "slots"), device_types="cpu")
-def fetch_blocks_pooled(remote: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor,
-                        positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The blocks ``block_ids`` (batch, n) of ``remote`` (batch, slots, dim), through a device block pool.
-
-    ``pool`` (batch, pool_blocks, block_size, dim) holds resident blocks; ``slots`` (batch, pool_blocks, 2)
-    int64 is its block table: per pool slot, the block it holds (-1: free) and when it was last read (a
-    counter). Blocks not resident are copied from ``remote`` (``prefetch_blocks``'s copy) into a free slot,
-    the lowest first, or else into the least recently read slot whose block this step does not read; every
-    block read becomes the most recently read, in ``block_ids`` order. The row at ``positions`` (one
-    element: the step's own token, just written to ``remote`` by ``store_rows``) is refreshed in its block
-    if that block was resident, so the pool never serves stale rows. Returns (batch, n, block_size, dim),
-    a new tensor. An index outside the cache raises ``IndexError``.
-    """
-    blocks = _check_pool(remote, pool, slots, block_ids, block_size)
-    if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= blocks):
-        raise IndexError(f"fetch_blocks_pooled: block ids must be in 0 ... {blocks - 1}")
-    position = int(positions[0])
-    own, row = divmod(position, block_size)
-    slot_of = torch.empty_like(block_ids)
-    for b, ids in enumerate(block_ids.tolist()):
-        held = {int(blk): k for k, blk in enumerate(slots[b, :, 0].tolist()) if blk >= 0}
-        if own in held:
-            pool[b, held[own], row] = remote[b, position]
-        clock = int(slots[b, :, 1].max()) + 1
-        wanted = set(ids)
-        missing = list(dict.fromkeys(i for i in ids if i not in held))
-        free = [k for k in range(pool.shape[1]) if int(slots[b, k, 0]) < 0]
-        for index in missing:
-            if free:
-                k = free.pop(0)
-            else:  # evict the least recently read block this step does not read
-                k = min((k for blk, k in held.items() if blk not in wanted), key=lambda k: int(slots[b, k, 1]))
-                del held[int(slots[b, k, 0])]
-            held[index] = k
-            slots[b, k, 0] = index
-        if missing:
-            pool[b, [held[i] for i in missing]] = prefetch_blocks(remote[b], torch.tensor(missing), block_size)
-        for j, index in enumerate(ids):
-            slots[b, held[index], 1] = clock + j
-            slot_of[b, j] = held[index]
-    return pool[torch.arange(pool.shape[0])[:, None], slot_of]
-
-
-@fetch_blocks_pooled.register_fake
-def _fetch_blocks_pooled_fake(remote, pool, slots, block_ids, positions, block_size):
-    _check_pool(remote, pool, slots, block_ids, block_size)
-    return pool.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
-
-
-@torch.library.custom_op(f"{NAMESPACE}::fetch_missing_blocks", mutates_args=("spec_ids",), device_types="cpu")
-def fetch_missing_blocks(remote: torch.Tensor, spec_blocks: torch.Tensor, spec_ids: torch.Tensor,
-                         block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The blocks ``block_ids`` (batch, n) of ``remote`` (batch, slots, dim), given a speculative prefetch.
-
-    ``spec_blocks`` (batch, m, block_size, dim) are the blocks ``spec_ids`` (batch, m) fetched before the
-    step's selection was known (``prefetch_blocks`` of the previous step's selection). A selected block
-    found there is taken from it; the others are copied from ``remote``. The row at ``positions`` (one
-    element: the step's own token, written to ``remote`` after the speculative prefetch read its block) is
-    refreshed from ``remote`` where its block came from the speculation. ``spec_ids`` becomes
-    ``block_ids``: the speculation of the next step. Returns (batch, n, block_size, dim), a new tensor.
-    """
-    blocks = _check_blocks(remote, block_ids, block_size)
-    _check_blocks(remote, spec_ids, block_size)
-    if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= blocks):
-        raise IndexError(f"fetch_missing_blocks: block ids must be in 0 ... {blocks - 1}")
-    if spec_ids.shape != block_ids.shape:
-        raise ValueError(f"fetch_missing_blocks: spec_ids {tuple(spec_ids.shape)} and block_ids "
-                         f"{tuple(block_ids.shape)} must have one shape: each step speculates on the last selection")
-    position = int(positions[0])
-    own, row = divmod(position, block_size)
-    out = remote.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
-    for b, (ids, spec) in enumerate(zip(block_ids.tolist(), spec_ids.tolist())):
-        where = {blk: k for k, blk in enumerate(spec)}
-        missing = [j for j, blk in enumerate(ids) if blk not in where]
-        for j, blk in enumerate(ids):
-            if blk in where:
-                out[b, j] = spec_blocks[b, where[blk]]
-                if blk == own:
-                    out[b, j, row] = remote[b, position]
-        if missing:
-            out[b, missing] = prefetch_blocks(remote[b], block_ids[b, missing], block_size)
-    spec_ids.copy_(block_ids)
-    return out
-
-
-@fetch_missing_blocks.register_fake
-def _fetch_missing_blocks_fake(remote, spec_blocks, spec_ids, block_ids, positions, block_size):
-    _check_blocks(remote, block_ids, block_size)
-    return remote.new_empty((*block_ids.shape, block_size, remote.shape[-1]))
-
-
-LANE_OPS = {
-    "hyperoffload.prefetch_blocks.default": "h2d",
-    "hyperoffload.fetch_blocks_pooled.default": "h2d",
-    "hyperoffload.fetch_missing_blocks.default": "h2d",
-    "hyperoffload.store_rows.default": "d2h",
-}
-"""Operators that move data between remote memory and the device inside a step: the capture marks
-them as lane ops (``Op.lane``) and the simulator runs them on that copy lane."""
-
-
 for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.prefetch.default,
             torch.ops.hyperoffload.wait.default, torch.ops.hyperoffload.release.default,
-            torch.ops.hyperoffload.release.live,
-            torch.ops.hyperoffload.prefetch_blocks.default, torch.ops.hyperoffload.store_rows.default,
-            torch.ops.hyperoffload.fetch_blocks_pooled.default, torch.ops.hyperoffload.fetch_missing_blocks.default):
+            torch.ops.hyperoffload.release.live):
     # Transfers and frees are the point of the schedule even when nothing reads their result.
     torch.fx.node.has_side_effect(_op)
 del _op
@@ -509,11 +327,7 @@ PREFETCH = torch.ops.hyperoffload.prefetch.default
 WAIT = torch.ops.hyperoffload.wait.default
 RELEASE = torch.ops.hyperoffload.release.default
 RELEASE_LIVE = torch.ops.hyperoffload.release.live
-PREFETCH_BLOCKS = torch.ops.hyperoffload.prefetch_blocks.default
-STORE_ROWS = torch.ops.hyperoffload.store_rows.default
-FETCH_BLOCKS_POOLED = torch.ops.hyperoffload.fetch_blocks_pooled.default
-FETCH_MISSING_BLOCKS = torch.ops.hyperoffload.fetch_missing_blocks.default
 
-__all__ = ["AsyncCopies", "copies_on", "FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE", "RELEASE_LIVE",
+__all__ = ["AsyncCopies", "copies_on", "FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OP_RULES", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE", "RELEASE_LIVE",
            "STORE_ROWS", "WAIT", "fetch_blocks_pooled", "offload", "prefetch", "prefetch_blocks", "release",
            "store_rows", "wait", "fetch_missing_blocks"]

@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan
+from hyperoffload.instructions import FREES_TARGET, allocated_storages
+from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan, owned_outputs
 
 ALIGNMENT = 256
 """Bytes every slot's offset is a multiple of: what ``cudaMalloc`` guarantees, so kernels that need
@@ -83,14 +84,11 @@ def residencies(plan: Plan, checked: PlanCheck | None = None) -> list[Residency]
 
     for s in sorted({values[v].storage for v in (*program.inputs, *program.constants)} - plan.initial_remote):
         open_at[s] = -1
-    for i, ins in enumerate(instrs):
-        if ins.kind is Kind.COMPUTE:
-            for o in program.ops[ins.target].outputs:
-                if values[o].owns_storage:
-                    open_at[o] = i
-        elif ins.kind is Kind.PREFETCH:
-            open_at[ins.target] = i
-        elif ins.kind is Kind.RELEASE:
+    owned = owned_outputs(program)
+    for i, ins in enumerate(instrs):  # what each instruction allocates and frees: ``instructions.RULES``
+        for s in allocated_storages(ins, owned):
+            open_at[s] = i
+        if ins.kind in FREES_TARGET:
             close(ins.target, i + 1)  # a release allocates nothing: the bytes serve instruction i + 1 on
         for s in checked.frees_after[i]:
             close(s, i + 1)

@@ -30,19 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, NamedTuple
 
+from hyperoffload.instructions import OUTPUTS, RULES, TARGET, Kind
 from hyperoffload.ir import Program
 from hyperoffload.memo import per_program
-
-
-class Kind(str, Enum):
-    COMPUTE = "compute"
-    OFFLOAD = "offload"
-    PREFETCH = "prefetch"
-    WAIT = "wait"
-    RELEASE = "release"
 
 
 class Instr(NamedTuple):
@@ -209,9 +201,6 @@ def check_plan(plan: Plan) -> PlanCheck:
                     raise PlanError(i, f"{ins.describe(program)} overwrites {name(w)} while its offload "
                                        f"#{pending[w][1]} may still be reading it; wait for the offload first")
                 remote.pop(w, None)  # the remote copy, if any, is now stale
-            for o in owned[s]:
-                on_device[o] = ready[o] = True
-                allocated += values[o].alloc_bytes
             computed[s] = True
         elif ins.kind is Kind.OFFLOAD:
             if not ready.get(s, False):
@@ -230,9 +219,7 @@ def check_plan(plan: Plan) -> PlanCheck:
                 remote[s] = "valid"
             elif remote.get(s) != "valid":
                 raise PlanError(i, f"prefetch of {name(s)}: it has no copy in remote memory; offload it first")
-            on_device[s], ready[s] = True, False
             pending[s] = (Kind.PREFETCH, i)
-            allocated += values[s].alloc_bytes
         elif ins.kind is Kind.WAIT:
             if s not in pending:
                 raise PlanError(i, f"wait for {name(s)}: no transfer of it is in flight")
@@ -256,11 +243,18 @@ def check_plan(plan: Plan) -> PlanCheck:
                     where = "the step returns or keeps it"
                 raise PlanError(i, f"release of {name(s)} loses its data: no offload since it was last "
                                    f"written, and {where}")
-            on_device[s] = ready[s] = False
             released_at[s] = i
-            allocated -= values[s].alloc_bytes
         else:  # pragma: no cover - Kind is closed
             raise PlanError(i, f"unknown instruction {ins.kind}")
+        # What the instruction does to device memory (``instructions.RULES``), once its rules hold.
+        rule = RULES[ins.kind]
+        if rule.allocates is not None:
+            for o in owned[s] if rule.allocates is OUTPUTS else (s,):
+                on_device[o], ready[o] = True, rule.ready_at_issue
+                allocated += values[o].alloc_bytes
+        elif rule.frees is TARGET:
+            on_device[s] = ready[s] = False
+            allocated -= values[s].alloc_bytes
         if plan.budget_bytes is not None and allocated > plan.budget_bytes:
             raise PlanError(i, f"{ins.describe(program)} brings the device to {allocated} bytes, over the budget "
                                f"of {plan.budget_bytes}")

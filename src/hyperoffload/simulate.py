@@ -28,19 +28,18 @@ instruction and is never simulated. Results are deterministic.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.dependency_bound import dependency_bound
 from hyperoffload.cost import lane_op_time, op_times
 from hyperoffload.hardware import Hardware, as_hardware
+from hyperoffload.instructions import COMPUTE, COPIES, D2H, H2D, RULES, alloc_bytes, copy_traffic, inputs_end_on_device
+from hyperoffload.instructions import STREAMS  # noqa: F401 (re-exported)
 from hyperoffload.ir import Program
 from hyperoffload.memo import per_program
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan, op_storages, op_writes, owned_outputs
-
-COMPUTE, H2D, D2H = "compute", "h2d", "d2h"
-STREAMS = (COMPUTE, H2D, D2H)
 _EPS = 1e-12
 
 
@@ -104,18 +103,82 @@ class Figures:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+class _Measured(NamedTuple):
+    """What a simulation measured beyond its intervals, from which its ``Figures`` are worked out."""
+
+    hardware: Hardware
+    per_step: Plan
+    """The plan of one step (the figures count one step's work)."""
+    compute_s: float
+    step_s: float
+    peak_bytes: int
+    steady_state: bool
+    counted_from: int
+    """The first instruction of the step whose stalls the figures count (0: every stall)."""
+
+
+class _LazyFigures:
+    """``Timeline.figures``: given, or worked out from the simulation's measurements when first read."""
+
+    def __get__(self, timeline: Timeline | None, owner: type | None = None) -> Figures | None:
+        if timeline is None:
+            return None  # the field's default
+        found = timeline.__dict__.get("_figures")
+        if found is None and timeline.measured is not None:
+            found = timeline.__dict__["_figures"] = _figures(timeline.stalls, timeline.measured)
+        return found
+
+    def __set__(self, timeline: Timeline, figures: Figures | None) -> None:
+        timeline.__dict__["_figures"] = figures
+
+
+@dataclass(frozen=True, kw_only=True)
 class Timeline:
-    """Everything a simulation produced."""
+    """Everything a simulation produced. Its ``figures`` (with the traffic and the bounds) are worked out when
+    first read, so a planner that compares many candidates by ``step_s`` and ``peak_bytes`` need not pay for
+    them."""
 
     intervals: tuple[Interval, ...]
     memory: tuple[tuple[float, int], ...]
     """(time, device bytes after the change), in time order."""
     stalls: tuple[Stall, ...]
-    figures: Figures
     plan: Plan
     """The plan these instruction indices refer to: the plan given, or two consecutive steps of it
     when it was timed in steady state."""
+    figures: Figures | None = _LazyFigures()
+    """The figures of ``docs/figures.md`` (None for a timeline made without figures or a simulation)."""
+    measured: _Measured | None = None
+    """What the simulation measured, that the figures are worked out from."""
+
+    @property
+    def step_s(self) -> float:
+        """Simulated step time (seconds; in steady state, the period of consecutive steps)."""
+        return self.measured.step_s if self.measured is not None else self.figures.step_s
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most device bytes allocated at once."""
+        return self.measured.peak_bytes if self.measured is not None else self.figures.peak_bytes
+
+
+def _figures(stalls: tuple[Stall, ...], m: _Measured) -> Figures:
+    """The figures of a simulation from its stalls and measurements: one step's traffic and the bounds."""
+    hardware, step, compute_s, step_s = m.hardware, m.per_step, m.compute_s, m.step_s
+    counted = [st for st in stalls if st.instruction >= m.counted_from] if m.counted_from else stalls
+    h2d_bytes, d2h_bytes = plan_traffic(step)
+    lower_bound = max(compute_s, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
+    budget = step.budget_bytes
+    excess = bound = duplex_bound = None
+    if budget is not None:
+        excess, bound, duplex_bound = budget_bounds(step.program, hardware, compute_s, budget)
+    return Figures(
+        compute_s=compute_s, step_s=step_s, exposed_s=step_s - compute_s, lower_bound_s=lower_bound,
+        slowdown=step_s / compute_s if compute_s else 1.0, peak_bytes=m.peak_bytes, h2d_bytes=h2d_bytes,
+        d2h_bytes=d2h_bytes, stalls=len(counted),
+        stall_copy_s=sum(s.end - s.start for s in counted if s.cause == "copy"),
+        stall_memory_s=sum(s.end - s.start for s in counted if s.cause == "memory"),
+        budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound,
+        dependency_bound_s=dependency_bound(step.program, hardware, compute_s), steady_state=m.steady_state)
 
 
 class _Copy:
@@ -150,11 +213,9 @@ def lane_traffic(program) -> tuple[int, int]:
 def plan_traffic(plan: Plan) -> tuple[int, int]:
     """Bytes a plan moves per step, its cache instructions and the program's lane ops together:
     (remote -> device, device -> remote)."""
-    values = plan.program.values
-    h2d, d2h = lane_traffic(plan.program)
-    h2d += sum(values[i.target].alloc_bytes for i in plan.instructions if i.kind is Kind.PREFETCH)
-    d2h += sum(values[i.target].alloc_bytes for i in plan.instructions if i.kind is Kind.OFFLOAD)
-    return h2d, d2h
+    lane_h2d, lane_d2h = lane_traffic(plan.program)
+    copied_h2d, copied_d2h = copy_traffic(plan)
+    return lane_h2d + copied_h2d, lane_d2h + copied_d2h
 
 
 def simulate(plan: Plan, hardware: Hardware | str) -> Timeline:
@@ -180,14 +241,11 @@ def simulate(plan: Plan, hardware: Hardware | str) -> Timeline:
         raise
     ends = [max((iv.end for iv in timeline.intervals if iv.stream == COMPUTE and lo <= iv.instruction < hi),
                 default=0.0) for lo, hi in ((starts[0], starts[1]), (starts[1], len(doubled.instructions)))]
-    f = timeline.figures
-    step_s = max(ends[1] - ends[0], f.compute_s)
-    second = [st for st in timeline.stalls if st.instruction >= starts[1]]  # the steady step's own stalls
-    figures = replace(f, step_s=step_s, exposed_s=step_s - f.compute_s,
-                      slowdown=step_s / f.compute_s if f.compute_s else 1.0, steady_state=True, stalls=len(second),
-                      stall_copy_s=sum(st.end - st.start for st in second if st.cause == "copy"),
-                      stall_memory_s=sum(st.end - st.start for st in second if st.cause == "memory"))
-    return replace(timeline, figures=figures)
+    m = timeline.measured
+    # The steady step's own stalls are those from the second step's first instruction on.
+    steady = m._replace(step_s=max(ends[1] - ends[0], m.compute_s), steady_state=True, counted_from=starts[1])
+    return Timeline(intervals=timeline.intervals, memory=timeline.memory, stalls=timeline.stalls,
+                    plan=timeline.plan, measured=steady)
 
 
 def _keeps_state_remote(plan: Plan) -> bool:
@@ -195,12 +253,7 @@ def _keeps_state_remote(plan: Plan) -> bool:
     that it can run step after step. (A plan that leaves inputs elsewhere is timed as a single step.)"""
     if not plan.initial_remote:
         return False
-    values = plan.program.values
-    on_device = {values[v].storage: values[v].storage not in plan.initial_remote for v in plan.program.inputs}
-    for ins in plan.instructions:
-        if ins.target in on_device and ins.kind in (Kind.PREFETCH, Kind.RELEASE):
-            on_device[ins.target] = ins.kind is Kind.PREFETCH
-    return all(on_device[s] == (s not in plan.initial_remote) for s in on_device)
+    return all(here == (s not in plan.initial_remote) for s, here in inputs_end_on_device(plan).items())
 
 
 @per_program
@@ -249,8 +302,9 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         else:
             pending_issue += 1
 
-    # Static facts per instruction: bytes it allocates, what it must wait for.
-    alloc = [0] * n
+    # Static facts per instruction: bytes it allocates (``instructions.RULES``), what it must wait for.
+    op_alloc, op_reads, op_writes = _op_facts(program)
+    alloc = alloc_bytes(program, instrs, op_alloc)
     after: list[int] = [-1] * n  # a copy's data dependency (instruction that must finish first)
     last_writer: dict[int, int] = {}
     last_offload: dict[int, int] = {}
@@ -274,11 +328,12 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     op_instr = {ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE} if has_lanes else {}
     deps = program.dependencies() if has_lanes else ()
     lane_deps: list[tuple[int, ...]] = [()] * n  # lane op: the ops it waits for; compute op: the lane ops
-    op_alloc, op_reads, op_writes = _op_facts(program)
     for i, ins in enumerate(instrs):
+        if ins.kind in COPIES:  # an offload or a prefetch: its storage's bytes on its copy lane
+            on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
+            lane_queue[RULES[ins.kind].stream].append(i)
         if ins.kind is Kind.COMPUTE:
             op = program.ops[ins.target]
-            alloc[i] = op_alloc[ins.target]
             for s in op_reads[ins.target]:
                 readers_since[s] = i
             for s in op_writes[ins.target]:
@@ -301,7 +356,6 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
             compute_stream.append(i)
         elif ins.kind is Kind.OFFLOAD:
             after[i] = last_writer.get(ins.target, -1)
-            on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
             last_offload[ins.target] = i
             pending_transfer[ins.target] = i
             if ins.target in frees_after[i]:
@@ -311,15 +365,11 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                 reader = readers_since.get(ins.target, -1)
                 deferred_frees[i] = (ins.target, [i] if reader < 0 else [i, reader])
             last_transfer[ins.target] = i
-            lane_queue[D2H].append(i)
         elif ins.kind is Kind.PREFETCH:
-            alloc[i] = values[ins.target].alloc_bytes
             after[i] = last_offload.get(ins.target, -1)
-            on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
             pending_transfer[ins.target] = i
             last_transfer[ins.target] = i
-            lane_queue[H2D].append(i)
-        else:  # RELEASE
+        else:  # RELEASE: frees its storage (FREES_TARGET)
             # The bytes come back once the last reader has finished and the storage's last copy has landed,
             # whether or not a WAIT for that copy came first: a waited offload may still be moving when its
             # last reader ends, and a prefetched storage is not there to free before its copy lands.
@@ -529,19 +579,8 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
     step = per_step or plan
     compute_s = float(sum(op_times(step.program, hardware))) if per_step else float(sum(cost))
     step_s = max((iv.end for iv in intervals), default=0.0)
-    h2d_bytes, d2h_bytes = plan_traffic(step)
-    lower_bound = max(compute_s, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
-    excess = bound = duplex_bound = None
-    if budget is not None:
-        excess, bound, duplex_bound = budget_bounds(step.program, hardware, compute_s, budget)
     memory.sort(key=lambda e: e[0])
-    figures = Figures(
-        compute_s=compute_s, step_s=step_s, exposed_s=step_s - compute_s, lower_bound_s=lower_bound,
-        slowdown=step_s / compute_s if compute_s else 1.0, peak_bytes=peak, h2d_bytes=h2d_bytes,
-        d2h_bytes=d2h_bytes, stalls=len(stalls),
-        stall_copy_s=sum(s.end - s.start for s in stalls if s.cause == "copy"),
-        stall_memory_s=sum(s.end - s.start for s in stalls if s.cause == "memory"),
-        budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound,
-        dependency_bound_s=dependency_bound(step.program, hardware, compute_s))
-    return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), figures=figures,
-                    plan=plan)
+    measured = _Measured(hardware=hardware, per_step=step, compute_s=compute_s, step_s=step_s, peak_bytes=peak,
+                         steady_state=False, counted_from=0)
+    return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), plan=plan,
+                    measured=measured)

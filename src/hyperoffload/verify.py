@@ -14,7 +14,8 @@ from __future__ import annotations
 from hyperoffload.hardware import Hardware
 from hyperoffload.layout import LayoutError, check_layout, residencies
 from hyperoffload.plans import Kind, Plan, PlanCheck, PlanError, check_plan
-from hyperoffload.simulate import COMPUTE, D2H, H2D, Timeline, simulate
+from hyperoffload.instructions import stream_of
+from hyperoffload.simulate import Timeline, simulate
 
 _TOLERANCE_S = 1e-12
 
@@ -68,17 +69,15 @@ def _check_timeline(plan: Plan, timeline: Timeline) -> None:
     finished_op: dict[int, float] = {}  # op id -> when it finished (this step's copy of it, in steady state)
     for i, ins in enumerate(instrs):
         interval = by_instruction.get(i)
+        assert interval is None or interval.stream == stream_of(program, ins)  # instructions.RULES
         if ins.kind is Kind.OFFLOAD and interval is not None:
-            assert interval.stream == D2H
             landed_out[ins.target] = interval.end
         elif ins.kind is Kind.PREFETCH and interval is not None:
-            assert interval.stream == H2D
             if ins.target in landed_out and interval.start + _TOLERANCE_S < landed_out[ins.target]:
                 raise fail(i, "the prefetch starts before the offload it reads from has landed")
             landed_in[ins.target] = interval.end
         elif ins.kind is Kind.COMPUTE and interval is not None and program.ops[ins.target].lane is not None:
             op = program.ops[ins.target]
-            assert interval.stream == (H2D if op.lane == "h2d" else D2H)
             for d in program.dependencies()[op.id]:
                 before = finished_op.get(d)
                 if before is not None and interval.start + _TOLERANCE_S < before:
@@ -87,7 +86,6 @@ def _check_timeline(plan: Plan, timeline: Timeline) -> None:
             for v in op.outputs:
                 landed_in[program.values[v].storage] = interval.end
         elif ins.kind is Kind.COMPUTE and interval is not None:
-            assert interval.stream == COMPUTE
             op = program.ops[ins.target]
             finished_op[op.id] = interval.end
             for s in {program.values[v].storage for v in op.inputs}:

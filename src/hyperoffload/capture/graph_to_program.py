@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from hyperoffload.cache_ops import FETCH_BLOCKS_POOLED, FETCH_MISSING_BLOCKS, LANE_OPS
+from hyperoffload.block_ops import LANE_OP_RULES
 from hyperoffload.capture.tags import KIND_KEY, PHASE_KEY
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
 from hyperoffload.op_rules import OpCall, count_bytes, count_flops, undeclared_writes
@@ -86,7 +86,7 @@ def program_from_graph(gm: torch.fx.GraphModule, input_kinds: Sequence[ValueKind
     ``input_names`` readable names for them (default: the placeholder names).
 
     ``remote_inputs``: indices of placeholders that live in remote memory (``Value.remote``). Calls of the
-    operators in ``cache_ops.LANE_OPS`` become lane ops; a pooled block fetch, or the fetch completing a
+    operators in ``block_ops.LANE_OPS`` become lane ops; a pooled block fetch, or the fetch completing a
     speculative prefetch, moves its output's bytes times ``meta["pool_fetch_fraction"]`` (the stated share
     of selected blocks not already in the pool or the speculation, default 1)."""
     b = _Builder()
@@ -195,11 +195,12 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
     else:
         flops = count_flops(call)
         bytes_read, bytes_written = count_bytes(call)
-    lane = LANE_OPS.get(str(target))
+    rule = LANE_OP_RULES.get(str(target))  # a block operator's lane and byte count (``block_ops``)
+    lane = None if rule is None else rule.lane
     transfer = 0
     if lane == "h2d":
         transfer = sum(b.records[v]["nbytes"] for v in output_ids)
-        if str(target) in (str(FETCH_BLOCKS_POOLED), str(FETCH_MISSING_BLOCKS)):
+        if rule.scales_with_fetch_fraction:
             transfer = round(transfer * b.fetch_fraction)
     elif lane == "d2h":  # the rows written: every input that is neither remote nor an index
         transfer = sum(b.records[v]["nbytes"] for v in input_ids

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from hyperoffload.block_ops import LANE_OP_RULES
 from hyperoffload.plans import Kind
 from hyperoffload.runtime.reference import run_op
 from hyperoffload.runtime.transfers import TransferError, _InFlight, run_lane_inline
@@ -41,9 +42,6 @@ class _LaneFlight:
     """The device storages it reads or writes, counted on its behalf until the step sees it finish."""
 
 
-_PREFETCH_BLOCKS = "hyperoffload.prefetch_blocks.default"
-_FETCH_BLOCKS_POOLED = "hyperoffload.fetch_blocks_pooled.default"
-_STORE_ROWS = "hyperoffload.store_rows.default"
 
 
 def _run_lane_kernel(program, op, node: torch.fx.Node, bound: dict) -> tuple[list[torch.Tensor], int]:
@@ -51,24 +49,12 @@ def _run_lane_kernel(program, op, node: torch.fx.Node, bound: dict) -> tuple[lis
     it moved between the tiers: those it really copied for the cache operators whose traffic follows from
     their arguments, else the op's stated ``transfer_bytes``."""
     args = torch.fx.node.map_arg(node.args, bound.__getitem__)
-    pooled = op.target == _FETCH_BLOCKS_POOLED and len(args) >= 6 and not node.kwargs
-    if pooled:
-        remote, _, slots, _, positions, block_size = args[:6]
-        held = slots[..., 0].clone()  # the block table before the fetch: what was resident
+    rule = LANE_OP_RULES.get(op.target)  # how the operator's bytes are counted (``block_ops``)
+    before = rule.before(args, node.kwargs) if rule is not None and rule.before is not None else None
     with torch.no_grad():  # grad mode is per thread, and this may run on a lane's thread
         outputs = run_op(program, op, node, bound.__getitem__)
-    if op.target == _PREFETCH_BLOCKS:
-        moved = sum(t.nbytes for t in outputs)
-    elif op.target == _STORE_ROWS and len(args) >= 2:
-        moved = args[1].nbytes
-    elif pooled:
-        row = remote.shape[-1] * remote.element_size()
-        fetched = int((slots[..., 0] != held).sum())  # every block brought in takes a slot holding another block
-        refreshed = int((held == int(positions[0]) // block_size).any(-1).sum())  # its own row, if resident
-        moved = fetched * block_size * row + refreshed * row
-    else:
-        moved = op.transfer_bytes
-    return outputs, moved
+    moved = rule.moved(args, outputs, before) if rule is not None and rule.moved is not None else None
+    return outputs, op.transfer_bytes if moved is None else moved
 
 
 class _LaneOps:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan
+from hyperoffload.instructions import alloc_bytes, inputs_end_on_device
+from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan, owned_outputs
 from hyperoffload.runtime.arena import ArenaSlots
 
 
@@ -43,15 +44,12 @@ def prepare_plan(plan: Plan) -> PreparedPlan:
     checked = check_plan(plan)
     values = program.values
     last_read = [-1] * len(values)
-    alloc = [0] * len(plan.instructions)
     for i, ins in enumerate(plan.instructions):
         if ins.kind is Kind.COMPUTE:
-            op = program.ops[ins.target]
-            for v in op.inputs:
+            for v in program.ops[ins.target].inputs:
                 last_read[v] = i
-            alloc[i] = sum(values[o].alloc_bytes for o in op.outputs if values[o].owns_storage)
-        elif ins.kind is Kind.PREFETCH:
-            alloc[i] = values[ins.target].alloc_bytes
+    op_alloc = [sum(values[o].alloc_bytes for o in owned) for owned in owned_outputs(program)]
+    alloc = alloc_bytes(program, plan.instructions, op_alloc)
     return PreparedPlan(plan=plan, checked=checked, storage_of=tuple(v.storage for v in values),
                         nodes={n.name: n for n in program.graph.graph.nodes}, last_read=tuple(last_read),
                         alloc=tuple(alloc), repeatable=_why_not_repeatable(plan))
@@ -60,12 +58,8 @@ def prepare_plan(plan: Plan) -> PreparedPlan:
 def _why_not_repeatable(plan: Plan) -> str | None:
     """Why ``plan`` cannot run on its own results (it leaves an input in another tier than it starts in)."""
     program = plan.program
-    on_device = {program.values[v].storage: program.values[v].storage not in plan.initial_remote
-                 for v in program.inputs}
-    for ins in plan.instructions:
-        if ins.target in on_device and ins.kind in (Kind.PREFETCH, Kind.RELEASE):
-            on_device[ins.target] = ins.kind is Kind.PREFETCH
-    moved = [program.values[s].name for s, here in on_device.items() if here != (s not in plan.initial_remote)]
+    moved = [program.values[s].name for s, here in inputs_end_on_device(plan).items()
+             if here != (s not in plan.initial_remote)]
     if not moved:
         return None
     return (f"the plan leaves {moved[0]} (and {len(moved) - 1} more) in a different tier than it starts in, so "

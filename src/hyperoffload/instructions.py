@@ -1,0 +1,147 @@
+"""What each plan instruction kind does to device memory and to the streams, stated once.
+
+A plan (``plans.Plan``) is a sequence of instructions of five kinds. ``RULES`` says, per kind, which
+storage it reads and writes, which device bytes it allocates or frees and when, which stream it
+occupies and what it waits on. The checker (``plans.check_plan``), the simulator (``simulate``), the
+static layout (``layout``), the executor's preparation (``runtime.prepared_plan``) and the timeline
+check (``verify``) read these facts from here rather than each deriving them anew, so a new kind is
+described in one place (its validity rules stay in the checker, its timing in the simulator, its
+effect on tensors in the executor and the lowering).
+
+Streams: ``COMPUTE`` (the compute stream), ``H2D`` (remote -> device copy lane), ``D2H`` (device ->
+remote copy lane). A compute of a lane op (``Op.lane``) runs on that op's copy lane instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: plans imports this module
+    from hyperoffload.ir import Program
+    from hyperoffload.plans import Instr, Plan
+
+COMPUTE, H2D, D2H = "compute", "h2d", "d2h"
+STREAMS = (COMPUTE, H2D, D2H)
+
+
+class Kind(str, Enum):
+    COMPUTE = "compute"
+    OFFLOAD = "offload"
+    PREFETCH = "prefetch"
+    WAIT = "wait"
+    RELEASE = "release"
+
+    # The hash of the kind's text (equal kinds and texts compare equal already), computed in C: the checker and
+    # the simulator look kinds up in ``RULES`` and in the sets below once per instruction, and ``Enum``'s own
+    # hash, a Python function, made that a good part of their time.
+    __hash__ = str.__hash__
+
+
+OUTPUTS, TARGET = "outputs", "target"
+"""What an instruction allocates or frees: the storages its op's outputs own, or its target storage."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KindRule:
+    """What one instruction kind does (``RULES``)."""
+
+    kind: Kind
+    stream: str | None
+    """The stream it occupies (``COMPUTE``, ``H2D``, ``D2H``; a lane op's compute: its ``Op.lane``), or None
+    for one that occupies none (a release only gives memory back)."""
+    reads: str
+    """The storages it reads."""
+    writes: str
+    """The storages it writes."""
+    allocates: str | None
+    """Whose device bytes it allocates when the compute stream reaches it (``OUTPUTS``, ``TARGET``, None)."""
+    ready_at_issue: bool
+    """Whether what it allocates is usable by the next instruction (an op's outputs), or only once a WAIT
+    for it has come (a prefetch's copy)."""
+    frees: str | None
+    """Whose device bytes it gives back (``TARGET``, None); they come back once its target's latest copy and
+    the ops issued before it that read the target have finished."""
+    copies: bool
+    """Whether it moves its target's ``alloc_bytes`` over its copy lane."""
+    on_device_after: bool | None
+    """Where its target is once it is issued: True on the device, False off it, None unchanged."""
+    waits_on: str
+    """What it waits for before it starts."""
+
+
+RULES: dict[Kind, KindRule] = {rule.kind: rule for rule in (
+    KindRule(kind=Kind.COMPUTE, stream=COMPUTE, reads="its op's input storages",
+             writes="the storages its op mutates, and those its outputs own", allocates=OUTPUTS, ready_at_issue=True,
+             frees=None, copies=False, on_device_after=None,
+             waits_on="the instructions before it on the compute stream; a lane op the ops it depends on"),
+    KindRule(kind=Kind.OFFLOAD, stream=D2H, reads="its target on the device", writes="its target's remote copy",
+             allocates=None, ready_at_issue=False, frees=None, copies=True, on_device_after=None,
+             waits_on="the op that last wrote its target"),
+    KindRule(kind=Kind.PREFETCH, stream=H2D, reads="its target's remote copy", writes="its target on the device",
+             allocates=TARGET, ready_at_issue=False, frees=None, copies=True, on_device_after=True,
+             waits_on="the offload that filled its target's remote copy, if still in flight"),
+    KindRule(kind=Kind.WAIT, stream=COMPUTE, reads="nothing", writes="nothing", allocates=None, ready_at_issue=False,
+             frees=None, copies=False, on_device_after=None,
+             waits_on="the latest transfer of its target (the compute stream stops until it has landed)"),
+    KindRule(kind=Kind.RELEASE, stream=None, reads="nothing", writes="nothing", allocates=None, ready_at_issue=False,
+             frees=TARGET, copies=False, on_device_after=False,
+             waits_on="nothing (its bytes come back once its target's copy and earlier readers have finished)"),
+)}
+
+ALLOCATES_TARGET = frozenset(k for k, rule in RULES.items() if rule.allocates == TARGET)
+FREES_TARGET = frozenset(k for k, rule in RULES.items() if rule.frees == TARGET)
+COPIES = frozenset(k for k, rule in RULES.items() if rule.copies)
+MOVES_TIER = frozenset(k for k, rule in RULES.items() if rule.on_device_after is not None)
+
+
+def stream_of(program: Program, ins: Instr) -> str | None:
+    """The stream ``ins`` occupies in ``program`` (a lane op's compute: its copy lane)."""
+    if ins.kind is Kind.COMPUTE:
+        return program.ops[ins.target].lane or COMPUTE
+    return RULES[ins.kind].stream
+
+
+def allocated_storages(ins: Instr, owned: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The storages ``ins`` allocates on the device; ``owned``: per op id, the outputs that own their storage
+    (``plans.owned_outputs``)."""
+    allocates = RULES[ins.kind].allocates
+    if allocates == OUTPUTS:
+        return owned[ins.target]
+    return (ins.target,) if allocates == TARGET else ()
+
+
+def alloc_bytes(program: Program, instructions: Sequence[Instr], op_alloc: Sequence[int]) -> list[int]:
+    """Device bytes each instruction allocates (``op_alloc``: per op id, the bytes of the storages its outputs
+    own), in the plan's instruction-order accounting."""
+    values = program.values
+    return [op_alloc[t] if k is Kind.COMPUTE else values[t].alloc_bytes if k in ALLOCATES_TARGET else 0
+            for k, t in instructions]
+
+
+def copy_traffic(plan: Plan) -> tuple[int, int]:
+    """Bytes the plan's copies (offloads and prefetches) move per step: (remote -> device, device -> remote)."""
+    values = plan.program.values
+    moved = {H2D: 0, D2H: 0}
+    for kind, target in plan.instructions:
+        if kind in COPIES:
+            moved[RULES[kind].stream] += values[target].alloc_bytes
+    return moved[H2D], moved[D2H]
+
+
+def inputs_end_on_device(plan: Plan) -> dict[int, bool]:
+    """Per storage of a step input, whether it ends the step on the device (it starts there unless in
+    ``plan.initial_remote``; prefetches bring it back, releases take it off)."""
+    values = plan.program.values
+    on_device = {values[v].storage: values[v].storage not in plan.initial_remote for v in plan.program.inputs}
+    for ins in plan.instructions:
+        if ins.target in on_device and ins.kind in MOVES_TIER:
+            on_device[ins.target] = RULES[ins.kind].on_device_after
+    return on_device
+
+
+__all__ = ["ALLOCATES_TARGET", "COMPUTE", "COPIES", "D2H", "FREES_TARGET", "H2D", "Kind", "KindRule", "MOVES_TIER",
+           "OUTPUTS", "RULES", "STREAMS", "TARGET", "alloc_bytes", "allocated_storages", "copy_traffic",
+           "inputs_end_on_device", "stream_of"]
