@@ -17,7 +17,8 @@ from hyperoffload.planning import plan_checked
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.policies import PlannerConfig
 from hyperoffload.runtime import EmulatedLink, run_plan
-from hyperoffload.runtime.measure import RunConfig, RunFigures, max_abs_diff, measure_run
+from hyperoffload.runtime import measure
+from hyperoffload.runtime.measure import RunConfig, RunFigures, max_abs_diff
 from hyperoffload.simulate import simulate
 from hyperoffload.variants import find_captured, kv_placement
 
@@ -86,7 +87,7 @@ def run_report(captured: Captured, hardware: Hardware, uncalibrated: Hardware, b
     form = find_captured(plan.program, program) or captured
     stage("Running the planned and the unplanned step...")
     with EmulatedLink.for_hardware(hardware) as link:
-        figures = measure_run(plan, form.inputs, link, hardware, run_config, progress=progress)
+        figures = measure.measure_run(plan, form.inputs, link, hardware, run_config, progress=progress)
     # max_abs_diff compares with the remote form unplanned; close the chain to the on-device cache.
     kv_diff = None if form is captured else _form_diff(captured, plan.program, form)
     return RunReport(captured=captured, plan=plan, policy=policy, budget_bytes=planned.budget_bytes, figures=figures,

@@ -53,8 +53,8 @@ def _plan_forms(program: Program, hardware: Hardware, budget_bytes: int, config:
         except InfeasibleBudget as error:
             failure = error if failure is None or error.min_budget_bytes < failure.min_budget_bytes else failure
             continue
-        figures = simulate(plan, hardware).figures
-        tried.append((figures.step_s, figures.peak_bytes, plan))
+        timeline = simulate(plan, hardware)  # its step time and peak only: the bounds are not worked out
+        tried.append((timeline.step_s, timeline.peak_bytes, plan))
     if not tried:
         least, why = minimum_budget(program, config)
         if failure.min_budget_bytes == least:  # below every form's smallest: say which form sets it
@@ -138,8 +138,8 @@ def _fitted(plan: Plan, hardware: Hardware, hint: _Hint) -> tuple[Plan, _Hint, f
     simulates faster (earlier is not always faster: the H2D lane may be busy with more urgent work); with its hint
     and step time (seconds)."""
     moved, _ = prefetch_into_arena(plan, plan.layout)
-    step_s = simulate(plan, hardware).figures.step_s
-    moved_s = simulate(moved, hardware).figures.step_s if moved is not plan else step_s
+    step_s = simulate(plan, hardware).step_s
+    moved_s = simulate(moved, hardware).step_s if moved is not plan else step_s
     return (moved, hint, moved_s) if moved_s < step_s else (plan, hint, step_s)
 
 

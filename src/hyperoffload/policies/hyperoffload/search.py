@@ -45,7 +45,7 @@ class _Tried:
 
     @property
     def step_s(self) -> float:
-        return self.timeline.figures.step_s
+        return self.timeline.step_s
 
     @property
     def start(self) -> tuple[float, bool, bool]:
