@@ -11,6 +11,7 @@ from torch import nn
 
 import hyperoffload
 from hyperoffload import cache_ops
+from hyperoffload.ir import ValueKind
 from hyperoffload.runtime.cuda_copies import CudaCopyStreams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -83,4 +84,5 @@ def test_train_step_on_a_gpu_equals_the_unplanned_compiled_step_and_holds_its_bu
     # State the plan keeps in remote memory lives in page-locked host memory between steps, as the model's own.
     remote = [p for p in planned_model.parameters() if p.device.type == "cpu"]
     assert all(p.is_pinned() for p in remote)
-    assert ("parameter" in planned.remote()) == bool(remote)
+    kept = {planned.program.values[s].kind for s in planned.plan.initial_remote}
+    assert (ValueKind.PARAMETER in kept) == bool(remote)

@@ -435,8 +435,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     a model on a CUDA GPU copies over its own link, on side streams). ``offload=False``
     compiles the same step with nothing planned (plain Inductor), to compare against. ``measure`` records each
     call's device peak in ``step.last`` (on the CPU through PyTorch's profiler: turn it off to time steps; on a GPU
-from the caching allocator's counters). A Ctrl-C during a
-    call takes effect once the call has completed; a call that fails while running (a failed copy, memory running
+    from the caching allocator's counters). A Ctrl-C during a call takes effect once the call has completed; a call that fails while running (a failed copy, memory running
     out) leaves the state partly updated unless ``rollback=True``, which copies the state the step writes before
     each call (that many bytes more copying per step) and puts it back on failure. ``progress(text)``
     hears what making the step is doing (tracing, planning, compiling, trial runs; ``print`` will do), which takes
