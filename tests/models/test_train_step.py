@@ -131,6 +131,22 @@ def test_planned_step_equals_the_unplanned_step_and_eager_and_stays_under_its_bu
     assert "budget" in report and "remote parameter" in report and "last call" in report
 
 
+def test_a_step_built_again_is_served_by_inductors_graph_cache():
+    """The whole step reaches Inductor outside TorchDynamo; it still gets a shape environment, so Inductor's FX
+    graph cache keys it instead of bypassing it, and the same step built again (here, or in a later process)
+    reuses the compiled code."""
+    from torch._dynamo.utils import counters
+
+    data = batches(1)
+    counters.clear()
+    hyperoffload.train_step(*make(), classify, data[0], hardware=cpu(), offload=False, measure=False)
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] == 1
+    hyperoffload.train_step(*make(), classify, data[0], hardware=cpu(), offload=False, measure=False)
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1
+
+
 def test_the_code_inductor_runs_keeps_every_cache_operator_in_order():
     """The wrapper code Inductor generates for the whole step calls each cache operator of the lowered graph,
     every wait before the first reader of its transfer and every release after the last reader of its storage."""

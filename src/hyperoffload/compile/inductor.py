@@ -198,8 +198,30 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence, *, parti
 
     # aot_autograd's cache would hand back graphs compiled for another backend (or budget) without planning.
     with config.patch(custom_partitioner_fn=PlannedPartition(partition)), \
-            functorch_config.patch(enable_autograd_cache=False):
+            functorch_config.patch(enable_autograd_cache=False), _shape_context(example_inputs) as example_inputs:
         return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
+@contextlib.contextmanager
+def _shape_context(example_inputs: Sequence):
+    """A tracing context for a graph handed to Inductor outside TorchDynamo, yielding ``example_inputs`` as fake
+    tensors of static shape in its fake mode.
+
+    Inductor's FX graph cache keys on the tracing context's shape environment and bypasses graphs that have none
+    (TorchDynamo always sets one up), so without it every process would compile the same step again. The inputs
+    are made fake here with static shapes, as aot_autograd would otherwise make them symbolic in that
+    environment. Under TorchDynamo's own context, nothing changes."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if TracingContext.try_get() is not None:
+        yield example_inputs
+        return
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    with tracing(TracingContext(mode)):
+        yield fake
 
 
 def _as_placed(graph: torch.fx.GraphModule, inputs: Sequence) -> list:
