@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="capture a step and show its sizes and no-offload peak")
     _add_step_arguments(inspect)
     inspect.add_argument("--top", type=_positive, default=10, help="how many of the largest peak values to list")
+    inspect.add_argument("--world", type=_positive, default=1, metavar="RANKS",
+                         help="capture rank 0's step of the model sharded with FSDP2 over this many ranks (train or "
+                              "prefill; on a fake process group, so no ranks are needed)")
     inspect.add_argument("--verify", action="store_true",
                          help="also build the step with real random weights, execute it on CPU with the reference "
                               "executor and compare measured live bytes and results with the analysis and eager")

@@ -145,6 +145,9 @@ def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
 
         if args.master_weights:
             raise ValueError("--master-weights applies to the built-in workloads only")
+        if getattr(args, "world", 1) > 1:
+            raise ValueError("--world shards the built-in workloads only for now, not a Hugging Face model: drop it "
+                             "or give --workload NAME")
         if getattr(args, "nsa_block", None) is not None:
             raise ValueError("--nsa-block applies to the built-in DeepSeek-style workloads (NSA), not a Hugging Face "
                              "model: drop it")
@@ -169,13 +172,16 @@ def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
     with console.status(f"Capturing the {args.mode} step of {workload.name} on {kind} tensors..."):
         return capture_workload(workload, args.mode, batch=args.batch, seq=args.seq, context=args.context,
                                 master_weights=args.master_weights, fake=fake,
-                                reselection=getattr(args, "reselection", None))
+                                reselection=getattr(args, "reselection", None), world=getattr(args, "world", 1))
 
 
 
 def _inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.report.inspect import inspect_step, inspect_tables
 
+    if args.verify and args.world > 1:
+        raise ValueError("--verify runs the step on this machine's CPU, and a step sharded over ranks (--world) has "
+                         "collectives that need the other ranks: drop --verify or --world")
     figures = inspect_step(_capture(args, err), top=args.top)
     if args.verify:
         figures["verify"] = _verify(args, figures["peak_bytes"], err)

@@ -72,6 +72,29 @@ class Value:
         return self.storage == self.id
 
 
+class CollectiveKind(str, Enum):
+    """What a collective does across the ranks of its group."""
+
+    ALL_GATHER = "all_gather"
+    """Each rank contributes its shard; every rank receives the whole tensor (FSDP's parameter gather)."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """Every rank contributes a whole tensor; each receives its shard of the sum (FSDP's gradient reduction)."""
+    ALL_REDUCE = "all_reduce"
+    """Every rank contributes a whole tensor and receives the whole sum."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collective:
+    """The communication an op does with the other ranks of a sharded step."""
+
+    kind: CollectiveKind
+    full_bytes: int
+    """Bytes of the whole (unsharded) tensor: an all-gather's output, a reduce-scatter's input, an all-reduce's
+    tensor."""
+    group_size: int
+    """Ranks in the group the collective runs over (>= 1)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Op:
     """One aten call of the step."""
@@ -102,6 +125,9 @@ class Op:
     transfer_bytes: int = 0
     """For a lane op, the bytes it moves over the link per step (for a data-dependent fetch, the
     expected bytes under the capture's stated statistics); 0 for compute ops."""
+    collective: Collective | None = None
+    """For an op that communicates with other ranks (an FSDP all-gather or reduce-scatter), what it sends and
+    receives; None for every other op."""
     random: bool = False
     """True for an op that draws from the global random generator (dropout: ``bernoulli_``,
     ``native_dropout``, an attention kernel with a dropout probability): such ops keep their
@@ -253,6 +279,9 @@ def verify_program(program: Program) -> None:
             raise ValueError(f"op {op.name} mutates a value it does not read")
         if op.lane not in (None, "h2d", "d2h"):
             raise ValueError(f"op {op.name} has lane {op.lane!r}; a lane is 'h2d', 'd2h' or None")
+        if op.collective is not None and (op.collective.group_size < 1 or op.collective.full_bytes < 0):
+            raise ValueError(f"op {op.name} has a collective over {op.collective.group_size} ranks of "
+                             f"{op.collective.full_bytes} bytes; a group has >= 1 rank and bytes are >= 0")
         touches_remote = any(values[v].remote for v in op.inputs)
         if touches_remote and op.lane is None:
             raise ValueError(f"op {op.name} ({op.target}) reads a remote value on the compute stream; only lane "

@@ -15,6 +15,8 @@ _WHERE = {
     "capture_decode_step": "hyperoffload.capture.steps",
     "capture_prefill_step": "hyperoffload.capture.steps",
     "capture_train_step": "hyperoffload.capture.steps",
+    "capture_sharded_prefill_step": "hyperoffload.capture.sharded",
+    "capture_sharded_train_step": "hyperoffload.capture.sharded",
     "lm_loss": "hyperoffload.capture.steps",
 }
 """Where each attribute of the package lives (imported on first use)."""
@@ -22,4 +24,4 @@ _WHERE = {
 lazy_package(__name__, _WHERE)
 
 __all__ = ["AdamW", "CaptureError", "Captured", "adamw_update", "capture_decode_step", "capture_hf", "capture_prefill_step",
-           "capture_train_step", "default_dtype", "fake_build", "is_fake", "lm_loss", "program_from_graph"]
+           "capture_sharded_prefill_step", "capture_sharded_train_step", "capture_train_step", "default_dtype", "fake_build", "is_fake", "lm_loss", "program_from_graph"]

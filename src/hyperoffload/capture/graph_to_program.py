@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from hyperoffload.block_ops import LANE_OP_RULES
+from hyperoffload.capture.collective_ops import collective_of, is_collective_namespace, undeclared_collective_writes
 from hyperoffload.capture.tags import KIND_KEY, PHASE_KEY
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
 from hyperoffload.op_rules import OpCall, count_bytes, count_flops, undeclared_writes
@@ -51,6 +52,8 @@ class _Builder:
     storage_owner: dict[int, int] = field(default_factory=dict)
     node_values: dict[str, int] = field(default_factory=dict)
     tuple_values: dict[str, dict[int, int]] = field(default_factory=dict)
+    opaque: dict[str, Any] = field(default_factory=dict)
+    """Nodes that hold no tensor an op reads (a collective's process group, its ``Work`` handle), by name."""
     fetch_fraction: float = 1.0
 
     def add(self, name: str, tensor: torch.Tensor, kind: ValueKind | None, tag: ValueKind | None = None,
@@ -60,10 +63,15 @@ class _Builder:
         key = storage._cdata
         owner = self.storage_owner.setdefault(key, vid)
         remote = remote or (owner != vid and self.records[owner]["remote"])  # views of remote memory stay remote
+        allocated = int(storage.nbytes())
+        if allocated == 0 and owner == vid:
+            # A storage resized to 0 after it was traced (FSDP2 frees the parameters it gathered so) held what
+            # its first tensor spans while it was in use.
+            allocated = (tensor.storage_offset() + tensor.numel()) * tensor.element_size() if tensor.numel() else 0
         self.records.append(dict(
             id=vid, name=name, shape=tuple(int(s) for s in tensor.shape), dtype=_dtype_name(tensor.dtype),
             nbytes=tensor.numel() * tensor.element_size(), storage=owner,
-            alloc_bytes=int(storage.nbytes()) if owner == vid and not remote else 0, kind=kind, tag=tag,
+            alloc_bytes=allocated if owner == vid and not remote else 0, kind=kind, tag=tag,
             remote=remote))
         return vid
 
@@ -119,11 +127,15 @@ def program_from_graph(gm: torch.fx.GraphModule, input_kinds: Sequence[ValueKind
                 vid = b.add(node.name, val if isinstance(val, torch.Tensor) else tensor, ValueKind.INPUT)
                 b.node_values[node.name] = vid
                 constants.append(vid)
+            else:
+                b.opaque[node.name] = tensor
         elif node.op == "call_function" and node.target is operator.getitem:
             parent, index = node.args
             vid = b.tuple_values.get(parent.name, {}).get(index)
             if vid is not None:
                 b.node_values[node.name] = vid
+            elif not isinstance(val, torch.Tensor):
+                b.opaque[node.name] = val
         elif node.op == "call_function":
             ops.append(_convert_op(b, node, len(ops), phase, reads))
         elif node.op == "output":
@@ -144,7 +156,11 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
     if not isinstance(target, torch._ops.OpOverload):
         raise CaptureError(f"op {node.name} calls {target!r}, which is not an aten operator; "
                            f"capture supports graphs of aten operators only")
-    input_ids = list(dict.fromkeys(b.value_of(n, node) for n in _tensor_nodes((node.args, node.kwargs))))
+    if is_collective_namespace(f"{target.namespace}.") and target.namespace != "c10d":
+        raise CaptureError(f"op {node.name} calls {target}, a functional collective; capture takes the collectives "
+                           f"FSDP2 runs (c10d's in-place ones), not those of torch.distributed._functional_collectives")
+    read_nodes = [n for n in dict.fromkeys(_tensor_nodes((node.args, node.kwargs))) if n.name not in b.opaque]
+    input_ids = list(dict.fromkeys(b.value_of(n, node) for n in read_nodes))
     for v in input_ids:
         reads.setdefault(b.records[v]["storage"], set()).add(phase)
     schema = target._schema
@@ -176,7 +192,7 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
         target=f"{target.namespace}.{target._opname}",
         args=tuple(torch.fx.node.map_arg(node.args, example)),
         kwargs=dict(torch.fx.node.map_arg(node.kwargs, example)),
-        inputs=tuple(example(n) for n in dict.fromkeys(_tensor_nodes((node.args, node.kwargs)))),
+        inputs=tuple(example(n) for n in read_nodes),
         outputs=tuple(out_tensors),
         argument_names=tuple(a.name for a in schema.arguments),
         result=val,
@@ -184,12 +200,13 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
     # Written in place: what the schema declares, and what the kernel writes without declaring it (op_rules).
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     written.update(undeclared_writes(call))
+    written.update(undeclared_collective_writes(call.target))
     mutated: list[int] = []
     for index, argument in enumerate(schema.arguments):
         if argument.name not in written:
             continue
         arg = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-        mutated.extend(b.value_of(n, node) for n in _tensor_nodes(arg))
+        mutated.extend(b.value_of(n, node) for n in _tensor_nodes(arg) if n.name not in b.opaque)
     if only_aliases and not mutated:
         flops = bytes_read = bytes_written = 0
     else:
@@ -205,9 +222,27 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
     elif lane == "d2h":  # the rows written: every input that is neither remote nor an index
         transfer = sum(b.records[v]["nbytes"] for v in input_ids
                        if not b.records[v]["remote"] and b.records[v]["dtype"] not in ("int64", "int32"))
+    collective = collective_of(call, _group_size(b, node))
+    if collective is None and target.namespace == "c10d":
+        raise CaptureError(f"op {node.name} calls {target}, a collective the capture does not know (it knows "
+                           f"FSDP2's all-gather, reduce-scatter and all-reduce); shard the model with fully_shard only")
     return Op(id=op_id, name=node.name, target=str(target), inputs=tuple(input_ids), outputs=tuple(output_ids),
               mutates=tuple(dict.fromkeys(mutated)), phase=phase, flops=int(flops), bytes_read=bytes_read,
-              bytes_written=bytes_written, lane=lane, transfer_bytes=transfer, random=_draws_random(call))
+              bytes_written=bytes_written, lane=lane, transfer_bytes=transfer, collective=collective,
+              random=_draws_random(call))
+
+
+def _group_size(b: _Builder, node: torch.fx.Node) -> int | None:
+    """The size of the process group ``node`` (a c10d call) was given, where one of its arguments is a group."""
+    for arg in _tensor_nodes((node.args, node.kwargs)):
+        group = b.opaque.get(arg.name)
+        size = getattr(group, "size", None)
+        if callable(size):
+            try:
+                return int(size())
+            except (RuntimeError, TypeError, ValueError):  # a ReduceOp, a Work handle: not a group
+                continue
+    return None
 
 
 # aten ops that draw from the global random generator (names without the overload), and the attention

@@ -41,7 +41,21 @@ def inspect_step(captured: Captured, *, top: int = 10) -> dict[str, Any]:
         "peak_by_kind": dict(peak_by_kind.most_common()),
         "peak_values": [_describe(program, s) for s in profile.peak_storages[:top]],
         "capture_s": round(captured.capture_s, 3),
+        "world": program.meta.get("world", 1),
+        "collectives": collectives(program),
     }
+
+
+def collectives(program: Program) -> dict[str, dict[str, int]]:
+    """Per collective kind in ``program`` (``"all_gather"``...): how many ops, and the bytes of the whole tensors
+    they gather or reduce (``Collective.full_bytes``), summed; empty for a step of one device."""
+    found: dict[str, dict[str, int]] = {}
+    for op in program.ops:
+        if op.collective is not None:
+            entry = found.setdefault(op.collective.kind.value, {"count": 0, "full_bytes": 0})
+            entry["count"] += 1
+            entry["full_bytes"] += op.collective.full_bytes
+    return found
 
 
 def _describe(program: Program, vid: int) -> dict[str, Any]:
@@ -52,6 +66,8 @@ def _describe(program: Program, vid: int) -> dict[str, Any]:
 def inspect_tables(figures: dict[str, Any]) -> Group:
     """The figures of ``inspect_step`` as tables for a terminal."""
     title = f"{figures['workload']} {figures['mode']}"
+    if figures.get("world", 1) > 1:
+        title += f", rank 0 of {figures['world']} (FSDP2)"
     shape = ", ".join(f"{k} {figures[k]}" for k in ("batch", "seq", "context") if k in figures)
     sizes = Table(title=f"{title} ({shape}; {figures.get('dtype', '?')})", title_justify="left")
     sizes.add_column("quantity")
@@ -83,6 +99,13 @@ def inspect_tables(figures: dict[str, Any]) -> Group:
         largest.add_row(v["name"], v["kind"], "x".join(map(str, v["shape"])) or "scalar", v["dtype"],
                         format_bytes(v["bytes"]))
     parts = [sizes, by_kind, largest]
+    if figures.get("collectives"):
+        network = Table(title="Collectives of this rank (whole tensors' bytes)", title_justify="left")
+        for column in ("collective", "ops", "bytes"):
+            network.add_column(column, justify="left" if column == "collective" else "right")
+        for kind, entry in figures["collectives"].items():
+            network.add_row(kind.replace("_", "-"), f"{entry['count']:,}", format_bytes(entry["full_bytes"]))
+        parts.append(network)
     if "verify" in figures:
         parts.append(_verify_table(figures["verify"]))
     return Group(*parts)

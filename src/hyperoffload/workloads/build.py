@@ -8,6 +8,7 @@ import torch
 
 from hyperoffload.capture import (AdamW, CaptureError, Captured, capture_decode_step, capture_prefill_step,
                                   capture_train_step, default_dtype, fake_build)
+from hyperoffload.capture.sharded import capture_sharded_prefill_step, capture_sharded_train_step, check_world
 from hyperoffload.capture.steps import check_step_tokens
 from hyperoffload.variants import RemoteKvForms
 from hyperoffload.workloads.catalog import MODES
@@ -19,7 +20,7 @@ from hyperoffload.workloads.presets import Workload
 def capture_workload(workload: Workload, mode: str, *, batch: int | None = None, seq: int | None = None,
                      context: int | None = None, fake: bool = True, master_weights: bool = False,
                      seed: int = 0, remote_kv: bool = False, pool_blocks: int | None = None,
-                     reselection: float | None = None, speculative: bool = False) -> Captured:
+                     reselection: float | None = None, speculative: bool = False, world: int = 1) -> Captured:
     """Capture ``mode`` ("train", "prefill" or "decode") of ``workload``.
 
     ``fake=True`` builds the model and batch as fake tensors (no memory: any size can be
@@ -33,6 +34,9 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
     the previous step's selection instead of a pool, and the stated ``reselection`` statistic (default
     ``deepseek_remote.DEFAULT_RESELECTION``). A decode step of such a workload captured with its cache on the
     device says how to capture those forms in its Program (``Program.remote_kv``, a ``variants.RemoteKvForms``).
+
+    ``world`` > 1 captures rank 0's step of the model sharded with FSDP2 over that many ranks
+    (``capture.sharded``), train or prefill.
     """
     if mode not in MODES:
         raise CaptureError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -46,6 +50,11 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
     if mode != "decode" and context is not None:
         raise CaptureError(f"context (--context) sizes decode steps; a {mode} step takes seq (--seq) tokens per "
                            f"sequence: give seq={context} instead")
+    check_world(world)
+    if world > 1 and (mode == "decode" or master_weights):
+        what = "a decode step" if mode == "decode" else "master weights (--master-weights)"
+        raise CaptureError(f"{what} cannot be captured sharded over ranks (--world {world}) yet; FSDP2 shards train "
+                           f"and prefill steps: give --mode train or prefill without --master-weights, or --world 1")
     if master_weights and mode != "train":
         raise CaptureError(f"master_weights (--master-weights) adds an fp32 copy of the weights to a training step's "
                            f"optimizer; a {mode} step has no optimizer: drop it")
@@ -66,6 +75,12 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
         model = workload.model(workload.config)
         tokens = torch.randint(0, vocab, (batch, 1 if mode == "decode" else seq))
         targets = torch.randint(0, vocab, (batch, seq))
+    if world > 1 and mode == "train":
+        return capture_sharded_train_step(model, (tokens,), targets, world=world, name=workload.name,
+                                          meta={**meta, "seq": seq})
+    if world > 1:
+        return capture_sharded_prefill_step(model, (tokens,), world=world, name=workload.name,
+                                            meta={**meta, "seq": seq})
     if mode == "train":
         return capture_train_step(model, (tokens,), targets, optimizer=AdamW(master_weights=master_weights),
                                   name=workload.name, meta={**meta, "seq": seq})
