@@ -11,7 +11,7 @@ from hyperoffload.units import format_bandwidth, format_bytes, format_seconds
 
 def hardware_list(profiles: list[Hardware]) -> Table:
     table = Table(title="Hardware profiles", title_justify="left")
-    for column in ("name", "devices", "memory", "BF16 TFLOP/s", "HBM", "H2D", "D2H", "both ways", "intra-node",
+    for column in ("name", "per node x nodes", "memory", "BF16 TFLOP/s", "HBM", "H2D", "D2H", "both ways", "intra-node",
                    "inter-node"):
         table.add_column(column, justify="left" if column == "name" else "right", no_wrap=column == "name")
     for h in profiles:
