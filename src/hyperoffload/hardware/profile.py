@@ -36,6 +36,9 @@ class HardwareError(ValueError):
 MAX_MEMORY_BYTES = 2**62
 """The most device memory (and budget) accepted, bytes: 4 EiB, far beyond any device, and small enough that sums
 of a few such sizes still fit the signed 64-bit integers the analyses count bytes in."""
+MAX_DEVICES = 2**20
+"""The most devices per node, nodes, or devices behind one host link accepted: about a million, beyond any machine
+built, and small enough that a collective's per-step latency sum stays a handful of float operations."""
 MAX_EVENT_S = 3600.0
 """The longest fixed cost of one event accepted (a copy's latency, a kernel launch, an issue), seconds: an hour
 per copy is a slip of units (us, ms), and the simulator's clock keeps its resolution well past a step of such
@@ -54,12 +57,19 @@ class _Rule(NamedTuple):
 _BANDWIDTH = _Rule("a finite number > 0 bytes/s", lambda v: v > 0)
 _EVENT = _Rule(f"a finite number >= 0 s and at most {MAX_EVENT_S:g} s", lambda v: 0 <= v <= MAX_EVENT_S)
 _SHARE = _Rule("in (0, 1]", lambda v: 0 < v <= 1)
+_COUNT = _Rule(f"a whole number >= 1 and at most 2**20 ({MAX_DEVICES})", lambda v: 1 <= v <= MAX_DEVICES, whole=True)
+_NETWORK = _Rule("a finite number >= 0 bytes/s (0: no such link)", lambda v: v >= 0)
 _RULES: dict[str, _Rule] = {
     "memory_bytes": _Rule("a whole number of bytes > 0 and at most 2**62 (4 EiB)", lambda v: 0 < v <= MAX_MEMORY_BYTES,
                           whole=True),
     "hbm_bw": _BANDWIDTH, "h2d_bw": _BANDWIDTH, "d2h_bw": _BANDWIDTH,
     "h2d_latency_s": _EVENT, "d2h_latency_s": _EVENT, "launch_s": _EVENT, "issue_s": _EVENT,
     "duplex_share": _SHARE, "compute_efficiency": _SHARE, "memory_efficiency": _SHARE,
+    "devices_per_node": _COUNT, "nodes": _COUNT, "host_link_shared_by": _COUNT,
+    "intra_node_bw": _NETWORK, "inter_node_bw": _NETWORK,
+    "intra_node_latency_s": _EVENT, "inter_node_latency_s": _EVENT,
+    "host_memory_bytes": _Rule("a whole number of bytes >= 0 (0: not stated) and at most 2**62 (4 EiB)",
+                               lambda v: 0 <= v <= MAX_MEMORY_BYTES, whole=True),
 }
 """Field name -> the rule its number follows (``peak_flops``, a table, has its own check)."""
 
@@ -90,7 +100,9 @@ def field_problem(name: str, value: Any) -> str | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hardware:
-    """One accelerator and its link to remote memory."""
+    """One accelerator and its link to remote memory, and the machine it sits in: how many such devices a node
+    holds, how many nodes there are and the links between devices (the interconnect fields). The interconnect
+    fields default to one device with no network, so a profile of a single device leaves them out."""
 
     name: str
     description: str
@@ -125,6 +137,26 @@ class Hardware:
     input and output shapes: ``cost.op_signature``) or by op target (``"hyperoffload.nsa_select.default"``); the
     cost model charges such an op its measured time (``cost.with_measured_op_costs`` says how). Empty for a
     profile of nominal figures (every preset and profile file)."""
+    devices_per_node: int = 1
+    """Devices in one node: one machine with its own host memory (a DGX, a GH200 tray, a CloudMatrix node)."""
+    nodes: int = 1
+    """Nodes the profile describes (a cluster or scalable unit); ``devices_per_node * nodes`` devices in all."""
+    intra_node_bw: float = 0.0
+    """Bandwidth from one device to the others of its node, one direction (bytes/s; e.g. NVLink 4 through NVSwitch,
+    450e9 on H100 SXM). 0: no such link, allowed only with one device per node."""
+    intra_node_latency_s: float = 0.0
+    """Fixed cost of one step of a collective between devices of one node (seconds)."""
+    inter_node_bw: float = 0.0
+    """Bandwidth from one device to devices of other nodes, one direction, per device (bytes/s; e.g. one 400 Gb/s
+    NIC per GPU, 50e9). 0: no such link, allowed only with one node."""
+    inter_node_latency_s: float = 0.0
+    """Fixed cost of one step of a collective between devices of different nodes (seconds)."""
+    host_memory_bytes: int = 0
+    """Host memory of one node, shared by its devices (bytes). 0: not stated."""
+    host_link_shared_by: int = 1
+    """Devices behind one host link (2 where two GPUs sit behind one PCIe switch; 1 on GH200, each with its own
+    NVLink-C2C): ``h2d_bw`` and ``d2h_bw`` are one device's figures with its link to itself, and that many devices
+    share them when all copy at once."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Where each field's number comes from, keyed by field name."""
 
@@ -137,6 +169,9 @@ class Hardware:
                 raise HardwareError(f"{self.name}: {problem}")
             # Plain Python numbers from here on (a numpy integer would wrap around in the analyses' sums).
             object.__setattr__(self, name, int(value) if _RULES[name].whole else float(value))
+        problem = _network_problem(self)
+        if problem:
+            raise HardwareError(f"{self.name}: {problem}")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
             raise HardwareError(f"{self.name}: peak_flops needs a positive FLOP/s for at least one dtype, e.g. "
                                 f"{{\"bfloat16\": 989e12}}")
@@ -163,6 +198,11 @@ class Hardware:
         object.__setattr__(self, "measured_op_s",
                            MappingProxyType({op: float(seconds) for op, seconds in self.measured_op_s.items()}))
 
+    @property
+    def device_count(self) -> int:
+        """Devices the profile describes: ``devices_per_node * nodes`` (1 for a single device)."""
+        return self.devices_per_node * self.nodes
+
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; dtypes without a figure use float32's (or the slowest listed)."""
         if dtype in self.peak_flops:
@@ -177,23 +217,63 @@ class Hardware:
         return dataclasses.replace(self, **changes, sources=MappingProxyType(sources))
 
 
-def _read_memory(value: Any) -> int:
-    """``memory``: a size with a unit, or a bare number (a TOML number or "80"), which is bytes; but
-    "memory = 80" surely meant 80 GiB, not 80 bytes: a bare number under a mebibyte is refused rather than
-    planned for a device with no room."""
+def _network_problem(h: Hardware) -> str | None:
+    """What is inconsistent between the interconnect fields (each already within its own rule), or None: more than
+    one device per node needs a link between them, more than one node a link across nodes, and no more devices can
+    share a host link than the node holds."""
+    if h.devices_per_node > 1 and not h.intra_node_bw:
+        return (f"devices_per_node = {h.devices_per_node} needs intra_node_bw, the bandwidth from one device to the "
+                f"others of its node (bytes/s each way), e.g. intra_node_bw = \"450GB/s\"; or devices_per_node = 1")
+    if h.nodes > 1 and not h.inter_node_bw:
+        return (f"nodes = {h.nodes} needs inter_node_bw, the bandwidth from one device to other nodes (bytes/s each "
+                f"way, per device), e.g. inter_node_bw = \"50GB/s\"; or nodes = 1")
+    if h.host_link_shared_by > h.devices_per_node:
+        return (f"host_link_shared_by = {h.host_link_shared_by} is more than the node's devices_per_node = "
+                f"{h.devices_per_node}; give at most {h.devices_per_node}")
+    return None
+
+
+def _size_reader(key: str, example: str, *, zero_ok: bool = False) -> Callable[[Any], int]:
+    """A reader for the size ``key``: a size with a unit, or a bare number (a TOML number or "80"), which is bytes;
+    but "memory = 80" surely meant 80 GiB, not 80 bytes: a bare number under a mebibyte is refused rather than
+    planned for a machine with no room. With ``zero_ok``, a bare 0 is allowed (a field where 0 says "not stated")."""
+    def read(value: Any) -> int:
+        if isinstance(value, str):
+            bare = unitless(value)
+        else:  # a TOML number (an int, or a float such as 8.6e10, inf or nan), never a bool or a table
+            bare = bare_number(value, "a size", f'write it with a unit, e.g. {key} = "{example}"')
+        if bare is None:
+            return parse_bytes(value)
+        if bare > MAX_MEMORY_BYTES:  # also int()'s limit: refuse it here, naming the key, not as an OverflowError
+            raise ValueError(f"{bare:g} bytes is more than {MAX_MEMORY_BYTES} (4 EiB); write it with a unit, e.g. "
+                             f'{key} = "{example}"')
+        if bare == 0 and zero_ok:
+            return 0
+        if bare < 2**20:
+            raise ValueError(f"a bare number is bytes, so {key} would be {bare:g} bytes; write the size with a "
+                             f"unit, e.g. {key} = \"{bare:g}GiB\"")
+        return int(bare)
+
+    return read
+
+
+_read_memory = _size_reader("memory", "80GiB")
+"""``memory``: the device's memory."""
+_read_host_memory = _size_reader("host_memory", "2TiB", zero_ok=True)
+"""``host_memory``: one node's host memory; 0 says it is not stated."""
+
+
+def _read_count(value: Any) -> int:
+    """A count (``devices_per_node``, ``nodes``, ``host_link_shared_by``): a TOML integer, or text that is one
+    ("8", as ``hyperoffload hardware NAME`` shows it); not a bool (``true`` would read as 1), nor 8.5."""
     if isinstance(value, str):
-        bare = unitless(value)
-    else:  # a TOML number (an int, or a float such as 8.6e10, inf or nan), never a bool or a table
-        bare = bare_number(value, "a size", 'write it with a unit, e.g. memory = "80GiB"')
-    if bare is None:
-        return parse_bytes(value)
-    if bare > MAX_MEMORY_BYTES:  # also int()'s limit: refuse it here, naming the key, not as an OverflowError
-        raise ValueError(f"{bare:g} bytes is more than {MAX_MEMORY_BYTES} (4 EiB); write it with a unit, e.g. "
-                         f'memory = "80GiB"')
-    if bare < 2**20:
-        raise ValueError(f"a bare number is bytes, so this device would have {bare:g} bytes; write the size with a "
-                         f"unit, e.g. memory = \"{bare:g}GiB\"")
-    return int(bare)
+        number = unitless(value)
+        if number is None or not number.is_integer():
+            raise ValueError("a count is a whole number written without a unit, e.g. 8")
+        return int(number)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"a count is a whole number, e.g. 8; got {_shown(value)}")
+    return value
 
 
 def _read_share(value: Any) -> float:
@@ -221,7 +301,18 @@ _READERS = {
     "memory_efficiency": ("memory_efficiency", _read_share),
 }
 # Keys a profile may leave out (the field's default applies).
-_OPTIONAL = {"issue": ("issue_s", parse_duration)}
+_OPTIONAL = {
+    "issue": ("issue_s", parse_duration),
+    # The interconnect: left out, a profile is one device with no network.
+    "devices_per_node": ("devices_per_node", _read_count),
+    "nodes": ("nodes", _read_count),
+    "intra_node_bw": ("intra_node_bw", parse_bandwidth),
+    "intra_node_latency": ("intra_node_latency_s", parse_duration),
+    "inter_node_bw": ("inter_node_bw", parse_bandwidth),
+    "inter_node_latency": ("inter_node_latency_s", parse_duration),
+    "host_memory": ("host_memory_bytes", _read_host_memory),
+    "host_link_shared_by": ("host_link_shared_by", _read_count),
+}
 FILE_KEYS = {name: key for key, (name, _) in {**_READERS, **_OPTIONAL}.items()}
 """Field name -> the key a profile file gives it (``memory_bytes`` -> ``memory``)."""
 
