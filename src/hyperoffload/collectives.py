@@ -40,25 +40,16 @@ dimension of a hybrid-sharded mesh is).
 
 from __future__ import annotations
 
-import enum
 import math
 import numbers
 from dataclasses import dataclass
 
 from hyperoffload.hardware.profile import Hardware
+from hyperoffload.ir import CollectiveKind
 
 
 class CollectiveError(ValueError):
     """A collective that the profile cannot run as asked; the message says what to change."""
-
-
-class Collective(enum.Enum):
-    """The collectives a sharded step issues (FSDP2: all-gather of parameters, reduce-scatter of gradients;
-    all-reduce for replicated gradients)."""
-
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_REDUCE = "all_reduce"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,32 +90,33 @@ def ring_stages(hardware: Hardware, nbytes: float, group_size: int, *,
     return tuple(stages)
 
 
-def collective_s(kind: Collective, hardware: Hardware, nbytes: float, group_size: int, *,
+def collective_s(kind: CollectiveKind, hardware: Hardware, nbytes: float, group_size: int, *,
                  ranks_per_node: int | None = None) -> float:
     """Seconds for the collective ``kind`` of a tensor of ``nbytes`` (full, unsharded) over ``group_size`` ranks
     of ``hardware``, by the ring algorithm (hierarchical across nodes); 0 for a group of one."""
-    if not isinstance(kind, Collective):
-        raise CollectiveError(f"kind must be a Collective ({', '.join(c.name for c in Collective)}), got {kind!r}")
+    if not isinstance(kind, CollectiveKind):
+        raise CollectiveError(f"kind must be a CollectiveKind ({', '.join(c.name for c in CollectiveKind)}), got "
+                              f"{kind!r}")
     one_pass = sum(stage.seconds() for stage in ring_stages(hardware, nbytes, group_size,
                                                             ranks_per_node=ranks_per_node))
-    return 2 * one_pass if kind is Collective.ALL_REDUCE else one_pass
+    return 2 * one_pass if kind is CollectiveKind.ALL_REDUCE else one_pass
 
 
 def all_gather_s(hardware: Hardware, nbytes: float, group_size: int, *, ranks_per_node: int | None = None) -> float:
     """Seconds to all-gather a tensor of ``nbytes`` (the gathered, full size) from ``group_size`` equal shards."""
-    return collective_s(Collective.ALL_GATHER, hardware, nbytes, group_size, ranks_per_node=ranks_per_node)
+    return collective_s(CollectiveKind.ALL_GATHER, hardware, nbytes, group_size, ranks_per_node=ranks_per_node)
 
 
 def reduce_scatter_s(hardware: Hardware, nbytes: float, group_size: int, *,
                      ranks_per_node: int | None = None) -> float:
     """Seconds to reduce-scatter a tensor of ``nbytes`` (each rank's full input) into ``group_size`` shards."""
-    return collective_s(Collective.REDUCE_SCATTER, hardware, nbytes, group_size, ranks_per_node=ranks_per_node)
+    return collective_s(CollectiveKind.REDUCE_SCATTER, hardware, nbytes, group_size, ranks_per_node=ranks_per_node)
 
 
 def all_reduce_s(hardware: Hardware, nbytes: float, group_size: int, *, ranks_per_node: int | None = None) -> float:
     """Seconds to all-reduce a tensor of ``nbytes`` over ``group_size`` ranks: a reduce-scatter, then an
     all-gather."""
-    return collective_s(Collective.ALL_REDUCE, hardware, nbytes, group_size, ranks_per_node=ranks_per_node)
+    return collective_s(CollectiveKind.ALL_REDUCE, hardware, nbytes, group_size, ranks_per_node=ranks_per_node)
 
 
 def _checked_bytes(nbytes: float) -> float:
@@ -181,5 +173,5 @@ def _divisors(number: int, most: int) -> list[int]:
     return [d for d in range(1, min(number, most) + 1) if number % d == 0]
 
 
-__all__ = ["Collective", "CollectiveError", "RingStage", "all_gather_s", "all_reduce_s", "collective_s",
+__all__ = ["CollectiveError", "RingStage", "all_gather_s", "all_reduce_s", "collective_s",
            "reduce_scatter_s", "ring_stages"]

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyperoffload.collectives import (Collective, CollectiveError, RingStage, all_gather_s, all_reduce_s, collective_s,
+from hyperoffload.collectives import (CollectiveError, RingStage, all_gather_s, all_reduce_s, collective_s,
                                       reduce_scatter_s, ring_stages)
 from hyperoffload.hardware import get_hardware
+from hyperoffload.ir import CollectiveKind
 from programs import simple_hardware
 
 
@@ -65,10 +66,10 @@ def test_dgx_h100_figures():
 
 def test_collective_s_takes_each_kind():
     h = cluster()
-    assert collective_s(Collective.ALL_GATHER, h, 800, 4) == all_gather_s(h, 800, 4)
-    assert collective_s(Collective.REDUCE_SCATTER, h, 800, 4) == reduce_scatter_s(h, 800, 4)
-    assert collective_s(Collective.ALL_REDUCE, h, 800, 4) == all_reduce_s(h, 800, 4)
-    with pytest.raises(CollectiveError, match="kind must be a Collective"):
+    assert collective_s(CollectiveKind.ALL_GATHER, h, 800, 4) == all_gather_s(h, 800, 4)
+    assert collective_s(CollectiveKind.REDUCE_SCATTER, h, 800, 4) == reduce_scatter_s(h, 800, 4)
+    assert collective_s(CollectiveKind.ALL_REDUCE, h, 800, 4) == all_reduce_s(h, 800, 4)
+    with pytest.raises(CollectiveError, match="kind must be a CollectiveKind"):
         collective_s("all_gather", h, 800, 4)
 
 
