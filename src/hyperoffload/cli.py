@@ -123,6 +123,12 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
                              "folder (off by default: such a config is refused)")
 
 
+def _add_world_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=_positive, default=1, metavar="RANKS",
+                        help="capture rank 0's step of the model sharded with FSDP2 over this many ranks (train or "
+                             "prefill; on a fake process group, so no ranks are needed)")
+
+
 def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", required=True, metavar="NAME|FILE.toml",
                         help=f"one of: {', '.join(PRESET_NAMES)}; or a path to your own TOML profile")
@@ -174,19 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="capture a step and show its sizes and no-offload peak")
     _add_step_arguments(inspect)
     inspect.add_argument("--top", type=_positive, default=10, help="how many of the largest peak values to list")
-    inspect.add_argument("--world", type=_positive, default=1, metavar="RANKS",
-                         help="capture rank 0's step of the model sharded with FSDP2 over this many ranks (train or "
-                              "prefill; on a fake process group, so no ranks are needed)")
+    _add_world_argument(inspect)
     inspect.add_argument("--verify", action="store_true",
                          help="also build the step with real random weights, execute it on CPU with the reference "
                               "executor and compare measured live bytes and results with the analysis and eager")
     commands.add_parser("workloads", help="list the built-in workloads")
     simulate = commands.add_parser("simulate", help="simulate the captured step (no offload) on a hardware profile")
     _add_step_arguments(simulate)
+    _add_world_argument(simulate)
     _add_hardware_arguments(simulate)
     _add_output_arguments(simulate)
     plan = commands.add_parser("plan", help="plan offloading under a budget and simulate the plan")
     _add_step_arguments(plan)
+    _add_world_argument(plan)
     _add_hardware_arguments(plan)
     plan.add_argument("--budget", required=True, metavar="SIZE|PCT%|hideable", type=_budget,
                       help="device-memory budget: bytes with units (40GiB, 60GB), a percentage of the step's "

@@ -239,7 +239,7 @@ def _workloads(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.plans import plan_without_offload
-    from hyperoffload.report.figures import figures_table
+    from hyperoffload.report.figures import figures_table, step_fields, step_title
     from hyperoffload.simulate import simulate
 
     hardware = hardware_from_args(args)
@@ -248,15 +248,14 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     with err.status(f"Simulating {len(program.ops):,} ops on {hardware.name}..."):
         timeline = simulate(plan_without_offload(program), hardware)
     figures = timeline.figures
-    _write_outputs(args, timeline, title=f"{program.name} {program.mode} on {hardware.name}, no offload",
+    _write_outputs(args, timeline, title=f"{step_title(program)} on {hardware.name}, no offload",
                    limit_bytes=hardware.memory_bytes, err=err, limit_label=f"{hardware.name} memory")
     if args.json:
-        print(json.dumps({"workload": program.meta.get("workload", program.name), "mode": program.mode,
-                          "hardware": hardware.name, "policy": "none", **figures.as_dict(),
+        print(json.dumps({**step_fields(program), "hardware": hardware.name, "policy": "none", **figures.as_dict(),
                           "device_memory_bytes": hardware.memory_bytes,
                           "fits": figures.peak_bytes <= hardware.memory_bytes}))
         return 0
-    out.print(figures_table(figures, title=f"{program.name} {program.mode} on {hardware.name}, as captured "
+    out.print(figures_table(figures, title=f"{step_title(program)} on {hardware.name}, as captured "
                                            f"(no offload)", hardware=hardware))
     if figures.peak_bytes > hardware.memory_bytes:
         out.print(f"[yellow]The step needs {format_bytes(figures.peak_bytes)} of device memory; {hardware.name} "

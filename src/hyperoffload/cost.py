@@ -2,7 +2,10 @@
 
 An op's time is a roofline: the larger of its FLOPs over the compute peak for its dtype and
 its bytes over HBM bandwidth, each scaled by the profile's efficiency, plus the kernel launch
-overhead. Ops that only make aliases (views) launch nothing and cost nothing. Per-op rules in
+overhead. Ops that only make aliases (views) launch nothing and cost nothing. A collective of a sharded step
+(``Op.collective``) takes its time on the interconnect (``hyperoffload.collectives``), charged to the compute
+stream: the simulator has no network lane yet, so a step's collectives do not overlap its compute there, as
+FSDP2's would on its own streams (an upper bound on what they cost the step). Per-op rules in
 a registry override the default. A transfer takes a fixed latency plus bytes over the link
 bandwidth; the simulator slows the data phase while both directions copy at once.
 
@@ -22,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from hyperoffload.collectives import collective_s
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Op, Program
 from hyperoffload.memo import per_program
@@ -123,6 +127,9 @@ def op_time(op: Op, program: Program, hardware: Hardware) -> float:
     which runs on a copy lane instead (``lane_op_time``)."""
     if op.lane is not None:
         return 0.0
+    if op.collective is not None:
+        return collective_s(op.collective.kind, hardware, op.collective.full_bytes, op.collective.group_size) \
+            + hardware.launch_s
     measured = hardware.measured_op_s
     if measured:
         seconds = measured.get(op_signature(op, program), measured.get(op.target))

@@ -129,3 +129,25 @@ def test_inspect_world_reports_the_ranks_collectives(capsys):
 ])
 def test_inspect_world_refuses_what_it_cannot_shard(capsys, args, message):
     assert message in user_error(capsys, ["inspect", *args])
+
+
+def test_a_collective_costs_its_time_on_the_interconnect(sharded):
+    from hyperoffload.collectives import collective_s
+    from hyperoffload.cost import op_time
+    from hyperoffload.hardware import get_hardware
+
+    world, program = sharded
+    dgx = get_hardware("dgx-h100")
+    for op in (op for op in program.ops if op.collective):
+        network = collective_s(op.collective.kind, dgx, op.collective.full_bytes, world)
+        assert network > 0 and op_time(op, program, dgx) == network + dgx.launch_s
+
+
+def test_plan_world_plans_the_ranks_step_on_a_multi_device_profile(capsys):
+    assert main(["plan", *TINY, "--world", "2", "--hardware", "dgx-h100", "--budget", "50%", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["world"] == 2 and figures["feasible"]
+    assert figures["peak_bytes"] <= figures["budget_bytes"]
+    assert figures["h2d_bytes"] > 0 and figures["step_s"] >= figures["compute_s"]
+    error = user_error(capsys, ["simulate", *TINY, "--world", "2", "--hardware", "h100-sxm"])
+    assert "one device with no network" in error and "dgx-h100" in error

@@ -5,8 +5,22 @@ from __future__ import annotations
 from rich.table import Table
 
 from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
 from hyperoffload.simulate import Figures
 from hyperoffload.units import format_bytes, format_seconds
+
+
+def step_fields(program: Program) -> dict:
+    """What every report says of the step it is about: ``workload``, ``mode`` and ``world`` (the ranks the step
+    is sharded over; 1 for a step of one device)."""
+    return {"workload": program.meta.get("workload", program.name), "mode": program.mode,
+            "world": program.meta.get("world", 1)}
+
+
+def step_title(program: Program) -> str:
+    """``"<name> <mode>"``, with the rank it is where the step is sharded over ranks."""
+    world = program.meta.get("world", 1)
+    return f"{program.name} {program.mode}" + (f" (rank 0 of {world}, FSDP2)" if world > 1 else "")
 
 
 def figures_table(figures: Figures, *, title: str, hardware: Hardware) -> Table:

@@ -18,6 +18,7 @@ from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.planning import plan_checked
+from hyperoffload.report.figures import step_fields, step_title
 from hyperoffload.plans import Plan
 from hyperoffload.policies import PlannerConfig
 from hyperoffload.simulate import Figures, Timeline
@@ -76,7 +77,7 @@ class PlanReport:
     @property
     def title(self) -> str:
         program = self.program
-        title = (f"{program.name} {program.mode} on {self.hardware.name}, {self.policy}, budget "
+        title = (f"{step_title(program)} on {self.hardware.name}, {self.policy}, budget "
                  f"{format_bytes(self.budget_bytes)}")
         if self.figures.steady_state:
             title += " (two consecutive steps: state stays in remote memory between them)"
@@ -85,8 +86,7 @@ class PlanReport:
     def as_dict(self) -> dict:
         """The object ``hyperoffload plan --json`` prints (docs/figures.md names each figure)."""
         program = self.program
-        return {"workload": program.meta.get("workload", program.name), "mode": program.mode,
-                "hardware": self.hardware.name, "policy": self.policy, **self.figures.as_dict(),
+        return {**step_fields(program), "hardware": self.hardware.name, "policy": self.policy, **self.figures.as_dict(),
                 "budget_bytes": self.budget_bytes, "feasible": self.feasible, "plan_s": self.plan_s,
                 "device_memory_bytes": self.hardware.memory_bytes, "instructions": len(self.plan.instructions),
                 "static_layout": self.plan.layout is not None, "window_bound_s": self.window_bound_s,
