@@ -151,3 +151,21 @@ def test_plan_world_plans_the_ranks_step_on_a_multi_device_profile(capsys):
     assert figures["h2d_bytes"] > 0 and figures["step_s"] >= figures["compute_s"]
     error = user_error(capsys, ["simulate", *TINY, "--world", "2", "--hardware", "h100-sxm"])
     assert "one device with no network" in error and "dgx-h100" in error
+
+
+def test_the_sharded_bench_plans_each_budget_within_it():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "bench" / "sharded.py"), "--workload", "tiny-llama", "--world",
+                           "2", "--budgets", "90%,50%", "--json"], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["world"] == 2 and len(result["rows"]) == 2
+    for row in result["rows"]:
+        assert row["peak_bytes"] <= row["budget_bytes"] < result["unplanned_peak_bytes"]
+        assert row["step / link_bound"] >= 1 - 1e-9 and row["step_s"] >= row["compute_s"] > 0
+    assert result["rows"][1]["h2d_bytes"] > result["rows"][0]["h2d_bytes"]
