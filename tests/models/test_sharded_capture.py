@@ -167,5 +167,5 @@ def test_the_sharded_bench_plans_each_budget_within_it():
     assert result["world"] == 2 and len(result["rows"]) == 2
     for row in result["rows"]:
         assert row["peak_bytes"] <= row["budget_bytes"] < result["unplanned_peak_bytes"]
-        assert row["step / link_bound"] >= 1 - 1e-9 and row["step_s"] >= row["compute_s"] > 0
+        assert row["step / link_bound"] >= 1 - 1e-9 and row["step_s"] >= row["compute_s"] * (1 - 1e-9) > 0
     assert result["rows"][1]["h2d_bytes"] > result["rows"][0]["h2d_bytes"]
