@@ -282,6 +282,16 @@ def check_plan(plan: Plan) -> PlanCheck:
                      initial_bytes=initial)
 
 
+def remote_bytes(plan: Plan) -> int:
+    """Bytes of remote memory (host DRAM) the plan keeps copies in: every storage it offloads or starts in
+    remote memory, counted once (a remote copy is kept to the end of the step, and its buffer is reused by the
+    next), plus what the step holds in remote memory itself (a remote KV cache)."""
+    values = plan.program.values
+    storages = set(plan.initial_remote) | {i.target for i in plan.instructions if i.kind is Kind.OFFLOAD}
+    held = sum(v.nbytes for v in values if v.remote and v.owns_storage)
+    return sum(values[s].alloc_bytes for s in storages) + held
+
+
 @per_program
 def compute_instructions(program: Program) -> tuple[Instr, ...]:
     """``Instr(COMPUTE, op)`` for each op id of ``program``, made once per program: instructions are immutable,

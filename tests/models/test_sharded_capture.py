@@ -169,3 +169,11 @@ def test_the_sharded_bench_plans_each_budget_within_it():
         assert row["peak_bytes"] <= row["budget_bytes"] < result["unplanned_peak_bytes"]
         assert row["step / link_bound"] >= 1 - 1e-9 and row["step_s"] >= row["compute_s"] * (1 - 1e-9) > 0
     assert result["rows"][1]["h2d_bytes"] > result["rows"][0]["h2d_bytes"]
+
+
+def test_plan_json_says_the_remote_memory_of_a_rank_and_of_its_node(capsys):
+    assert main(["plan", *TINY, "--world", "4", "--hardware", "dgx-h100", "--budget", "50%", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["remote_bytes"] >= figures["excess_bytes"] > 0
+    assert figures["ranks_per_node"] == 4 and figures["remote_bytes_per_node"] == 4 * figures["remote_bytes"]
+    assert figures["host_memory_bytes"] == 2 * 2**40

@@ -19,7 +19,7 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.planning import plan_checked
 from hyperoffload.report.figures import step_fields, step_title
-from hyperoffload.plans import Plan
+from hyperoffload.plans import Plan, remote_bytes
 from hyperoffload.policies import PlannerConfig
 from hyperoffload.simulate import Figures, Timeline
 from hyperoffload.units import format_bytes
@@ -91,7 +91,20 @@ class PlanReport:
                 "device_memory_bytes": self.hardware.memory_bytes, "instructions": len(self.plan.instructions),
                 "static_layout": self.plan.layout is not None, "window_bound_s": self.window_bound_s,
                 "traffic_bound_s": self.traffic_bound_s, "link_bound_s": self.link_bound_s,
-                "free_budget_bytes": self.free_budget_bytes, **self.memory, **self.kv}
+                "free_budget_bytes": self.free_budget_bytes, **self.remote, **self.memory, **self.kv}
+
+    @property
+    def remote(self) -> dict:
+        """Remote memory the plan needs: ``remote_bytes`` for this step (one rank's, for a sharded step), and for
+        a step sharded over ranks, ``remote_bytes_per_node`` for the ranks sharing one node's host memory
+        (``ranks_per_node``), against the profile's ``host_memory_bytes`` (0: not stated)."""
+        per_rank = remote_bytes(self.plan)
+        world = self.program.meta.get("world", 1)
+        if world == 1:
+            return {"remote_bytes": per_rank}
+        ranks = min(world, self.hardware.devices_per_node)
+        return {"remote_bytes": per_rank, "ranks_per_node": ranks, "remote_bytes_per_node": per_rank * ranks,
+                "host_memory_bytes": self.hardware.host_memory_bytes}
 
 
 def plan_report(program: Program, hardware: Hardware, budget: int | str, *, policy: str = "hyperoffload",
