@@ -28,6 +28,7 @@ allocated in instruction order never exceed it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -280,6 +281,22 @@ def check_plan(plan: Plan) -> PlanCheck:
             raise PlanError(-1, f"{name(s)} is lost at the end of the step: neither on the device nor in remote memory")
     return PlanCheck(live_bytes=tuple(live), peak_bytes=max(live, default=initial), frees_after=tuple(frees_after),
                      initial_bytes=initial)
+
+
+def plan_digest(plan: Plan) -> str:
+    """A hash of what ``plan`` does, the same in every process that makes the same plan: its instructions (each
+    naming the op or value by its fx name, not by an id), the storages it starts remote and its budget.
+
+    Ranks of a sharded step must run the same plan (a rank that issued its collectives in another order than the
+    others would wait on them for ever); comparing digests across ranks checks that before a step runs."""
+    program = plan.program
+    digest = hashlib.sha256(f"{program.name}|{program.mode}|{plan.policy}|{plan.budget_bytes}".encode())
+    names = sorted(program.values[s].name for s in plan.initial_remote)
+    digest.update(("remote:" + ",".join(names)).encode())
+    for instr in plan.instructions:
+        name = program.ops[instr.target].name if instr.kind is Kind.COMPUTE else program.values[instr.target].name
+        digest.update(f"|{instr.kind.value}:{name}".encode())
+    return digest.hexdigest()
 
 
 def remote_bytes(plan: Plan) -> int:

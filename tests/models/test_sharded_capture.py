@@ -177,3 +177,21 @@ def test_plan_json_says_the_remote_memory_of_a_rank_and_of_its_node(capsys):
     assert figures["remote_bytes"] >= figures["excess_bytes"] > 0
     assert figures["ranks_per_node"] == 4 and figures["remote_bytes_per_node"] == 4 * figures["remote_bytes"]
     assert figures["host_memory_bytes"] == 2 * 2**40
+
+
+def test_every_process_makes_the_same_plan_of_a_sharded_step():
+    """Ranks plan independently from identical inputs: two processes (with different hash seeds) give the same
+    digest, and another budget another one."""
+    import os
+    import subprocess
+    import sys
+
+    def digest(budget: str, seed: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "hyperoffload.cli", "plan", *TINY, "--world", "2", "--hardware",
+                               "dgx-h100", "--budget", budget, "--json"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["plan_digest"]
+
+    first = digest("50%", "1")
+    assert first == digest("50%", "2") != digest("70%", "1")

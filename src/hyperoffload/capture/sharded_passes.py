@@ -78,9 +78,10 @@ def separate_regathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     written: set[int] = set()
     for gather in [n for n in graph.nodes if _packet(n) == _SPLIT_COPY]:
         outs = gather.kwargs.get("out", ())
-        storages = {s for s in map(_storage, outs) if s is not None}
-        again = storages & written
-        written |= storages
+        # In the order of the gather's outputs, not of the storages' addresses: every process rewrites alike.
+        storages = list(dict.fromkeys(s for s in map(_storage, outs) if s is not None))
+        again = [s for s in storages if s in written]
+        written.update(storages)
         for storage in again:
             _move_storage(graph, gather, storage)
     graph.lint()

@@ -19,7 +19,7 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.planning import plan_checked
 from hyperoffload.report.figures import step_fields, step_title
-from hyperoffload.plans import Plan, remote_bytes
+from hyperoffload.plans import Plan, plan_digest, remote_bytes
 from hyperoffload.policies import PlannerConfig
 from hyperoffload.simulate import Figures, Timeline
 from hyperoffload.units import format_bytes
@@ -91,7 +91,8 @@ class PlanReport:
                 "device_memory_bytes": self.hardware.memory_bytes, "instructions": len(self.plan.instructions),
                 "static_layout": self.plan.layout is not None, "window_bound_s": self.window_bound_s,
                 "traffic_bound_s": self.traffic_bound_s, "link_bound_s": self.link_bound_s,
-                "free_budget_bytes": self.free_budget_bytes, **self.remote, **self.memory, **self.kv}
+                "free_budget_bytes": self.free_budget_bytes, **self.remote, **self.memory, **self.kv,
+                "plan_digest": plan_digest(self.plan)}
 
     @property
     def remote(self) -> dict:
