@@ -9,6 +9,7 @@ it, its main one. A config's ``architectures`` (or a model's own class) names th
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -206,9 +207,7 @@ def tasks_of_model_type(model_type: str | None) -> list[HfTask]:
 def task_of_model(model: nn.Module) -> HfTask:
     """The task of a model instance: its class's, else its config's, else causal LM (any module with a
     ``config.vocab_size`` and an HF-style ``forward(input_ids)``)."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:  # no auto classes to ask
         return get_task(_DEFAULT)
     own = type(model).__name__
     config = getattr(model, "config", None)
