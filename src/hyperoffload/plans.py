@@ -128,11 +128,50 @@ def check_plan(plan: Plan) -> PlanCheck:
     if not plan.initial_remote <= {values[v].storage for v in program.inputs}:
         raise PlanError(-1, "initial_remote may only name storages of step inputs")
     checker = _Checker(plan)
-    check = checker.check
+    check, apply = checker.check, _memory_effects(checker)
     for i, ins in enumerate(plan.instructions):
         check[ins.kind](i, ins)
-        checker.apply(i, ins)
+        apply(i, ins)
     return checker.finish()
+
+
+def _memory_effects(checker: _Checker):
+    """``apply(i, ins)``: what instruction ``i`` does to device memory (``instructions.RULES``), once its rules
+    hold: what it allocates or frees, against the budget, then the automatic frees of the storages the caller does
+    not hold after their last device use (in the order the op touches them, which the static layout's free list
+    follows). (A closure over the checker's tables: it runs once per instruction of every plan a planner checks.)"""
+    on_device, ready, values, owned = checker.on_device, checker.ready, checker.values, checker.owned
+    live, frees_after, last_of, touched = checker.live, checker.frees_after, checker.last_of, checker.touched
+    budget, program = checker.plan.budget_bytes, checker.program
+    allocated = checker.initial
+
+    def apply(i: int, ins: Instr) -> None:
+        nonlocal allocated
+        s, rule = ins.target, RULES[ins.kind]
+        if rule.allocates is not None:
+            ready_at_issue = rule.ready_at_issue
+            for o in owned[s] if rule.allocates is OUTPUTS else (s,):
+                on_device[o], ready[o] = True, ready_at_issue
+                allocated += values[o].alloc_bytes
+        elif rule.frees is TARGET:
+            on_device[s] = ready[s] = False
+            allocated -= values[s].alloc_bytes
+        if budget is not None and allocated > budget:
+            raise PlanError(i, f"{ins.describe(program)} brings the device to {allocated} bytes, over the budget "
+                               f"of {budget}")
+        live.append(allocated)
+        ending = last_of.get(i)
+        if ending:
+            ended = [t for t in touched[s] if t in ending] if ins.kind is Kind.COMPUTE else ending
+            frees = [t for t in ended if on_device.get(t, False)]
+            for t in frees:
+                on_device[t] = ready[t] = False
+                allocated -= values[t].alloc_bytes
+            frees_after.append(tuple(frees))
+        else:
+            frees_after.append(())
+
+    return apply
 
 
 def _last_uses(plan: Plan, touched: Sequence[frozenset[int]]) -> tuple[dict[int, int], dict[int, set[int]]]:
@@ -176,10 +215,10 @@ class _Checker:
     ready, in remote memory), the transfers in flight, the ops run, the bytes allocated. ``check[kind](i, ins)``
     checks instruction ``i`` against its kind's rules (one method per kind, named as ``Kind``'s values and
     dispatched on it, as ``torch.fx.Interpreter.run_node`` dispatches on a node's op) and updates what they track;
-    ``apply`` then makes its memory effects."""
+    ``_memory_effects`` then makes its memory effects."""
 
     __slots__ = ("plan", "program", "instrs", "values", "held", "touched", "read", "written", "last_compute",
-                 "last_of", "deps", "owned", "on_device", "ready", "remote", "pending", "released_at", "allocated",
+                 "last_of", "deps", "owned", "on_device", "ready", "remote", "pending", "released_at",
                  "initial", "computed", "live", "frees_after", "check")
 
     def __init__(self, plan: Plan) -> None:
@@ -201,7 +240,7 @@ class _Checker:
             else:
                 self.on_device[s] = self.ready[s] = True
                 allocated += values[s].alloc_bytes
-        self.allocated = self.initial = allocated
+        self.initial = allocated
         if plan.budget_bytes is not None and allocated > plan.budget_bytes:
             raise PlanError(-1, f"the step's inputs on the device take {allocated} bytes, over the budget of "
                                 f"{plan.budget_bytes}; start some of them in remote memory")
@@ -300,39 +339,6 @@ class _Checker:
             raise PlanError(i, f"release of {self._name(s)} loses its data: no offload since it was last "
                                f"written, and {where}")
         self.released_at[s] = i
-
-    def apply(self, i: int, ins: Instr) -> None:
-        """What the instruction does to device memory (``instructions.RULES``), once its rules hold: what it
-        allocates or frees, against the budget, then the automatic frees of the storages the caller does not hold
-        after their last device use (in the order the op touches them, which the static layout's free list
-        follows)."""
-        s, rule = ins.target, RULES[ins.kind]
-        on_device, ready, values = self.on_device, self.ready, self.values
-        allocated = self.allocated
-        if rule.allocates is not None:
-            ready_at_issue = rule.ready_at_issue
-            for o in self.owned[s] if rule.allocates is OUTPUTS else (s,):
-                on_device[o], ready[o] = True, ready_at_issue
-                allocated += values[o].alloc_bytes
-        elif rule.frees is TARGET:
-            on_device[s] = ready[s] = False
-            allocated -= values[s].alloc_bytes
-        budget = self.plan.budget_bytes
-        if budget is not None and allocated > budget:
-            raise PlanError(i, f"{ins.describe(self.program)} brings the device to {allocated} bytes, over the budget "
-                               f"of {budget}")
-        self.live.append(allocated)
-        ending = self.last_of.get(i)
-        if ending:
-            ended = [t for t in self.touched[s] if t in ending] if ins.kind is Kind.COMPUTE else ending
-            frees = [t for t in ended if on_device.get(t, False)]
-            for t in frees:
-                on_device[t] = ready[t] = False
-                allocated -= values[t].alloc_bytes
-            self.frees_after.append(tuple(frees))
-        else:
-            self.frees_after.append(())
-        self.allocated = allocated
 
     def finish(self) -> PlanCheck:
         """Every op ran, and every held storage ends on the device or in remote memory."""
