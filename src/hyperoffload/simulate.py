@@ -35,7 +35,7 @@ from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.dependency_bound import dependency_bound
 from hyperoffload.cost import lane_op_time, op_times
 from hyperoffload.hardware import Hardware, as_hardware
-from hyperoffload.instructions import COMPUTE, COPIES, D2H, H2D, RULES, alloc_bytes, copy_traffic, inputs_end_on_device
+from hyperoffload.instructions import COMPUTE, D2H, H2D, RULES, alloc_bytes, copy_traffic, inputs_end_on_device
 from hyperoffload.instructions import STREAMS  # noqa: F401 (re-exported)
 from hyperoffload.ir import Program
 from hyperoffload.memo import per_program
@@ -284,146 +284,287 @@ def _stuck(program, instrs, hardware: Hardware, t: float, nxt: float, running: i
 
 
 def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> Timeline:
-    """Simulate ``plan``; figures that count one step's work (compute, bytes) come from ``per_step``."""
-    check = check_plan(plan)
-    program, instrs = plan.program, plan.instructions
-    values = program.values
-    cost = op_times(program, hardware)
-    n = len(instrs)
-    budget = plan.budget_bytes
+    """Simulate ``plan``; figures that count one step's work (compute, bytes) come from ``per_step``.
 
-    # Where the same thread issues copies and runs ops (``issue_s``), an op starts only once the cache
-    # instructions before it have been issued.
-    issuing = [0.0] * n
+    The steps: check the plan; work out what each instruction waits for, allocates and frees (``_Facts``, one
+    method per instruction kind); run the event loop (``_run_events``); refuse a plan that leaves instructions
+    unrun (a deadlock); measure what the figures are worked out from."""
+    check = check_plan(plan)
+    facts = _Facts(plan, hardware, check)
+    run = _run_events(plan, hardware, facts, check.initial_bytes)
+    memory = run.memory
+    _refuse_unfinished(plan, run.finish, memory[-1][1])
+    step = per_step or plan
+    compute_s = float(sum(op_times(step.program, hardware))) if per_step else float(sum(facts.cost))
+    step_s = max((iv.end for iv in run.intervals), default=0.0)
+    peak = max(usage for _, usage in memory)  # every change of device bytes is in the record
+    memory.sort(key=lambda e: e[0])
+    measured = _Measured(hardware=hardware, per_step=step, compute_s=compute_s, step_s=step_s, peak_bytes=peak,
+                         steady_state=False, counted_from=0)
+    return Timeline(intervals=tuple(run.intervals), memory=tuple(memory), stalls=tuple(run.stalls), plan=plan,
+                    measured=measured)
+
+
+def _refuse_unfinished(plan: Plan, finish: list[float], usage: int) -> None:
+    """Raise ``PlanError`` for the first instruction the event loop never finished (releases have no end)."""
+    instrs = plan.instructions
+    unfinished = [i for i in range(len(instrs)) if finish[i] < 0 and instrs[i].kind is not Kind.RELEASE]
+    if unfinished:
+        i = unfinished[0]
+        raise PlanError(i, f"{instrs[i].describe(plan.program)} can never run: the plan deadlocks "
+                           f"(device memory {usage} bytes, budget {plan.budget_bytes})")
+
+
+class _Facts:
+    """What the event loop knows of each instruction before it runs (per instruction index unless said): the
+    bytes it allocates and frees, what it waits for, which stream or copy lane it occupies.
+
+    Worked out in one pass over the plan, one method per instruction kind (named as ``Kind``'s values and
+    dispatched on it, as ``torch.fx.Interpreter.run_node`` dispatches on a node's op), each reading and updating
+    the storages' history so far (last writer, last offload, readers, transfer in flight)."""
+
+    __slots__ = ("program", "hardware", "values", "cost", "n", "budget", "issuing", "alloc", "op_reads", "op_writes",
+                 "after", "wait_for", "on_lane", "copy_bytes", "queues", "compute_stream", "has_lanes", "op_instr",
+                 "deps", "lane_deps", "frees_after", "deferred_frees", "last_writer", "last_offload", "readers_since",
+                 "pending_transfer", "last_transfer", "allocating", "blocked_releases", "outstanding", "freed_bytes",
+                 "release_bytes", "is_wait")
+
+    def __init__(self, plan: Plan, hardware: Hardware, check) -> None:
+        program, instrs = plan.program, plan.instructions
+        self.program, self.hardware, self.values = program, hardware, program.values
+        self.cost = op_times(program, hardware)
+        self.n = n = len(instrs)
+        self.budget = plan.budget_bytes
+        self.issuing = _issue_delays(instrs, hardware.issue_s)
+        op_alloc, self.op_reads, self.op_writes = _op_facts(program)
+        self.alloc = alloc = alloc_bytes(program, instrs, op_alloc)
+        self.after = [-1] * n  # a copy's data dependency (instruction that must finish first)
+        self.wait_for = [-1] * n  # a WAIT's transfer
+        self.on_lane = [False] * n  # copies: prefetches, offloads and lane ops
+        self.copy_bytes = [0] * n
+        self.queues = ([], [])  # the instructions of the copy lanes H2D and D2H, in plan order
+        self.compute_stream: list[int] = []
+        # Lane ops wait for the ops they depend on, and compute ops for the lane ops they depend on; a step
+        # without lane ops (every training step) needs none of this bookkeeping.
+        self.has_lanes = has_lanes = program.has_lane_ops()
+        self.op_instr = ({ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE}
+                         if has_lanes else {})
+        self.deps = program.dependencies() if has_lanes else ()
+        self.lane_deps: list[tuple[int, ...]] = [()] * n  # lane op: the ops it waits for; compute op: the lane ops
+        # Storages each instruction frees once it finishes (check_plan's automatic frees after a last use); an
+        # offload that is a storage's last use frees it only once its last reader has finished too (``offload``).
+        self.frees_after = list(check.frees_after)
+        # A RELEASE, or an offload that is a storage's last use (by instruction index) -> (the storage, the
+        # instructions that must finish before its bytes come back).
+        self.deferred_frees: dict[int, tuple[int, list[int]]] = {}
+        self.last_writer: dict[int, int] = {}
+        self.last_offload: dict[int, int] = {}
+        self.readers_since: dict[int, int] = {}
+        self.pending_transfer: dict[int, int] = {}
+        self.last_transfer: dict[int, int] = {}  # storage -> its latest offload or prefetch so far
+        handle = {kind: getattr(self, kind.value) for kind in Kind}
+        for i, (kind, target) in enumerate(instrs):
+            handle[kind](i, target)
+        self.allocating = [i for i in range(n) if alloc[i] > 0]
+        self._count_frees()
+        self.is_wait = [kind is Kind.WAIT for kind, _ in instrs]
+
+    def _count_frees(self) -> None:
+        """Who holds back each deferred free, the bytes each instruction frees once it finishes and each deferred
+        free's bytes."""
+        values = self.values
+        self.blocked_releases: dict[int, list[int]] = {}  # instruction -> the deferred frees it holds back
+        self.outstanding: dict[int, int] = {}  # deferred free -> how many instructions still hold it back
+        self.release_bytes: dict[int, int] = {}
+        for r, (storage, needs) in self.deferred_frees.items():
+            self.outstanding[r] = len(needs)
+            self.release_bytes[r] = values[storage].alloc_bytes
+            for x in needs:
+                self.blocked_releases.setdefault(x, []).append(r)
+        self.freed_bytes = [sum(values[s].alloc_bytes for s in frees) if frees else 0 for frees in self.frees_after]
+
+    def _copy(self, i: int, s: int, kind: Kind) -> None:
+        """An offload or a prefetch (``COPIES``): storage ``s``'s bytes on its kind's copy lane."""
+        self.on_lane[i], self.copy_bytes[i] = True, self.values[s].alloc_bytes
+        self.queues[0 if RULES[kind].stream == H2D else 1].append(i)
+        self.pending_transfer[s] = i
+        self.last_transfer[s] = i
+
+    def compute(self, i: int, op_id: int) -> None:
+        for s in self.op_reads[op_id]:
+            self.readers_since[s] = i
+        for s in self.op_writes[op_id]:
+            self.last_writer[s] = i
+        op = self.program.ops[op_id]
+        if op.lane is None:
+            self.compute_stream.append(i)
+            if self.has_lanes:
+                ops, op_instr = self.program.ops, self.op_instr
+                self.lane_deps[i] = tuple(op_instr[d] for d in self.deps[op_id] if ops[d].lane is not None)
+            return
+        # A lane op moves its bytes, or, where the profile measured its kernel as slower than the link (a Python
+        # kernel on an emulated link), takes that long: as many bytes as the lane moves then.
+        hardware = self.hardware
+        lane_bw, lane_latency = ((hardware.h2d_bw, hardware.h2d_latency_s) if op.lane == "h2d"
+                                 else (hardware.d2h_bw, hardware.d2h_latency_s))
+        self.on_lane[i] = True
+        self.copy_bytes[i] = max(op.transfer_bytes, (lane_op_time(op, hardware) - lane_latency) * lane_bw)
+        self.lane_deps[i] = tuple(self.op_instr[d] for d in self.deps[op_id])
+        self.queues[0 if op.lane == "h2d" else 1].append(i)
+
+    def wait(self, i: int, s: int) -> None:
+        self.wait_for[i] = self.pending_transfer.pop(s)
+        self.compute_stream.append(i)
+
+    def offload(self, i: int, s: int) -> None:
+        self.after[i] = self.last_writer.get(s, -1)
+        self.last_offload[s] = i
+        self._copy(i, s, Kind.OFFLOAD)
+        frees = self.frees_after[i]
+        if s in frees:
+            # The copy may land while the op that last read the storage still runs (the offload waits only for
+            # the last writer): its bytes come back when both are done.
+            self.frees_after[i] = tuple(x for x in frees if x != s)
+            reader = self.readers_since.get(s, -1)
+            self.deferred_frees[i] = (s, [i] if reader < 0 else [i, reader])
+
+    def prefetch(self, i: int, s: int) -> None:
+        self.after[i] = self.last_offload.get(s, -1)
+        self._copy(i, s, Kind.PREFETCH)
+
+    def release(self, i: int, s: int) -> None:
+        """Frees its storage (``FREES_TARGET``). The bytes come back once the last reader has finished and the
+        storage's last copy has landed, whether or not a WAIT for that copy came first: a waited offload may
+        still be moving when its last reader ends, and a prefetched storage is not there to free before its
+        copy lands."""
+        needs = [self.readers_since.get(s, -1), self.last_transfer.get(s, -1)]
+        self.deferred_frees[i] = (s, [x for x in dict.fromkeys(needs) if x >= 0])
+
+
+def _issue_delays(instrs, issue_s: float) -> list[float]:
+    """Seconds each compute instruction runs longer for the cache instructions issued since the one before it
+    (``Hardware.issue_s``: where the same thread issues copies and runs ops, an op starts only once the cache
+    instructions before it have been issued); 0 for the others."""
+    issuing = [0.0] * len(instrs)
     pending_issue = 0
     for i, ins in enumerate(instrs):
         if ins.kind is Kind.COMPUTE:
-            issuing[i], pending_issue = pending_issue * hardware.issue_s, 0
+            issuing[i], pending_issue = pending_issue * issue_s, 0
         else:
             pending_issue += 1
+    return issuing
 
-    # Static facts per instruction: bytes it allocates (``instructions.RULES``), what it must wait for.
-    op_alloc, op_reads, op_writes = _op_facts(program)
-    alloc = alloc_bytes(program, instrs, op_alloc)
-    after: list[int] = [-1] * n  # a copy's data dependency (instruction that must finish first)
-    last_writer: dict[int, int] = {}
-    last_offload: dict[int, int] = {}
-    readers_since: dict[int, int] = {}
-    # Storages each instruction frees once it finishes (check_plan's automatic frees after a last use); an
-    # offload that is a storage's last use frees it only once its last reader has finished too (below).
-    frees_after = list(check.frees_after)
-    # A RELEASE, or an offload that is a storage's last use (by instruction index) -> (the storage, the
-    # instructions that must finish before its bytes come back).
-    deferred_frees: dict[int, tuple[int, list[int]]] = {}
-    compute_stream: list[int] = []
-    lane_queue = {H2D: [], D2H: []}
-    pending_transfer: dict[int, int] = {}
-    last_transfer: dict[int, int] = {}  # storage -> its latest offload or prefetch so far
-    wait_for = [-1] * n
-    on_lane = [False] * n  # copies: prefetches, offloads and lane ops
-    copy_bytes = [0] * n
-    # Lane ops wait for the ops they depend on, and compute ops for the lane ops they depend on; a step
-    # without lane ops (every training step) needs none of this bookkeeping.
-    has_lanes = program.has_lane_ops()
-    op_instr = {ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE} if has_lanes else {}
-    deps = program.dependencies() if has_lanes else ()
-    lane_deps: list[tuple[int, ...]] = [()] * n  # lane op: the ops it waits for; compute op: the lane ops
-    for i, ins in enumerate(instrs):
-        if ins.kind in COPIES:  # an offload or a prefetch: its storage's bytes on its copy lane
-            on_lane[i], copy_bytes[i] = True, values[ins.target].alloc_bytes
-            lane_queue[RULES[ins.kind].stream].append(i)
-        if ins.kind is Kind.COMPUTE:
-            op = program.ops[ins.target]
-            for s in op_reads[ins.target]:
-                readers_since[s] = i
-            for s in op_writes[ins.target]:
-                last_writer[s] = i
-            if op.lane is None:
-                compute_stream.append(i)
-                if has_lanes:
-                    lane_deps[i] = tuple(op_instr[d] for d in deps[ins.target] if program.ops[d].lane is not None)
-            else:
-                # A lane op moves its bytes, or, where the profile measured its kernel as slower than the link
-                # (a Python kernel on an emulated link), takes that long: as many bytes as the lane moves then.
-                lane_bw, lane_latency = ((hardware.h2d_bw, hardware.h2d_latency_s) if op.lane == "h2d"
-                                         else (hardware.d2h_bw, hardware.d2h_latency_s))
-                on_lane[i] = True
-                copy_bytes[i] = max(op.transfer_bytes, (lane_op_time(op, hardware) - lane_latency) * lane_bw)
-                lane_deps[i] = tuple(op_instr[d] for d in deps[ins.target])
-                lane_queue[H2D if op.lane == "h2d" else D2H].append(i)
-        elif ins.kind is Kind.WAIT:
-            wait_for[i] = pending_transfer.pop(ins.target)
-            compute_stream.append(i)
-        elif ins.kind is Kind.OFFLOAD:
-            after[i] = last_writer.get(ins.target, -1)
-            last_offload[ins.target] = i
-            pending_transfer[ins.target] = i
-            if ins.target in frees_after[i]:
-                # The copy may land while the op that last read the storage still runs (the offload waits
-                # only for the last writer): its bytes come back when both are done.
-                frees_after[i] = tuple(x for x in frees_after[i] if x != ins.target)
-                reader = readers_since.get(ins.target, -1)
-                deferred_frees[i] = (ins.target, [i] if reader < 0 else [i, reader])
-            last_transfer[ins.target] = i
-        elif ins.kind is Kind.PREFETCH:
-            after[i] = last_offload.get(ins.target, -1)
-            pending_transfer[ins.target] = i
-            last_transfer[ins.target] = i
-        else:  # RELEASE: frees its storage (FREES_TARGET)
-            # The bytes come back once the last reader has finished and the storage's last copy has landed,
-            # whether or not a WAIT for that copy came first: a waited offload may still be moving when its
-            # last reader ends, and a prefetched storage is not there to free before its copy lands.
-            needs = [readers_since.get(ins.target, -1), last_transfer.get(ins.target, -1)]
-            deferred_frees[i] = (ins.target, [x for x in dict.fromkeys(needs) if x >= 0])
-    allocating = [i for i in range(n) if alloc[i] > 0]
-    blocked_releases: dict[int, list[int]] = {}
-    outstanding: dict[int, int] = {}
-    for r, (_, needs) in deferred_frees.items():
-        outstanding[r] = len(needs)
-        for x in needs:
-            blocked_releases.setdefault(x, []).append(r)
-    freed_bytes = [sum(values[s].alloc_bytes for s in frees) if frees else 0 for frees in frees_after]
-    is_wait = [ins.kind is Kind.WAIT for ins in instrs]
 
-    finish = [-1.0] * n
-    issued = [alloc[i] == 0 for i in range(n)]
-    usage = check.initial_bytes
-    peak = usage
-    memory: list[tuple[float, int]] = [(0.0, usage)]
-    intervals: list[Interval] = []
-    stalls: list[Stall] = []
+class _Run(NamedTuple):
+    """What the event loop recorded."""
+
+    finish: list[float]
+    """Per instruction, when it finished (-1: never)."""
+    memory: list[tuple[float, int]]
+    """(time, device bytes after the change), in the order the changes were made."""
+    intervals: list[Interval]
+    stalls: list[Stall]
+
+
+class _Stream:
+    """The compute stream's state in the event loop."""
+
+    __slots__ = ("todo", "reach", "running", "until", "end")
+
+    def __init__(self, todo: list[int], end: int) -> None:
+        self.todo = todo
+        """The stream's instructions not yet started, the next one last."""
+        self.end = end
+        self.reach = todo[-1] if todo else end
+        """Every instruction before this plan position (the next to start, or the plan's end once the stream is
+        done) has been reached, which is what lets a copy be issued."""
+        self.running = -1
+        """The op running (-1: none), until ``until`` (seconds)."""
+        self.until = 0.0
+
+
+def _run_events(plan: Plan, hardware: Hardware, facts: _Facts, initial_bytes: int) -> _Run:
+    """Advance from event to event (an op ends, a copy's latency ends, a copy's data has moved); at each, run the
+    five steps until none changes anything. Every step's guard here is only a cheap necessary condition; the step
+    checks the rest (the guards keep the steps' calls off the many events where they have nothing to do)."""
+    n = facts.n
+    run = _Run(finish=[-1.0] * n, memory=[(0.0, initial_bytes)], intervals=[], stalls=[])
+    to_allocate = facts.allocating[::-1]  # allocations not yet made, the next (in plan order) last
+    allocate, free = _ledger(facts, run.memory, to_allocate)
+    finished = _finisher(facts, run.finish, free)
+    for storage, needs in facts.deferred_frees.values():
+        if not needs:  # released before anything read or copied it this step: free from the start
+            free(facts.values[storage].alloc_bytes, 0.0)
+    cs = _Stream(facts.compute_stream[::-1], n)
+    active: list[_Copy | None] = [None, None]  # the copy on each lane (0: H2D, 1: D2H)
+    issued = [not nbytes for nbytes in facts.alloc]  # whether each instruction's buffer is allocated (or needs none)
+    issue_copies = _copy_issuer(facts, run.memory, to_allocate, allocate, issued, cs)
+    start_compute = _compute_starter(plan, facts, run, to_allocate, allocate, cs)
+    start_copies = _copy_starter(facts, run.finish, issued, active, cs)
+    finish_copies = _copy_finisher(plan, run.intervals, active, finished)
+    next_event = _clock(plan, hardware, active, cs)
     t = 0.0
-    # The compute stream: the next instruction to start is compute_stream[compute_pos]; every instruction
-    # before plan position ``reach`` (that one, or n once the stream is done) has been reached, which is what
-    # lets a copy be issued.
-    compute_pos, n_stream = 0, len(compute_stream)
-    reach = compute_stream[0] if compute_stream else n
-    compute_busy_until = 0.0
-    compute_running = -1
-    next_alloc, n_allocating = 0, len(allocating)  # the next allocation in plan order
-    # Copy lanes, indexed 0 (H2D) and 1 (D2H).
-    lanes = (H2D, D2H)
-    queues = (lane_queue[H2D], lane_queue[D2H])
-    lane_pos = [0, 0]
-    active: list[_Copy | None] = [None, None]
-    bandwidth = (hardware.h2d_bw, hardware.d2h_bw)
-    latency = (hardware.h2d_latency_s, hardware.d2h_latency_s)
-    stall_since: float | None = None
-    stall_cause = ""
+    while True:
+        # Run the five steps in turn until none changes anything: the loop ends at a step that changes nothing and
+        # was the last to change something, the other four having changed nothing since. (A step that changes
+        # nothing has no effect, so running them all once more, round after round, would end in the same state.)
+        last = -1  # the step that last changed something
+        while True:
+            # 0. Prefetches and lane ops are issued, and their buffers allocated, when the compute stream reaches
+            # them, in plan order, and while the budget has room.
+            if to_allocate and to_allocate[-1] < cs.reach and issue_copies(t):
+                last = 0
+            elif last == 0:
+                break
+            # 1. The compute stream starts its next instruction.
+            if cs.running < 0 and cs.todo and start_compute(t):
+                last = 1
+            elif last == 1:
+                break
+            # 2. Copy lanes start their next copies.
+            if (active[0] is None or active[1] is None) and start_copies(t):
+                last = 2
+            elif last == 2:
+                break
+            # 3. The running compute finishes (one of zero duration at once).
+            if cs.running >= 0 and cs.until <= t + _EPS:
+                finished(cs.running, t)
+                cs.running = -1
+                last = 3
+            elif last == 3:
+                break
+            # 4. Copies finish.
+            if (active[0] is not None or active[1] is not None) and finish_copies(t):
+                last = 4
+            elif last in (4, -1):  # -1: a whole first round without change
+                break
+        t = next_event(t)
+        if t is None:
+            return run
 
-    def allocate(i: int) -> None:
-        """Allocate instruction ``i``'s bytes (the next allocation in plan order) at time t."""
-        nonlocal usage, peak, next_alloc
-        usage += alloc[i]
-        peak = max(peak, usage)
-        memory.append((t, usage))
-        next_alloc += 1
+
+def _ledger(facts: _Facts, memory: list[tuple[float, int]], to_allocate: list[int]):
+    """Device memory: ``allocate(i, t)`` makes instruction ``i``'s allocation (the next in plan order) at ``t``;
+    ``free(nbytes, when)`` gives bytes back. Each change is appended to ``memory``, whose last entry is thus the
+    bytes allocated now."""
+    alloc = facts.alloc
+
+    def allocate(i: int, t: float) -> None:
+        memory.append((t, memory[-1][1] + alloc[i]))
+        to_allocate.pop()
 
     def free(nbytes: int, when: float) -> None:
-        nonlocal usage
         if nbytes:
-            usage -= nbytes
-            memory.append((when, usage))
+            memory.append((when, memory[-1][1] - nbytes))
+
+    return allocate, free
+
+
+def _finisher(facts: _Facts, finish: list[float], free):
+    """``finished(i, when)``: instruction ``i`` ends at ``when``; the storages it was the last use of, and the
+    deferred frees it was the last to hold back, are given back."""
+    freed_bytes, blocked_releases, outstanding = facts.freed_bytes, facts.blocked_releases, facts.outstanding
+    release_bytes = facts.release_bytes
 
     def finished(i: int, when: float) -> None:
         finish[i] = when
@@ -431,136 +572,159 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
         for r in blocked_releases.get(i, ()):
             outstanding[r] -= 1
             if outstanding[r] == 0:
-                free(values[deferred_frees[r][0]].alloc_bytes, when)
+                free(release_bytes[r], when)
 
-    for storage, needs in deferred_frees.values():
-        if not needs:  # released before anything read or copied it this step: free from the start
-            free(values[storage].alloc_bytes, 0.0)
+    return finished
 
+
+def _copy_issuer(facts: _Facts, memory: list[tuple[float, int]], to_allocate: list[int], allocate, issued: list[bool],
+                 cs: _Stream):
+    """Step 0, ``issue_copies(t)``: allocate the buffers of the prefetches and lane ops the compute stream has
+    reached, in plan order, while the budget has room; whether it allocated any."""
+    on_lane, alloc, budget = facts.on_lane, facts.alloc, facts.budget
+
+    def issue_copies(t: float) -> bool:
+        changed = False
+        reach = cs.reach
+        while to_allocate:
+            i = to_allocate[-1]
+            if not on_lane[i] or i >= reach or (budget is not None and memory[-1][1] + alloc[i] > budget):
+                break
+            allocate(i, t)
+            issued[i] = True
+            changed = True
+        return changed
+
+    return issue_copies
+
+
+def _compute_starter(plan: Plan, facts: _Facts, run: _Run, to_allocate: list[int], allocate, cs: _Stream):
+    """Step 1, ``start_compute(t)``: the compute stream starts its next instruction, or records why it cannot (a
+    stall on a copy or on memory, closed when the instruction starts or the reason changes); whether it started."""
+    program, instrs = plan.program, plan.instructions
+    is_wait, wait_for, has_lanes, lane_deps = facts.is_wait, facts.wait_for, facts.has_lanes, facts.lane_deps
+    alloc, budget, cost, issuing, ops = facts.alloc, facts.budget, facts.cost, facts.issuing, program.ops
+    finish, memory, intervals, stalls, todo, end = run.finish, run.memory, run.intervals, run.stalls, cs.todo, cs.end
+    stall_since: float | None = None
+    stall_cause = ""
+
+    def start_compute(t: float) -> bool:
+        nonlocal stall_since, stall_cause
+        i = todo[-1]
+        if is_wait[i]:
+            why = "copy" if finish[wait_for[i]] < 0 else ""
+        elif has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
+            why = "copy"
+        elif alloc[i] and (to_allocate[-1] != i or (budget is not None and memory[-1][1] + alloc[i] > budget)):
+            why = "memory"  # no room under the budget, or an earlier prefetch waits for room first
+        else:
+            why = ""
+        if why:
+            if stall_since is None:
+                stall_since, stall_cause = t, why
+            elif stall_cause != why:  # the reason changed: close one stall, open the next
+                if t > stall_since + _EPS:
+                    stalls.append(Stall(stall_cause, stall_since, t, i))
+                stall_since, stall_cause = t, why
+            return False
+        if stall_since is not None:
+            if t > stall_since + _EPS:
+                stalls.append(Stall(stall_cause, stall_since, t, i))
+            stall_since = None
+        todo.pop()
+        cs.reach = todo[-1] if todo else end
+        if is_wait[i]:
+            finish[i] = t
+            return True
+        if alloc[i]:
+            allocate(i, t)
+        target = instrs[i].target
+        duration = cost[target] + issuing[i]
+        cs.running, cs.until = i, t + duration
+        if duration > 0:
+            intervals.append(Interval(COMPUTE, t, t + duration, i, ops[target].name))
+        return True
+
+    return start_compute
+
+
+def _copy_starter(facts: _Facts, finish: list[float], issued: list[bool], active: list[_Copy | None], cs: _Stream):
+    """Step 2, ``start_copies(t)``: each idle copy lane starts its next copy once the compute stream has reached it,
+    its buffer is issued and what it waits for has finished; whether either lane started one."""
+    queues, after, has_lanes, lane_deps = facts.queues, facts.after, facts.has_lanes, facts.lane_deps
+    copy_bytes, hardware = facts.copy_bytes, facts.hardware
+    latency = (hardware.h2d_latency_s, hardware.d2h_latency_s)
+    lane_pos = [0, 0]
+
+    def start_copies(t: float) -> bool:
+        changed = False
+        reach = cs.reach
+        for lane in (0, 1):
+            if active[lane] is not None:
+                continue
+            queue = queues[lane]
+            if lane_pos[lane] >= len(queue):
+                continue
+            i = queue[lane_pos[lane]]
+            if i >= reach or (after[i] >= 0 and finish[after[i]] < 0) or not issued[i]:
+                continue
+            if has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
+                continue
+            lane_pos[lane] += 1
+            active[lane] = _Copy(i, t, t + latency[lane], float(copy_bytes[i]))
+            changed = True
+        return changed
+
+    return start_copies
+
+
+def _copy_finisher(plan: Plan, intervals: list[Interval], active: list[_Copy | None], finished):
+    """Step 4, ``finish_copies(t)``: the copies whose latency has passed and whose data has moved end; whether any
+    did."""
+    program, instrs = plan.program, plan.instructions
+    lanes = (H2D, D2H)
+
+    def finish_copies(t: float) -> bool:
+        changed = False
+        for lane in (0, 1):
+            copy = active[lane]
+            if copy is not None and copy.latency_end <= t + _EPS and copy.remaining <= _EPS:
+                intervals.append(Interval(lanes[lane], copy.start, t, copy.instr, instrs[copy.instr].describe(program)))
+                active[lane] = None
+                finished(copy.instr, t)
+                changed = True
+        return changed
+
+    return finish_copies
+
+
+def _clock(plan: Plan, hardware: Hardware, active: list[_Copy | None], cs: _Stream):
+    """``next_event(t)``: the time of the next event after ``t`` (the running compute ends, a copy's latency ends,
+    or a copy's data phase ends, both lanes moving data sharing the link), with the copies' data moved until then;
+    None once nothing runs. Raises ``PlanError`` (``_stuck``) where time would not advance to a finite time."""
+    bandwidth = (hardware.h2d_bw, hardware.d2h_bw)
+    duplex_share = hardware.duplex_share
     # Every event ends something (an op, a copy's latency, a copy's data phase): at most three per instruction.
     # More means a time that never advances (NaN, or an infinite latency that slipped past the profile's checks):
     # refuse it rather than loop for ever.
-    events_left = 4 * _EVENTS_PER_INSTRUCTION * n + 16
-    while True:
-        # At time t, run the five steps below in turn until none of them changes anything: the loop ends at a
-        # step that changes nothing and was the last to change something, the other four having changed
-        # nothing since. (A step that changes nothing has no effect, so running them all once more, round
-        # after round, would end in the same state.)
-        last = -1  # the step that last changed something
-        while True:
-            # 0. Prefetches and lane ops are issued, and their buffers allocated, when the compute stream
-            # reaches them, in plan order, and while the budget has room.
-            changed = False
-            while next_alloc < n_allocating:
-                i = allocating[next_alloc]
-                if not on_lane[i] or i >= reach or (budget is not None and usage + alloc[i] > budget):
-                    break
-                allocate(i)
-                issued[i] = True
-                changed = True
-            if changed:
-                last = 0
-            elif last == 0:
-                break
-            # 1. The compute stream starts its next instruction.
-            changed = False
-            if compute_running < 0 and compute_pos < n_stream:
-                i = compute_stream[compute_pos]
-                if is_wait[i]:
-                    why = "copy" if finish[wait_for[i]] < 0 else ""
-                elif has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
-                    why = "copy"
-                elif alloc[i] and (allocating[next_alloc] != i or (budget is not None and usage + alloc[i] > budget)):
-                    why = "memory"  # no room under the budget, or an earlier prefetch waits for room first
-                else:
-                    why = ""
-                if why:
-                    if stall_since is None:
-                        stall_since, stall_cause = t, why
-                    elif stall_cause != why:  # the reason changed: close one stall, open the next
-                        if t > stall_since + _EPS:
-                            stalls.append(Stall(stall_cause, stall_since, t, i))
-                        stall_since, stall_cause = t, why
-                else:
-                    if stall_since is not None:
-                        if t > stall_since + _EPS:
-                            stalls.append(Stall(stall_cause, stall_since, t, i))
-                        stall_since = None
-                    compute_pos += 1
-                    reach = compute_stream[compute_pos] if compute_pos < n_stream else n
-                    changed = True
-                    if is_wait[i]:
-                        finish[i] = t
-                    else:
-                        if alloc[i]:
-                            allocate(i)
-                        target = instrs[i].target
-                        duration = cost[target] + issuing[i]
-                        compute_running, compute_busy_until = i, t + duration
-                        if duration > 0:
-                            intervals.append(Interval(COMPUTE, t, t + duration, i, program.ops[target].name))
-            if changed:
-                last = 1
-            elif last == 1:
-                break
-            # 2. Copy lanes start their next copies.
-            changed = False
-            for lane in (0, 1):
-                if active[lane] is not None:
-                    continue
-                queue = queues[lane]
-                if lane_pos[lane] >= len(queue):
-                    continue
-                i = queue[lane_pos[lane]]
-                if i >= reach or (after[i] >= 0 and finish[after[i]] < 0) or not issued[i]:
-                    continue
-                if has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
-                    continue
-                lane_pos[lane] += 1
-                active[lane] = _Copy(i, t, t + latency[lane], float(copy_bytes[i]))
-                changed = True
-            if changed:
-                last = 2
-            elif last == 2:
-                break
-            # 3. The running compute finishes (one of zero duration at once).
-            if compute_running >= 0 and compute_busy_until <= t + _EPS:
-                finished(compute_running, t)
-                compute_running = -1
-                last = 3
-            elif last == 3:
-                break
-            # 4. Copies finish.
-            changed = False
-            for lane in (0, 1):
-                copy = active[lane]
-                if copy is not None and copy.latency_end <= t + _EPS and copy.remaining <= _EPS:
-                    intervals.append(Interval(lanes[lane], copy.start, t, copy.instr,
-                                              instrs[copy.instr].describe(program)))
-                    active[lane] = None
-                    finished(copy.instr, t)
-                    changed = True
-            if changed:
-                last = 4
-            elif last in (4, -1):  # -1: a whole first round without change
-                break
+    events_left = 4 * _EVENTS_PER_INSTRUCTION * len(plan.instructions) + 16
 
-        # Next event: the running compute ends, a copy's latency ends, or a copy's data phase ends (both lanes
-        # moving data share the link).
+    def next_event(t: float) -> float | None:
+        nonlocal events_left
         h2d, d2h = active
         moving_h2d = h2d is not None and h2d.latency_end <= t + _EPS
         moving_d2h = d2h is not None and d2h.latency_end <= t + _EPS
-        share = hardware.duplex_share if moving_h2d and moving_d2h else 1.0
-        nxt = compute_busy_until if compute_running >= 0 else None
+        share = duplex_share if moving_h2d and moving_d2h else 1.0
+        nxt = cs.until if cs.running >= 0 else None
         for copy, moving, bw in ((h2d, moving_h2d, bandwidth[0]), (d2h, moving_d2h, bandwidth[1])):
             if copy is not None:
                 end = t + copy.remaining / (bw * share) if moving else copy.latency_end
                 nxt = end if nxt is None or end < nxt else nxt
         if nxt is None:
-            break
+            return None
         events_left -= 1
         if not t <= nxt < math.inf or events_left < 0:  # also NaN, which compares false
-            raise _stuck(program, instrs, hardware, t, nxt, compute_running, active)
+            raise _stuck(plan.program, plan.instructions, hardware, t, nxt, cs.running, active)
         for copy, moving, bw in ((h2d, moving_h2d, bandwidth[0]), (d2h, moving_d2h, bandwidth[1])):
             if moving:
                 rate = bw * share
@@ -568,19 +732,6 @@ def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> T
                     copy.remaining = 0.0  # this copy's data phase ends now (no float residue)
                 else:
                     copy.remaining -= (nxt - t) * rate
-        t = nxt
+        return nxt
 
-    unfinished = [i for i in range(n) if finish[i] < 0 and instrs[i].kind is not Kind.RELEASE]
-    if unfinished:
-        i = unfinished[0]
-        raise PlanError(i, f"{instrs[i].describe(program)} can never run: the plan deadlocks "
-                           f"(device memory {usage} bytes, budget {budget})")
-
-    step = per_step or plan
-    compute_s = float(sum(op_times(step.program, hardware))) if per_step else float(sum(cost))
-    step_s = max((iv.end for iv in intervals), default=0.0)
-    memory.sort(key=lambda e: e[0])
-    measured = _Measured(hardware=hardware, per_step=step, compute_s=compute_s, step_s=step_s, peak_bytes=peak,
-                         steady_state=False, counted_from=0)
-    return Timeline(intervals=tuple(intervals), memory=tuple(memory), stalls=tuple(stalls), plan=plan,
-                    measured=measured)
+    return next_event
