@@ -73,10 +73,5 @@ def collective_of(call: OpCall, group_size: int | None) -> Collective | None:
     return Collective(kind=rule.kind, full_bytes=whole, group_size=group_size or 1)
 
 
-def is_collective_namespace(target: str) -> bool:
-    """Whether the overload packet ``target`` belongs to torch.distributed's collectives."""
-    return target.startswith(("c10d.", "_c10d_functional."))
-
-
 __all__ = ["COLLECTIVE_RULES", "CollectiveRule", "UNDECLARED_COPY_WRITES", "collective_of",
-           "is_collective_namespace", "undeclared_collective_writes"]
+           "undeclared_collective_writes"]

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from hyperoffload.block_ops import LANE_OP_RULES
-from hyperoffload.capture.collective_ops import collective_of, is_collective_namespace, undeclared_collective_writes
+from hyperoffload.capture.collective_ops import collective_of, undeclared_collective_writes
 from hyperoffload.capture.tags import KIND_KEY, PHASE_KEY
 from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
 from hyperoffload.op_rules import OpCall, count_bytes, count_flops, undeclared_writes
@@ -156,7 +156,7 @@ def _convert_op(b: _Builder, node: torch.fx.Node, op_id: int, phase: Phase, read
     if not isinstance(target, torch._ops.OpOverload):
         raise CaptureError(f"op {node.name} calls {target!r}, which is not an aten operator; "
                            f"capture supports graphs of aten operators only")
-    if is_collective_namespace(f"{target.namespace}.") and target.namespace != "c10d":
+    if target.namespace == "_c10d_functional":
         raise CaptureError(f"op {node.name} calls {target}, a functional collective; capture takes the collectives "
                            f"FSDP2 runs (c10d's in-place ones), not those of torch.distributed._functional_collectives")
     read_nodes = [n for n in dict.fromkeys(_tensor_nodes((node.args, node.kwargs))) if n.name not in b.opaque]

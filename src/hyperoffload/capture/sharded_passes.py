@@ -15,11 +15,13 @@ Each pass takes a ``GraphModule`` and returns a new one; the one given is left a
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from hyperoffload.capture.tags import PHASE_KEY
 
@@ -63,9 +65,8 @@ def drop_profiler_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def _recomputed(node: torch.fx.Node) -> object:
     """``node``'s value computed again from its arguments' values (fake tensors: shapes and storages only)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    fakes = [v for v in torch.fx.node.map_aggregate((args, kwargs), lambda v: v) if hasattr(v, "fake_mode")]
-    mode = fakes[0].fake_mode if fakes else None
-    with mode if mode is not None else torch.no_grad():
+    fakes = [v for v in pytree.tree_leaves((args, kwargs)) if hasattr(v, "fake_mode")]
+    with fakes[0].fake_mode if fakes else contextlib.nullcontext():
         return node.target(*args, **kwargs)
 
 
@@ -82,18 +83,21 @@ def separate_regathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         storages = list(dict.fromkeys(s for s in map(_storage, outs) if s is not None))
         again = [s for s in storages if s in written]
         written.update(storages)
+        nodes = list(graph.nodes)  # the nodes a storage's readers are among; copies go in before ``gather``
+        position = {n: i for i, n in enumerate(nodes)}
         for storage in again:
-            _move_storage(graph, gather, storage)
+            _move_storage(graph, gather, storage, nodes, position)
     graph.lint()
     result.recompile()
     return result
 
 
-def _move_storage(graph: torch.fx.Graph, gather: torch.fx.Node, storage: int) -> None:
+def _move_storage(graph: torch.fx.Graph, gather: torch.fx.Node, storage: int, nodes: list[torch.fx.Node],
+                  position: dict[torch.fx.Node, int]) -> None:
     """Give ``storage``'s readers from ``gather`` on a new buffer, made just before ``gather``, and the views of it
-    they read, rebuilt on the new buffer from the views of the old one."""
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
+    they read, rebuilt on the new buffer from the views of the old one. ``nodes`` are the graph's nodes as they
+    stood before this gather's storages were moved (``position``: each one's index); what moving another storage
+    of the same gather put in before ``gather`` views that storage only, so it is not among this one's readers."""
     at = position[gather]
     base = next(n for n in nodes if _storage(n) == storage)
     if _packet(base) not in ("aten.empty", "aten.empty_strided", "aten.new_empty"):
@@ -166,9 +170,4 @@ def _identifier(name: str, index: int) -> str:
     return f"shard_{index}_" + "".join(c if c.isalnum() else "_" for c in name)
 
 
-def constants_named(tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[int, str]:
-    """``{id(tensor): name}`` for ``lift_constants``, in the order given."""
-    return {id(t): name for name, t in tensors}
-
-
-__all__ = ["constants_named", "drop_profiler_calls", "lift_constants", "separate_regathers"]
+__all__ = ["drop_profiler_calls", "lift_constants", "separate_regathers"]
