@@ -60,6 +60,7 @@ from hyperoffload.policies import InfeasibleBudget, get_policy
 from hyperoffload.runtime.cuda_copies import CudaCopyStreams
 from hyperoffload.runtime.device_peak import cuda_peak, device_peak
 from hyperoffload.runtime.emulated_link import EmulatedLink
+from hyperoffload.runtime.native_link import HOST_LINKS, NativeLink, host_link
 from hyperoffload.simulate import Figures, simulate
 from hyperoffload.units import format_bytes
 
@@ -130,7 +131,7 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
                  example_batch: Any, *, budget: int | str, hardware: Hardware | str, policy: str = "hyperoffload",
-                 link: EmulatedLink | None = None, offload: bool = True, measure: bool = True,
+                 link: NativeLink | EmulatedLink | None = None, offload: bool = True, measure: bool = True,
                  rollback: bool = False, progress: Callable[[str], None] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -140,8 +141,8 @@ class TrainStep:
         check_budget_text(budget)
         get_policy(policy)
         self.hardware = as_hardware(hardware)
-        if link is not None and not isinstance(link, EmulatedLink):
-            raise TypeError(f"link must be an EmulatedLink, got {type(link).__name__}")
+        if link is not None and not isinstance(link, HOST_LINKS):
+            raise TypeError(f"link must be a NativeLink or an EmulatedLink, got {type(link).__name__}")
         self.device = step_device(model, flatten_batch(example_batch)[0], self.hardware)
         """The device the step computes on: the CPU (copies on an emulated link) or a CUDA GPU."""
         if link is not None and self.device.type != "cpu":
@@ -152,7 +153,7 @@ class TrainStep:
         self.rollback = rollback
         self._progress = progress if progress is not None else (lambda text: None)
         if self.device.type == "cpu":
-            self.link: EmulatedLink | None = link if link is not None else EmulatedLink.for_hardware(self.hardware)
+            self.link: NativeLink | EmulatedLink | None = link if link is not None else host_link(self.hardware)
             client = self.link.client()
         else:
             self.link, client = None, CudaCopyStreams(self.device)
@@ -423,7 +424,7 @@ def _leaves_text(leaves: Sequence[Any]) -> str:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
                example_batch: Any, *, budget: int | str = "50%", hardware: Hardware | str = "h100-sxm",
-               policy: str = "hyperoffload", link: EmulatedLink | None = None, offload: bool = True,
+               policy: str = "hyperoffload", link: NativeLink | EmulatedLink | None = None, offload: bool = True,
                measure: bool = True, rollback: bool = False,
                progress: Callable[[str], None] | None = None) -> TrainStep:
     """The user's whole training step, planned under ``budget`` and compiled by Inductor.

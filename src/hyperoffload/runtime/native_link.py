@@ -1,0 +1,341 @@
+"""An emulated link whose copies move on one native thread: ``NativeLink``.
+
+The same link as ``EmulatedLink`` (both tiers host memory; each direction a FIFO of copies on an ideal clock
+of ``latency + bytes / bandwidth`` per copy, a copy completing at its ideal end), with the copies moved by a
+thread written in C (``copy_thread.c``, compiled with the machine's C compiler on first use and cached) instead
+of two Python threads. That thread never takes the GIL, so a compiled step's kernels, which hold the GIL while
+they run, never wait for it and it never waits for them; it spins briefly between copies rather than sleeping,
+because waking a thread whose processor has halted costs a virtual machine tens of microseconds per copy. One
+thread moves both directions' copies, in the order they were issued, each direction keeping its own clock: the
+two directions overlap on the ideal clocks as on a duplex link, while a 2-core machine keeps a core for compute.
+
+What it leaves out, against ``EmulatedLink``: lane ops (an executor runs them inline on its own thread), fault
+injection, and cancelling a queued copy (``abort`` lets queued copies finish: each is one ``memmove``).
+
+A handle (``NativeTransfer``) holds both storages of its copy until the bytes have moved, and the link holds
+every handle until then, so no buffer a queued copy reads or writes is freed under it. Device buffers are let go
+of on the caller's thread (``device_frees`` logs nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from hyperoffload.hardware import Hardware
+from hyperoffload.runtime.emulated_link import D2H, H2D, EmulatedLink
+
+SOURCE = Path(__file__).with_name("copy_thread.c")
+_DIRECTION = {H2D: 0, D2H: 1}
+
+
+class NativeLinkUnavailable(RuntimeError):
+    """The native copy thread could not be built (no C compiler, or it failed)."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "hyperoffload"
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled copy thread, built from ``copy_thread.c`` with ``$CC`` (default ``cc``) into
+    ``~/.cache/hyperoffload`` (``$XDG_CACHE_HOME``) the first time, keyed by the source's hash."""
+    source = SOURCE.read_bytes()
+    compiler = os.environ.get("CC", "cc")
+    key = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"copy_thread-{key}.so"
+    if not target.exists():
+        if shutil.which(compiler) is None:
+            raise NativeLinkUnavailable(
+                f"NativeLink needs a C compiler to build its copy thread, and {compiler!r} was not found: install "
+                f"one (gcc or clang; Inductor needs it on the CPU too) or set CC, or use EmulatedLink, whose copy "
+                f"threads are Python")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", "-std=gnu11", str(SOURCE),
+                                   "-o", str(built)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise NativeLinkUnavailable(f"building NativeLink's copy thread with {compiler} failed:\n"
+                                            f"{done.stderr.strip()}\nuse EmulatedLink instead, or set CC")
+            os.replace(built, target)  # atomic: processes building at once each install a whole file
+    lib = ctypes.CDLL(str(target))
+    lib.ho_now.restype = ctypes.c_double
+    lib.ho_create.restype = ctypes.c_void_p
+    lib.ho_create.argtypes = [ctypes.c_double] * 5
+    lib.ho_submit.restype = ctypes.c_int64
+    lib.ho_submit.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                              ctypes.c_int, ctypes.c_int64]
+    lib.ho_moved.restype = ctypes.c_int
+    lib.ho_moved.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.ho_end.restype = ctypes.c_double
+    lib.ho_end.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.ho_wait.restype = ctypes.c_double
+    lib.ho_wait.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_double]
+    lib.ho_busy.restype = ctypes.c_double
+    lib.ho_busy.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.ho_destroy.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def available() -> bool:
+    """Whether the native copy thread can be built and loaded here."""
+    try:
+        library()
+    except (NativeLinkUnavailable, OSError):
+        return False
+    return True
+
+
+class NativeTransfer:
+    """One copy on a ``NativeLink``: a handle the issuing thread can poll or wait on."""
+
+    __slots__ = ("label", "direction", "nbytes", "what", "error", "end_s", "_link", "_dir", "_seq", "_buffers")
+
+    def __init__(self, link: NativeLink, label: str, direction: str, nbytes: int, seq: int,
+                 buffers: tuple[torch.UntypedStorage, torch.UntypedStorage]) -> None:
+        self.label, self.direction, self.nbytes, self.what = label, direction, nbytes, "copy of"
+        self.error: BaseException | None = None
+        """Always None: a copy on this link cannot fail (the attribute is the ``Transfer`` protocol's)."""
+        self.end_s: float | None = None
+        """Ideal end (``time.perf_counter`` seconds), once the bytes have moved."""
+        self._link, self._dir, self._seq = link, _DIRECTION[direction], seq
+        self._buffers: tuple | None = buffers
+
+    def settled(self) -> bool:
+        """Whether the bytes have moved: the thread will not touch either buffer again (never blocks)."""
+        if self._buffers is None:
+            return True
+        if not self._link._lib.ho_moved(self._link._handle, self._dir, self._seq):
+            return False
+        self._moved(self._link._lib.ho_end(self._link._handle, self._dir, self._seq))
+        return True
+
+    def _moved(self, end_s: float) -> None:
+        self.end_s, self._buffers = end_s, None
+
+    def done(self) -> bool:
+        """Whether the copy has completed (its ideal end has passed); never blocks."""
+        return self.settled() and self._link._lib.ho_now() >= self.end_s
+
+    def join(self) -> None:
+        """Block until the bytes have moved (not until the ideal end)."""
+        if self._buffers is not None:
+            self._moved(self._link._lib.ho_wait(self._link._handle, self._dir, self._seq, 0, self._link.spin_s))
+
+    def wait(self) -> None:
+        """Block until the copy has completed."""
+        if self._buffers is not None or self._link._lib.ho_now() < self.end_s:
+            self._moved(self._link._lib.ho_wait(self._link._handle, self._dir, self._seq, 1, self._link.spin_s))
+
+    def cancel(self) -> None:
+        """Nothing: a copy on this link is one ``memmove``, let finish (``abort`` waits for it)."""
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"NativeTransfer({self.direction} {self.label}, {self.nbytes} bytes, {state})"
+
+
+class NativeClient:
+    """One user's side of a ``NativeLink``: copies into remote buffers of its own, recorded until their bytes
+    have moved (``in_flight``)."""
+
+    def __init__(self, link: NativeLink) -> None:
+        self.link = link
+        self._remote: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self._unsettled: deque[NativeTransfer] = deque()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name == "link":
+            raise AttributeError(name)
+        return getattr(self.link, name)
+
+    def _issue(self, direction: str, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
+               after: NativeTransfer | None) -> NativeTransfer:
+        if src.nbytes() != dst.nbytes():
+            raise ValueError(f"copy of {label}: source has {src.nbytes()} bytes, destination {dst.nbytes()}")
+        link = self.link
+        if link._handle is None:
+            raise RuntimeError("the NativeLink is closed; create a new link")
+        after_dir, after_seq = (-1, 0) if after is None else (after._dir, after._seq)
+        seq = link._lib.ho_submit(link._handle, _DIRECTION[direction], dst.data_ptr(), src.data_ptr(), src.nbytes(),
+                                  after_dir, after_seq)
+        transfer = NativeTransfer(link, label, direction, src.nbytes(), seq, (src, dst))
+        unsettled = self._unsettled
+        while unsettled and unsettled[0].settled():
+            unsettled.popleft()
+        unsettled.append(transfer)
+        return transfer
+
+    def in_flight(self) -> int:
+        """How many of this client's copies have not moved their bytes yet."""
+        self._unsettled = deque(t for t in self._unsettled if not t.settled())
+        return len(self._unsettled)
+
+    def drain(self) -> None:
+        """Block until every copy this client issued has moved its bytes. Never raises."""
+        for t in self._unsettled:
+            t.join()
+        self._unsettled.clear()
+
+    def close(self) -> None:
+        """Let every copy of this client finish and let go of its remote buffers (the link stays open)."""
+        self.drain()
+        self._remote.clear()
+
+    # --- the Transfers protocol: issuing copies ----------------------------------------------------
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        # One buffer per storage id and size, reused by later offloads of it (see ``LinkClient.remote_storage``).
+        buffer = self._remote.get((key, nbytes))
+        if buffer is None:
+            buffer = self._remote[(key, nbytes)] = torch.UntypedStorage(nbytes)
+        return buffer
+
+    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> NativeTransfer:
+        return self._issue(D2H, label, src, dst, None)
+
+    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
+                 after: NativeTransfer | None) -> NativeTransfer:
+        return self._issue(H2D, label, src, dst, after)
+
+    def abort(self, handles: Sequence[NativeTransfer]) -> None:
+        # No copy can be dropped once issued; each is a memmove, so letting them all finish is quick.
+        self.drain()
+
+
+class NativeLink:
+    """Two directions of an emulated link, remote -> device (H2D) and device -> remote (D2H), moved by one native
+    thread (see the module docstring). A ``Transfers`` backend without lane ops; used directly, the link is one
+    ``NativeClient`` of itself, for one user at a time, and ``client()`` gives each further user its own."""
+
+    def __init__(self, *, h2d_bw: float, d2h_bw: float, h2d_latency_s: float = 0.0, d2h_latency_s: float = 0.0,
+                 spin_s: float = 2e-3) -> None:
+        """Bandwidths in bytes/s, latencies in seconds per copy; ``spin_s``: how long the copy thread, and a
+        caller waiting for a copy, spin before they sleep (seconds)."""
+        for name, bw in (("h2d", h2d_bw), ("d2h", d2h_bw)):
+            if not bw > 0:
+                raise ValueError(f"{name} bandwidth must be positive bytes/s, got {bw}")
+        for name, latency in (("h2d", h2d_latency_s), ("d2h", d2h_latency_s)):
+            if latency < 0:
+                raise ValueError(f"{name} latency must be >= 0 seconds, got {latency}")
+        if spin_s < 0:
+            raise ValueError(f"spin_s must be >= 0 seconds, got {spin_s}")
+        self._lib = library()
+        self.h2d_bw, self.d2h_bw = h2d_bw, d2h_bw
+        self.h2d_latency_s, self.d2h_latency_s, self.spin_s = h2d_latency_s, d2h_latency_s, spin_s
+        self._handle: int | None = self._lib.ho_create(h2d_bw, d2h_bw, h2d_latency_s, d2h_latency_s, spin_s)
+        if not self._handle:
+            raise NativeLinkUnavailable("the native copy thread could not be started")
+        self._close_lock = threading.Lock()
+        self._own = NativeClient(self)
+
+    @classmethod
+    def for_hardware(cls, hardware: Hardware, **kwargs) -> NativeLink:
+        """A link with ``hardware``'s bandwidths and latencies (``duplex_share`` is not emulated)."""
+        return cls(h2d_bw=hardware.h2d_bw, d2h_bw=hardware.d2h_bw, h2d_latency_s=hardware.h2d_latency_s,
+                   d2h_latency_s=hardware.d2h_latency_s, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"NativeLink(h2d {self.h2d_bw:.3g} B/s + {self.h2d_latency_s:.3g} s, "
+                f"d2h {self.d2h_bw:.3g} B/s + {self.d2h_latency_s:.3g} s)")
+
+    def client(self) -> NativeClient:
+        """A new client of this link, with remote buffers and a record of its copies of its own."""
+        return NativeClient(self)
+
+    def busy_s(self, direction: str) -> float:
+        """Ideal seconds ``direction`` (``"h2d"`` or ``"d2h"``) spent copying, latency included, over its life."""
+        return self._lib.ho_busy(self._handle, _DIRECTION[direction])
+
+    @contextlib.contextmanager
+    def device_frees(self) -> Iterator[list[tuple[int, int, int]]]:
+        """An empty log: this link frees every buffer on the caller's thread, where the profiler sees it."""
+        yield []
+
+    def close(self) -> None:
+        """Move every copy issued so far, then stop the copy thread."""
+        with self._close_lock:
+            if self._handle is not None:
+                self._lib.ho_destroy(self._handle)
+                self._handle = None
+        self._own._unsettled.clear()
+        self._own._remote.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __enter__(self) -> NativeLink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the Transfers protocol -----------------------------------------------------------------
+    def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes)
+
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return self._own.remote_storage(key, nbytes, like)
+
+    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> NativeTransfer:
+        return self._own.offload(label, src, dst)
+
+    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
+                 after: NativeTransfer | None) -> NativeTransfer:
+        return self._own.prefetch(label, src, dst, after)
+
+    def wait(self, handle: NativeTransfer) -> None:
+        handle.wait()
+
+    def is_done(self, handle: NativeTransfer) -> bool:
+        return handle.done()
+
+    def synchronize(self, handle: NativeTransfer) -> None:
+        handle.wait()
+
+    def abort(self, handles: Sequence[NativeTransfer]) -> None:
+        self._own.abort(handles)
+
+    def drain(self) -> None:
+        self._own.drain()
+
+    def in_flight(self) -> int:
+        return self._own.in_flight()
+
+
+
+
+HOST_LINKS = (EmulatedLink, NativeLink)
+"""The emulated links between two pools of host memory (``isinstance`` checks of a ``link=`` argument)."""
+
+
+def host_link(hardware: Hardware) -> NativeLink | EmulatedLink:
+    """The link a step on the CPU copies over by default: a ``NativeLink`` of ``hardware``'s bandwidths and
+    latencies, or, where it cannot be built, an ``EmulatedLink`` (same timing, copies slower to issue), with a
+    warning saying why."""
+    try:
+        return NativeLink.for_hardware(hardware)
+    except (NativeLinkUnavailable, OSError) as error:
+        warnings.warn(f"{error}\nfalling back to EmulatedLink: the same link timing, with each copy costing the "
+                      f"step's thread more to issue", stacklevel=3)
+        return EmulatedLink.for_hardware(hardware)
+
+
+__all__ = ["HOST_LINKS", "NativeClient", "NativeLink", "NativeLinkUnavailable", "NativeTransfer", "available",
+           "host_link", "library"]
