@@ -13,7 +13,7 @@ different random batches, all measured in this one run:
   ``LINK_CANDIDATES`` whose plan leaves at most ``--exposed`` of the simulated step exposed to transfers, and no
   faster than ``copy_bw``, the rate the host copies memory at (half the profile's ``hbm_bw``, which counts bytes
   read and written): an emulated link cannot move bytes faster than the memory system its engine copies with), its
-  copies on an ``EmulatedLink`` of that profile (same bandwidth and latency), so simulator and link agree
+  copies on a ``NativeLink`` of that profile (same bandwidth and latency), so simulator and link agree
   (``--link`` gives the speed instead). The profile's compute model is the interpreter's (one aten op at a
   time); it is scaled first so that the unplanned compiled step (``train_step_100``) simulates at its measured
   time (``compute_scale``), as the compiled kernels, not the interpreter's ops, set the pace here, and its
@@ -79,7 +79,8 @@ from hyperoffload.compile.whole_step import flatten_batch
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.ir import Program
 from hyperoffload.policies import get_policy
-from hyperoffload.runtime import AsyncExecutor, EmulatedLink
+from hyperoffload.runtime import AsyncExecutor
+from hyperoffload.runtime.native_link import NativeLink
 from hyperoffload.simulate import simulate
 from hyperoffload.units import format_bandwidth, format_bytes, parse_bandwidth
 from hyperoffload.workloads import Llama, LlamaConfig, get_workload
@@ -197,7 +198,7 @@ def cache_op_issue_s(calls: int = 200, repeats: int = 5) -> float:
     copy to an engine thread, the bookkeeping): offload, wait, release, prefetch and wait of a 4 KiB tensor on a
     1 TB/s emulated link, where each copy has landed by its wait; per call, the best of ``repeats``."""
     ops = torch.ops.hyperoffload
-    link = EmulatedLink(h2d_bw=1e12, d2h_bw=1e12)
+    link = NativeLink(h2d_bw=1e12, d2h_bw=1e12)
     copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True)
     x = torch.ones(1024)
     best = float("inf")
@@ -229,7 +230,7 @@ class InterpretedStep:
     tensors: the plan leaves some state in another tier than it starts in (what it keeps remote between steps is
     written back to the caller's tensor), so donated steps (``AsyncExecutor.step``) refuse it."""
 
-    def __init__(self, step: TrainStep, link: EmulatedLink, batch) -> None:
+    def __init__(self, step: TrainStep, link: NativeLink, batch) -> None:
         self.plan = step.plan
         self.executor = AsyncExecutor(link)
         tensors, _, _ = flatten_batch(batch)
@@ -323,10 +324,10 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     progress(f"{spec.name}: train_step at {cfg.budget}, link {format_bandwidth(bw)} each way")
     half, compile_s["train_step_50"] = timed_first(lambda: hyperoffload.train_step(
         *with_adamw(copy.deepcopy(initial)), lm_loss, example, budget=cfg.budget, hardware=hardware,
-        policy=cfg.policy, link=EmulatedLink.for_hardware(hardware), measure=False, progress=stage))
+        policy=cfg.policy, link=NativeLink.for_hardware(hardware), measure=False, progress=stage))
 
     interpreter, interpreter_error = None, None
-    interpreter_link = EmulatedLink.for_hardware(hardware)
+    interpreter_link = NativeLink.for_hardware(hardware)
     try:
         interpreter, compile_s["interpreter_50"] = timed_first(lambda: InterpretedStep(half, interpreter_link, example))
         interpreter(example)  # a failure shows here, before the timed rounds

@@ -63,6 +63,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from hyperoffload.runtime.host_buffers import HostBuffers
+
 # The NSA block operators (lane ops) live in ``block_ops``; their names are also importable from here.
 from hyperoffload.block_ops import (FETCH_BLOCKS_POOLED, FETCH_MISSING_BLOCKS, LANE_OP_RULES, LANE_OPS, NAMESPACE,
                                     PREFETCH_BLOCKS, STORE_ROWS, fetch_blocks_pooled, fetch_missing_blocks,
@@ -90,10 +92,9 @@ class AsyncCopies:
     waits: int = 0
     """How many ``wait`` calls found a copy of theirs to wait for."""
     overlapped_waits: int = 0
-    """How many of those found *other* copies started by these operators not completed yet when they began:
-    copies in flight together, overlapping the graph's compute (never, when copies are synchronous)."""
-    most_in_flight: int = 0
-    """The most other copies not completed yet that one of those waits found."""
+    """How many of those found another copy started by these operators (the latest one not yet waited for) not
+    completed when they began: copies in flight together, overlapping the graph's compute (never, when copies are
+    synchronous)."""
     h2d_bytes: int = 0
     """Bytes the prefetches started here copied (or are copying) to the device, in all."""
     d2h_bytes: int = 0
@@ -106,6 +107,10 @@ class AsyncCopies:
     """The offload reading each device storage, by the storage's address (held with it)."""
     release_stalls: int = 0
     """How many releases found the offload of their storage still running (and, with ``release_waits``, waited)."""
+
+    remote_buffers: HostBuffers = field(default_factory=HostBuffers)
+    """Where the offloads of a step on the CPU get their remote buffers: reused across steps, so that a copy does
+    not fault in new pages each time (a GPU's page-locked buffers come from PyTorch's caching host allocator)."""
 
     _prune_at: int = 64
     """Entries of ``pending`` and ``reading`` together past which ``started`` forgets completed copies (then twice
@@ -143,10 +148,9 @@ class AsyncCopies:
         entry = self.pending.pop(x.untyped_storage().data_ptr(), None)
         if entry is None:
             return
-        others = sum(1 for h, _ in self.pending.values() if not h.done())
         self.waits += 1
-        self.overlapped_waits += others > 0
-        self.most_in_flight = max(self.most_in_flight, others)
+        if self.pending:  # the latest copy only: a wait must not cost the step a scan of every pending copy
+            self.overlapped_waits += not next(reversed(self.pending.values()))[0].done()
         entry[0].wait()
 
 
@@ -174,8 +178,11 @@ def _start_copy(kind: str, src: torch.Tensor, device: torch.device) -> torch.Ten
     if copies is None or storage.nbytes() % src.element_size():
         flat = _flat_storage(src)
         return flat.clone() if flat.device == device else flat.to(device)
-    pinned = device.type == "cpu" and src.device.type != "cpu"
-    dst = torch.empty((_storage_elements(src),), dtype=src.dtype, device=device, pin_memory=pinned)
+    if kind == "offload" and src.device.type == "cpu":
+        dst = copies.remote_buffers.tensor(_storage_elements(src), src.dtype)
+    else:
+        pinned = device.type == "cpu" and src.device.type != "cpu"
+        dst = torch.empty((_storage_elements(src),), dtype=src.dtype, device=device, pin_memory=pinned)
     label = f"{kind} of a {src.dtype} storage of {storage.nbytes()} bytes"
     if kind == "offload":
         handle = copies.client.offload(label, storage, dst.untyped_storage())

@@ -17,14 +17,15 @@ from runtime_checks import planned  # noqa: F401 - a fixture used here
 from hyperoffload.cli import main
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
-from hyperoffload.runtime import (AsyncExecutor, BudgetExceeded, EmulatedLink, TransferError, run_async, run_plan)
+from hyperoffload.runtime import (AsyncExecutor, BudgetExceeded, EmulatedLink, NativeLink, TransferError, run_async,
+                                  run_plan)
 
 pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def link():
-    with EmulatedLink(**SLOW) as link:
+@pytest.fixture(scope="module", params=[EmulatedLink, NativeLink], ids=["python-engines", "native-thread"])
+def link(request):
+    with request.param(**SLOW) as link:
         yield link
 
 

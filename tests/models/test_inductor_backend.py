@@ -186,7 +186,7 @@ def test_inductor_with_an_emulated_link_overlaps_copies_and_trains_like_plain_in
         train_like_plain_inductor(model, backend, batches, mlp_loss)
         copies = backend.copies
         assert copies is not None and copies.waits > 0
-        assert copies.overlapped_waits > 0 and copies.most_in_flight >= 1, "no wait found another copy in flight"
+        assert copies.overlapped_waits > 0, "no wait found another copy in flight"
         assert link.in_flight() == 0  # every copy the step started is through by its end
     assert_offloads_in_both_graphs(backend)
 

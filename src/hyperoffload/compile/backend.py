@@ -27,7 +27,7 @@ How the planned graphs run (``compiler``): ``"eager"`` runs them op by op, and t
 bit-identical to eager; ``"inductor"`` compiles them with Inductor by the route ``torch.compile(model)``
 takes, with this partition (``hyperoffload.compile.inductor``), so compute runs as fused kernels and
 the results are bit-identical to plain Inductor's with nothing offloaded. The cache operators run on
-CPU tensors (``hyperoffload.cache_ops``): synchronously, or, given ``link`` (an ``EmulatedLink``),
+CPU tensors (``hyperoffload.cache_ops``): synchronously, or, given ``link`` (a ``NativeLink`` or ``EmulatedLink``),
 asynchronously on its copy engines: each call of a compiled graph runs inside
 ``cache_ops.copies_on(backend.copies)``, so offloads and prefetches overlap the compute and waits block
 until their copy has completed.
@@ -58,6 +58,7 @@ from hyperoffload.planning import plan_checked
 from hyperoffload.plans import Kind, Plan, check_plan
 from hyperoffload.policies import get_policy
 from hyperoffload.runtime.emulated_link import EmulatedLink
+from hyperoffload.runtime.native_link import HOST_LINKS, NativeLink
 from hyperoffload.simulate import Figures, simulate
 
 COMPILERS = ("eager", "inductor")
@@ -284,7 +285,7 @@ def _static_input_indices() -> list[int]:
 
 
 def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", policy: str = "hyperoffload", *,
-            compiler: str = "eager", link: EmulatedLink | None = None) -> Backend:
+            compiler: str = "eager", link: NativeLink | EmulatedLink | None = None) -> Backend:
     """A ``torch.compile`` backend that plans offloads of each compiled step under ``budget``.
 
     ``torch.compile(model, backend=hyperoffload.backend(budget="50%", hardware="h100-sxm"))``: forward
@@ -293,8 +294,8 @@ def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", po
     and gradients equal eager. ``budget`` is bytes, ``"40GiB"``, ``"50%"`` of the step's no-offload
     peak, or ``"hideable"``; ``hardware`` a profile or its name; ``policy`` a registered policy.
     ``compiler="inductor"`` compiles the planned graphs with Inductor (loss and gradients then equal
-    ``torch.compile(model)``'s); ``"eager"`` runs them op by op. ``link`` (an ``EmulatedLink``): the cache
-    operators copy asynchronously on a client of its engines; without one they copy synchronously.
+    ``torch.compile(model)``'s); ``"eager"`` runs them op by op. ``link`` (a ``NativeLink``, or an ``EmulatedLink``): the
+    cache operators copy asynchronously on a client of it; without one they copy synchronously.
     Bad values raise ``ValueError`` here (``TypeError`` for a budget that is neither an int nor text); a budget below what the policy can meet raises
     ``InfeasibleBudget`` when the graph is compiled (TorchDynamo wraps it in ``BackendCompilerFailed``).
     """
@@ -302,8 +303,8 @@ def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", po
     get_policy(policy)
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}; choose one of {', '.join(COMPILERS)}")
-    if link is not None and not isinstance(link, EmulatedLink):
-        raise TypeError(f"link must be an EmulatedLink (hyperoffload.runtime.EmulatedLink.for_hardware(...)), "
+    if link is not None and not isinstance(link, HOST_LINKS):
+        raise TypeError(f"link must be a NativeLink or an EmulatedLink (hyperoffload.NativeLink.for_hardware(...)), "
                         f"got {type(link).__name__}")
     return Backend(budget=budget, hardware=get_hardware(hardware) if isinstance(hardware, str) else hardware,
                    policy=policy, compiler=compiler,

@@ -189,6 +189,14 @@ double ho_end(void *handle, int d, int64_t seq) {
     return dir->ring[(uint64_t)seq % RING].end_s;
 }
 
+/* The ideal start of a moved copy, as ho_end. */
+double ho_start(void *handle, int d, int64_t seq) {
+    Link *link = handle;
+    Direction *dir = &link->dir[d];
+    if (atomic_load(&dir->issued) - seq >= (int64_t)RING) return 0.0;
+    return dir->ring[(uint64_t)seq % RING].start_s;
+}
+
 static void sleep_s(double s) {
     struct timespec t = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
     nanosleep(&t, NULL);

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -85,6 +86,8 @@ def library() -> ctypes.CDLL:
     lib.ho_moved.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     lib.ho_end.restype = ctypes.c_double
     lib.ho_end.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.ho_start.restype = ctypes.c_double
+    lib.ho_start.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     lib.ho_wait.restype = ctypes.c_double
     lib.ho_wait.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_double]
     lib.ho_busy.restype = ctypes.c_double
@@ -105,21 +108,28 @@ def available() -> bool:
 class NativeTransfer:
     """One copy on a ``NativeLink``: a handle the issuing thread can poll or wait on."""
 
-    __slots__ = ("label", "direction", "nbytes", "what", "error", "end_s", "_link", "_dir", "_seq", "_buffers")
+    __slots__ = ("label", "direction", "nbytes", "what", "error", "start_s", "end_s", "_link", "_dir", "_seq",
+                 "_buffers", "_done")
 
     def __init__(self, link: NativeLink, label: str, direction: str, nbytes: int, seq: int,
                  buffers: tuple[torch.UntypedStorage, torch.UntypedStorage]) -> None:
         self.label, self.direction, self.nbytes, self.what = label, direction, nbytes, "copy of"
         self.error: BaseException | None = None
         """Always None: a copy on this link cannot fail (the attribute is the ``Transfer`` protocol's)."""
+        self.start_s: float | None = None
+        """Ideal start (``time.perf_counter`` seconds), once the bytes have moved."""
         self.end_s: float | None = None
         """Ideal end (``time.perf_counter`` seconds), once the bytes have moved."""
         self._link, self._dir, self._seq = link, _DIRECTION[direction], seq
         self._buffers: tuple | None = buffers
+        self._done = False
 
     def settled(self) -> bool:
         """Whether the bytes have moved: the thread will not touch either buffer again (never blocks)."""
         if self._buffers is None:
+            return True
+        if self._link._handle is None:  # closed: every copy moved before the thread stopped
+            self._closed()
             return True
         if not self._link._lib.ho_moved(self._link._handle, self._dir, self._seq):
             return False
@@ -127,21 +137,37 @@ class NativeTransfer:
         return True
 
     def _moved(self, end_s: float) -> None:
+        if self._buffers is not None:
+            self.start_s = self._link._lib.ho_start(self._link._handle, self._dir, self._seq)
         self.end_s, self._buffers = end_s, None
+
+    def _closed(self) -> None:
+        self._buffers, self._done = None, True
+        if self.end_s is None:
+            self.start_s = self.end_s = 0.0
 
     def done(self) -> bool:
         """Whether the copy has completed (its ideal end has passed); never blocks."""
-        return self.settled() and self._link._lib.ho_now() >= self.end_s
+        if not self._done:
+            # ``time.perf_counter`` reads the copy thread's clock (CLOCK_MONOTONIC), without a foreign call.
+            self._done = self.settled() and time.perf_counter() >= self.end_s
+        return self._done
 
     def join(self) -> None:
         """Block until the bytes have moved (not until the ideal end)."""
-        if self._buffers is not None:
+        if self._link._handle is None:
+            self._closed()
+        elif self._buffers is not None:
             self._moved(self._link._lib.ho_wait(self._link._handle, self._dir, self._seq, 0, self._link.spin_s))
 
     def wait(self) -> None:
         """Block until the copy has completed."""
-        if self._buffers is not None or self._link._lib.ho_now() < self.end_s:
-            self._moved(self._link._lib.ho_wait(self._link._handle, self._dir, self._seq, 1, self._link.spin_s))
+        if self._link._handle is None:
+            self._closed()
+        elif not self._done:
+            if self._buffers is not None or time.perf_counter() < self.end_s:
+                self._moved(self._link._lib.ho_wait(self._link._handle, self._dir, self._seq, 1, self._link.spin_s))
+            self._done = True
 
     def cancel(self) -> None:
         """Nothing: a copy on this link is one ``memmove``, let finish (``abort`` waits for it)."""
