@@ -89,11 +89,11 @@ def main() -> int:
 
     print(f"planning and compiling the step (budget {args.budget}, link {args.link}) ...", flush=True)
     start = time.perf_counter()
-    # This machine as the device, with the link at the speed the copies are emulated at.
+    # This machine as the device, with the link at the speed the copies are emulated at (on the CPU, the step's
+    # copies run on a link of the profile's speed).
     hardware = dataclasses.replace(hyperoffload.get_hardware("cpu-emulated"), h2d_bw=link_bw, d2h_bw=link_bw)
     step = hyperoffload.train_step(model, optimizer, next_token_loss, batches[0], budget=args.budget,
-                                   hardware=hardware, link=hyperoffload.EmulatedLink(h2d_bw=link_bw, d2h_bw=link_bw),
-                                   progress=lambda text: print(f"  {time.perf_counter() - start:5.1f} s  {text}",
+                                   hardware=hardware, progress=lambda text: print(f"  {time.perf_counter() - start:5.1f} s  {text}",
                                                                flush=True))
     print(f"ready in {time.perf_counter() - start:.1f} s\n{step.report()}\n", flush=True)
 

@@ -125,7 +125,7 @@ static void *run(void *arg) {
         if (next_direction(link) < 0 && !atomic_load(&link->stop)) {
             struct timespec until;
             clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += 10 * 1000 * 1000;
+            until.tv_nsec += 100 * 1000 * 1000; /* a safety net: a copy issued now signals */
             if (until.tv_nsec >= 1000000000L) { until.tv_sec += 1; until.tv_nsec -= 1000000000L; }
             pthread_cond_timedwait(&link->wake, &link->lock, &until);
         }

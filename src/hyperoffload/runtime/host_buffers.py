@@ -9,12 +9,28 @@ page-locked buffers of a GPU's copies.
 
 A buffer is free when the pool holds its only reference: every tensor viewing it, a copy still reading or
 writing it (its handle holds the storage until the bytes have moved) and every pending ``wait`` of it keep it
-taken. The pool grows to the most remote bytes a step holds at once per buffer size; ``clear`` gives them back.
+taken. Both kinds of reference are counted: tensors and C++ holders through the storage's own use count, and
+Python holders through the Python object's reference count, since PyTorch hands out one Python object per
+storage (``x.untyped_storage()`` of any tensor on the buffer is the pool's own object, whose holders add no use
+count). The pool grows to the most remote bytes a step holds at once per buffer size; ``clear`` gives them back.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+
+def _refs_of_a_listed_item() -> int:
+    """``sys.getrefcount`` of an object referred to only by a list and the loop variable iterating over it, as
+    ``HostBuffers.take`` sees a free buffer (measured, since the count differs between Python versions)."""
+    for item in [object()]:
+        return sys.getrefcount(item)
+    raise AssertionError("unreachable")
+
+
+_FREE_REFS = _refs_of_a_listed_item()
 
 
 class HostBuffers:
@@ -29,7 +45,7 @@ class HostBuffers:
         """A storage of ``nbytes`` that nothing else refers to (its old contents left as they are)."""
         kept = self._by_size.setdefault(nbytes, [])
         for storage in kept:
-            if torch._C._storage_Use_Count(storage._cdata) == 1:
+            if sys.getrefcount(storage) <= _FREE_REFS and torch._C._storage_Use_Count(storage._cdata) == 1:
                 return storage
         storage = torch.UntypedStorage(nbytes)
         kept.append(storage)
