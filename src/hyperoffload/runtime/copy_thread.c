@@ -189,6 +189,12 @@ double ho_end(void *handle, int d, int64_t seq) {
     return dir->ring[(uint64_t)seq % RING].end_s;
 }
 
+/* The ideal end of copy `seq` if its bytes have moved, else -1: one call for a poll. */
+double ho_poll(void *handle, int d, int64_t seq) {
+    Link *link = handle;
+    return ho_moved(link, d, seq) ? ho_end(link, d, seq) : -1.0;
+}
+
 /* The ideal start of a moved copy, as ho_end. */
 double ho_start(void *handle, int d, int64_t seq) {
     Link *link = handle;

@@ -23,8 +23,8 @@ import torch
 
 
 def _refs_of_a_listed_item() -> int:
-    """``sys.getrefcount`` of an object referred to only by a list and the loop variable iterating over it, as
-    ``HostBuffers.take`` sees a free buffer (measured, since the count differs between Python versions)."""
+    """``sys.getrefcount`` of an object referred to only by a list and one local name, as ``HostBuffers.take``
+    sees a free buffer (measured, since the count differs between Python versions)."""
     for item in [object()]:
         return sys.getrefcount(item)
     raise AssertionError("unreachable")
@@ -36,19 +36,27 @@ _FREE_REFS = _refs_of_a_listed_item()
 class HostBuffers:
     """A pool of host-memory storages by size (bytes), each handed out again once only the pool refers to it."""
 
-    __slots__ = ("_by_size",)
+    __slots__ = ("_by_size", "_next")
 
     def __init__(self) -> None:
         self._by_size: dict[int, list[torch.UntypedStorage]] = {}
+        self._next: dict[int, int] = {}
+        """Per size, where the next search starts: after the buffer taken last. A step lets go of its remote
+        buffers in about the order it took them, so the buffer there is usually free."""
 
     def take(self, nbytes: int) -> torch.UntypedStorage:
         """A storage of ``nbytes`` that nothing else refers to (its old contents left as they are)."""
         kept = self._by_size.setdefault(nbytes, [])
-        for storage in kept:
+        start = self._next.get(nbytes, 0)
+        for k in range(len(kept)):
+            i = (start + k) % len(kept)
+            storage = kept[i]
             if sys.getrefcount(storage) <= _FREE_REFS and torch._C._storage_Use_Count(storage._cdata) == 1:
+                self._next[nbytes] = i + 1
                 return storage
         storage = torch.UntypedStorage(nbytes)
         kept.append(storage)
+        self._next[nbytes] = len(kept)
         return storage
 
     def tensor(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
@@ -64,6 +72,7 @@ class HostBuffers:
     def clear(self) -> None:
         """Forget every buffer (those still taken live on with whatever refers to them)."""
         self._by_size.clear()
+        self._next.clear()
 
 
 __all__ = ["HostBuffers"]

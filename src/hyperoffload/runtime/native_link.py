@@ -86,6 +86,8 @@ def library() -> ctypes.CDLL:
     lib.ho_moved.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     lib.ho_end.restype = ctypes.c_double
     lib.ho_end.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.ho_poll.restype = ctypes.c_double
+    lib.ho_poll.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     lib.ho_start.restype = ctypes.c_double
     lib.ho_start.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     lib.ho_wait.restype = ctypes.c_double
@@ -108,7 +110,7 @@ def available() -> bool:
 class NativeTransfer:
     """One copy on a ``NativeLink``: a handle the issuing thread can poll or wait on."""
 
-    __slots__ = ("label", "direction", "nbytes", "what", "error", "start_s", "end_s", "_link", "_dir", "_seq",
+    __slots__ = ("label", "direction", "nbytes", "what", "error", "end_s", "_start_s", "_link", "_dir", "_seq",
                  "_buffers", "_done")
 
     def __init__(self, link: NativeLink, label: str, direction: str, nbytes: int, seq: int,
@@ -116,8 +118,7 @@ class NativeTransfer:
         self.label, self.direction, self.nbytes, self.what = label, direction, nbytes, "copy of"
         self.error: BaseException | None = None
         """Always None: a copy on this link cannot fail (the attribute is the ``Transfer`` protocol's)."""
-        self.start_s: float | None = None
-        """Ideal start (``time.perf_counter`` seconds), once the bytes have moved."""
+        self._start_s: float | None = None
         self.end_s: float | None = None
         """Ideal end (``time.perf_counter`` seconds), once the bytes have moved."""
         self._link, self._dir, self._seq = link, _DIRECTION[direction], seq
@@ -131,20 +132,28 @@ class NativeTransfer:
         if self._link._handle is None:  # closed: every copy moved before the thread stopped
             self._closed()
             return True
-        if not self._link._lib.ho_moved(self._link._handle, self._dir, self._seq):
+        end_s = self._link._lib.ho_poll(self._link._handle, self._dir, self._seq)
+        if end_s < 0:
             return False
-        self._moved(self._link._lib.ho_end(self._link._handle, self._dir, self._seq))
+        self._moved(end_s)
         return True
 
     def _moved(self, end_s: float) -> None:
-        if self._buffers is not None:
-            self.start_s = self._link._lib.ho_start(self._link._handle, self._dir, self._seq)
         self.end_s, self._buffers = end_s, None
 
     def _closed(self) -> None:
         self._buffers, self._done = None, True
         if self.end_s is None:
-            self.start_s = self.end_s = 0.0
+            self._start_s = self.end_s = 0.0
+
+    @property
+    def start_s(self) -> float | None:
+        """Ideal start (``time.perf_counter`` seconds) once the bytes have moved, else None; read from the copy
+        thread when first asked (0.0 once 65536 later copies of its direction have been issued)."""
+        if self._start_s is None and self.settled():
+            handle = self._link._handle
+            self._start_s = 0.0 if handle is None else self._link._lib.ho_start(handle, self._dir, self._seq)
+        return self._start_s
 
     def done(self) -> bool:
         """Whether the copy has completed (its ideal end has passed); never blocks."""
@@ -203,8 +212,9 @@ class NativeClient:
                                   after_dir, after_seq)
         transfer = NativeTransfer(link, label, direction, src.nbytes(), seq, (src, dst))
         unsettled = self._unsettled
-        while unsettled and unsettled[0].settled():
-            unsettled.popleft()
+        if len(unsettled) >= 32:  # now and then: a handle whose waiter already saw it settle is let go of sooner
+            while unsettled and unsettled[0].settled():
+                unsettled.popleft()
         unsettled.append(transfer)
         return transfer
 
