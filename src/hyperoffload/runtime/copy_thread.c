@@ -45,7 +45,7 @@ typedef struct {
     Copy ring[RING];
     _Atomic int64_t issued; /* sequence number of the newest copy issued */
     _Atomic int64_t done;   /* ... and of the newest whose bytes have moved */
-    double bandwidth, latency_s, clock_s, busy_s;
+    double bandwidth, latency_s, clock_s, busy_s, moving_s;
 } Direction;
 
 typedef struct {
@@ -100,6 +100,7 @@ static void move_one(Link *link, int d) {
     c->start_s = start;
     c->end_s = end;
     dir->busy_s += end - start;
+    dir->moving_s += copied_s;
     dir->clock_s = end;
     atomic_store_explicit(&dir->done, seq, memory_order_release);
 }
@@ -229,6 +230,12 @@ double ho_wait(void *handle, int d, int64_t seq, int complete, double spin_s) {
 double ho_busy(void *handle, int d) {
     Link *link = handle;
     return link->dir[d].busy_s;
+}
+
+/* Seconds the thread spent in memmove for direction d, over the link's life. */
+double ho_moving(void *handle, int d) {
+    Link *link = handle;
+    return link->dir[d].moving_s;
 }
 
 /* Move every copy issued so far, stop the thread and free the link. */

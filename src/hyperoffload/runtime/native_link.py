@@ -94,6 +94,8 @@ def library() -> ctypes.CDLL:
     lib.ho_wait.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_double]
     lib.ho_busy.restype = ctypes.c_double
     lib.ho_busy.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.ho_moving.restype = ctypes.c_double
+    lib.ho_moving.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.ho_destroy.argtypes = [ctypes.c_void_p]
     return lib
 
@@ -297,6 +299,11 @@ class NativeLink:
     def busy_s(self, direction: str) -> float:
         """Ideal seconds ``direction`` (``"h2d"`` or ``"d2h"``) spent copying, latency included, over its life."""
         return self._lib.ho_busy(self._handle, _DIRECTION[direction])
+
+    def moving_s(self, direction: str) -> float:
+        """Wall seconds the copy thread spent moving ``direction``'s bytes (its ``memmove`` calls), over its life:
+        against ``busy_s``, how close the memory system came to being slower than the link."""
+        return self._lib.ho_moving(self._handle, _DIRECTION[direction])
 
     @contextlib.contextmanager
     def device_frees(self) -> Iterator[list[tuple[int, int, int]]]:
