@@ -28,6 +28,9 @@ different random batches, all measured in this one run:
 * ``max_abs_diff``: the largest absolute difference of parameters between the 50% step and
   ``train_step(..., offload=False)`` after the same calls on the same batches from the same initial weights
   (``max_abs_diff_state``: the same over the optimizer's state);
+* ``breakdown_s``: the same compiled 50% step run four more ways on copies of its inputs (``BREAKDOWN``): with
+  cache operators that move nothing, with every copy synchronous on the step's thread, on a 10 TB/s ``NativeLink``
+  and on an ``EmulatedLink`` (Python copy threads) of the link's speed;
 * the ratios ``train_step_100_s / inductor_s`` (target <= 1.05), ``train_step_50_s / inductor_s`` (<= 1.10),
   ``train_step_50_s / sim_50_s`` (``sim_error = |sim - wall| / wall`` <= 0.15), peak <= budget and diff 0.
 
@@ -44,7 +47,8 @@ is read after each model's timed rounds; wall times move with it.
                        "train_step_50_s", "sim_50_s", "exposed_50_s", "compute_50_s", "interpreter_50_s",
                        "interpreter_error", "link_bw", "copy_bw", "compute_scale", "issue_s", "measured_peak_bytes", "budget_bytes",
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
-                       "load_avg", "compile_s": {variant: s}, "ratios": {name: x}, "targets": {name: bool}}}}
+                       "load_avg", "compile_s": {variant: s}, "breakdown_s": {variant: s}, "ratios": {name: x},
+                       "targets": {name: bool}}}}
 
 Times in seconds, bytes in bytes, ``link_bw`` in bytes/s. Progress goes to stderr. Usage:
 ``.venv/bin/python bench/native.py [--quick] [--steps 15] [--warmup 2] [--threads 1] [--json]``
@@ -79,7 +83,7 @@ from hyperoffload.compile.whole_step import flatten_batch
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.ir import Program
 from hyperoffload.policies import get_policy
-from hyperoffload.runtime import AsyncExecutor
+from hyperoffload.runtime import AsyncExecutor, EmulatedLink
 from hyperoffload.runtime.native_link import NativeLink
 from hyperoffload.simulate import simulate
 from hyperoffload.units import format_bandwidth, format_bytes, parse_bandwidth
@@ -87,6 +91,15 @@ from hyperoffload.workloads import Llama, LlamaConfig, get_workload
 
 LINK_CANDIDATES = tuple(2**k * 1e9 for k in range(0, 8))
 """Link speeds tried for the 50% step, slowest first (bytes/s each way: 1 GB/s to 128 GB/s)."""
+
+BREAKDOWN = {
+    "same_plan_no_copies": "cache operators that move nothing (results wrong): the graph, the calls, their buffers",
+    "same_plan_sync_copies": "every copy on the step's own thread when issued (no link)",
+    "same_plan_fast_link": "a NativeLink at 10 TB/s: copies as fast as the copy thread can move them",
+    "same_plan_python_link": "an EmulatedLink of the same speed: copies on two Python threads",
+}
+"""The 50% step's compiled graph (the same plan) run other ways, on copies of its inputs, in the same rounds: where
+its time goes beyond the unplanned step's."""
 
 TARGETS = {"train_step_100 / inductor": 1.05, "train_step_50 / inductor": 1.10, "sim_error": 0.15}
 """Upper bounds of the ratios (``sim_error = |sim_50_s - train_step_50_s| / train_step_50_s``)."""
@@ -247,6 +260,63 @@ class InterpretedStep:
         self.executor.close()
 
 
+# --- where the 50% step's time goes ---------------------------------------------------------------------------------
+class _Moved:
+    """A copy that moved nothing and is complete (``NullCopies``)."""
+
+    error = None
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class NullCopies:
+    """A copy client that moves nothing: every copy is complete when issued. Results are wrong; the time of a step
+    run on it is everything but the bytes moving (the compiled graph, the cache operators' Python calls, the
+    buffers they allocate)."""
+
+    def offload(self, label, src, dst) -> _Moved:
+        return _Moved()
+
+    def prefetch(self, label, src, dst, after) -> _Moved:
+        return _Moved()
+
+    def drain(self) -> None:
+        pass
+
+
+class SamePlan:
+    """The 50% step's compiled graph run on copies of its inputs (so the step's own state is not touched), with its
+    cache operators on ``client`` (None: synchronous copies on the step's thread), each call on the next batch."""
+
+    def __init__(self, step: TrainStep, client, batch) -> None:
+        self.run = step._current.run
+        self.copies = None if client is None else cache_ops.AsyncCopies(client=client, release_waits=True)
+        tensors, _, _ = flatten_batch(batch)
+        self.batch_count = len(tensors)
+        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in step.optimizer.param_groups]
+        self.inputs = [t.detach().clone() for t in step._current.inputs.flat(step.optimizer, lrs, tensors)]
+
+    def __call__(self, batch) -> None:
+        tensors, _, _ = flatten_batch(batch)
+        self.inputs[len(self.inputs) - self.batch_count:] = tensors
+        with cache_ops.copies_on(self.copies), torch.no_grad():
+            self.run(*self.inputs)
+
+
+def breakdown_variants(half: TrainStep, hardware: Hardware, example) -> tuple[dict[str, SamePlan], list]:
+    """The 50% step's plan run five more ways (``BREAKDOWN``); returns them and the links to close afterwards."""
+    links = [NativeLink(h2d_bw=1e13, d2h_bw=1e13), EmulatedLink.for_hardware(hardware)]
+    variants = {"same_plan_no_copies": SamePlan(half, NullCopies(), example),
+                "same_plan_sync_copies": SamePlan(half, None, example),
+                "same_plan_fast_link": SamePlan(half, links[0].client(), example),
+                "same_plan_python_link": SamePlan(half, links[1].client(), example)}
+    return variants, links
+
+
 # --- measuring -----------------------------------------------------------------------------------------------------
 def timed_first(make: Callable[[], object]) -> tuple[object, float]:
     start = time.perf_counter()
@@ -344,6 +414,8 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     }
     if interpreter is not None:
         variants["interpreter_50"] = interpreter
+    breakdown, breakdown_links = breakdown_variants(half, hardware, example)
+    variants.update(breakdown)
     progress(f"{spec.name}: {cfg.warmup} + {cfg.steps} interleaved rounds of {', '.join(variants)}")
     order: list[int] = []
     walls = run_rounds(variants, batches, cfg, order)
@@ -352,6 +424,8 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     if interpreter is not None:
         interpreter.close()
     interpreter_link.close()
+    for link in breakdown_links:
+        link.close()
 
     progress(f"{spec.name}: one call with the device peak measured")
     half.measure = True  # the profiler for this one call only
@@ -390,6 +464,7 @@ def finish_record(spec, cfg, initial, median, figures, peak, half, bw, load, com
         "link_bw": bw, "measured_peak_bytes": peak.peak_bytes, "budget_bytes": half.budget_bytes,
         "unplanned_peak_bytes": half.unplanned_peak_bytes, "h2d_bytes": peak.h2d_bytes, "d2h_bytes": peak.d2h_bytes,
         "max_abs_diff": diff, "max_abs_diff_state": state_diff, "load_avg": load, "compile_s": compile_s,
+        "breakdown_s": {name: median[name] for name in BREAKDOWN},
     }
     ratios = {"train_step_100 / inductor": record["train_step_100_s"] / record["inductor_s"],
               "train_step_50 / inductor": record["train_step_50_s"] / record["inductor_s"],
@@ -442,6 +517,9 @@ def print_table(results: dict, cfg: BenchConfig) -> None:
               f"({format_bytes(r['unplanned_peak_bytes'])} unplanned): {verdict(targets['peak <= budget'])}")
         print(f"  max_abs_diff against offload=False {r['max_abs_diff']:g} (optimizer state "
               f"{r['max_abs_diff_state']:g}): {verdict(targets['max_abs_diff == 0'])}")
+        print(f"  the {cfg.budget} step's plan run other ways (ms; x of train_step 100%):")
+        for name, seconds in r["breakdown_s"].items():
+            print(f"    {name:<24} {seconds * 1e3:8.1f}  x{seconds / r['train_step_100_s']:.2f}  {BREAKDOWN[name]}")
         print("  compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in r["compile_s"].items()))
     load = results["load_avg"]
     print(f"\nload average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1, 5, 15 min)")

@@ -19,7 +19,7 @@ SCRIPT = ROOT / "bench" / "native.py"
 
 TIMES = ("eager_s", "inductor_s", "train_step_100_s", "train_step_50_s", "sim_50_s")
 KEYS = (*TIMES, "interpreter_50_s", "interpreter_error", "measured_peak_bytes", "budget_bytes", "max_abs_diff",
-        "load_avg", "link_bw", "exposed_50_s", "compile_s", "ratios", "targets")
+        "load_avg", "link_bw", "exposed_50_s", "compile_s", "breakdown_s", "ratios", "targets")
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +50,9 @@ def test_times_are_positive_and_the_link_hides_the_simulated_copies(quick):
     assert all(positive(record[key]) for key in TIMES), {key: record[key] for key in TIMES}
     assert positive(record["link_bw"]) and 0 <= record["exposed_50_s"] <= record["sim_50_s"]
     assert all(positive(s) for s in record["compile_s"].values())
+    assert sorted(record["breakdown_s"]) == sorted(["same_plan_no_copies", "same_plan_sync_copies",
+                                                    "same_plan_fast_link", "same_plan_python_link"])
+    assert all(positive(s) for s in record["breakdown_s"].values())
     assert all(positive(x) for x in record["ratios"].values())
     assert all(isinstance(ok, bool) for ok in record["targets"].values())
 
