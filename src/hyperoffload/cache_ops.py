@@ -116,19 +116,50 @@ class AsyncCopies:
     """Entries of ``pending`` and ``reading`` together past which ``started`` forgets completed copies (then twice
     what is left): amortized, so that a call does not scan every copy in flight."""
 
-    def started(self, handle: Any, dst: torch.Tensor, src: torch.UntypedStorage | None = None) -> None:
-        """Record ``handle``, the copy into ``dst`` (of ``src``, for an offload); now and then, forget copies that
-        completed and were never waited for (or whose storage was never released)."""
+    def offload(self, x: torch.Tensor) -> torch.Tensor:
+        """Start copying ``x``'s whole storage into a new remote buffer; return the buffer (``hyperoffload::offload``).
+        Called once per transfer inside compiled graphs, so it is written flat."""
+        storage = x.untyped_storage()
+        nbytes, itemsize = storage.nbytes(), x.element_size()
+        if nbytes % itemsize:
+            return _copy_now(x, REMOTE_DEVICE)
+        if x.device.type == "cpu":
+            dst = self.remote_buffers.tensor(nbytes // itemsize, x.dtype)
+        else:  # page-locked, from PyTorch's caching host allocator, so that the copy is asynchronous DMA
+            dst = torch.empty((nbytes // itemsize,), dtype=x.dtype, device=REMOTE_DEVICE, pin_memory=True)
+        into = dst.untyped_storage()
+        handle = self.client.offload(_LABEL, storage, into)
+        self.d2h_bytes += nbytes
+        self._started(handle, into)
+        self.reading[storage.data_ptr()] = (handle, storage)
+        return dst
+
+    def prefetch(self, remote: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Start copying the remote buffer ``remote`` into a new buffer on ``device``; return it
+        (``hyperoffload::prefetch``). A remote buffer whose own offload is still in flight is read once that copy
+        has landed."""
+        storage = remote.untyped_storage()
+        nbytes, itemsize = storage.nbytes(), remote.element_size()
+        if nbytes % itemsize:
+            return _copy_now(remote, device)
+        dst = torch.empty((nbytes // itemsize,), dtype=remote.dtype, device=device)
+        into = dst.untyped_storage()
+        entry = self.pending.get(storage.data_ptr())
+        handle = self.client.prefetch(_LABEL, storage, into, None if entry is None else entry[0])
+        self.h2d_bytes += nbytes
+        self._started(handle, into)
+        return dst
+
+    def _started(self, handle: Any, into: torch.UntypedStorage) -> None:
+        """Record ``handle``, the copy into ``into``; now and then, forget copies that completed and were never
+        waited for (or whose storage was never released)."""
         if len(self.pending) + len(self.reading) > self._prune_at:
             # A failed copy stays, so that its wait raises the failure.
             for table in (self.pending, self.reading):
                 for key in [k for k, (h, _) in table.items() if h.done() and getattr(h, "error", None) is None]:
                     del table[key]
             self._prune_at = max(64, 2 * (len(self.pending) + len(self.reading)))
-        storage = dst.untyped_storage()
-        self.pending[storage.data_ptr()] = (handle, storage)
-        if src is not None:
-            self.reading[src.data_ptr()] = (handle, src)
+        self.pending[into.data_ptr()] = (handle, into)
 
     def released(self, x: torch.Tensor) -> None:
         """``x``'s storage is released: with ``release_waits``, block until the offload reading it has completed
@@ -154,6 +185,10 @@ class AsyncCopies:
         entry[0].wait()
 
 
+_LABEL = "a compiled step's storage"
+"""How a copy a cache operator started names what it copies (a failure reads "d2h copy of a compiled step's storage
+(4096 bytes) failed: ...", the direction and size saying which)."""
+
 _ACTIVE: contextvars.ContextVar[AsyncCopies | None] = contextvars.ContextVar("hyperoffload_async_copies",
                                                                             default=None)
 
@@ -168,32 +203,10 @@ def copies_on(copies: AsyncCopies | None) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def _start_copy(kind: str, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A new flat buffer on ``device`` of ``src``'s whole storage: copied now, or started on the active
-    ``AsyncCopies``. A remote buffer of a device storage is page-locked host memory (PyTorch's caching host
-    allocator: blocks are reused across steps once the copies that used them have completed), so that its copies
-    are asynchronous DMA."""
-    copies = _ACTIVE.get()
-    storage = src.untyped_storage()
-    if copies is None or storage.nbytes() % src.element_size():
-        flat = _flat_storage(src)
-        return flat.clone() if flat.device == device else flat.to(device)
-    if kind == "offload" and src.device.type == "cpu":
-        dst = copies.remote_buffers.tensor(_storage_elements(src), src.dtype)
-    else:
-        pinned = device.type == "cpu" and src.device.type != "cpu"
-        dst = torch.empty((_storage_elements(src),), dtype=src.dtype, device=device, pin_memory=pinned)
-    label = f"{kind} of a {src.dtype} storage of {storage.nbytes()} bytes"
-    if kind == "offload":
-        handle = copies.client.offload(label, storage, dst.untyped_storage())
-        copies.d2h_bytes += storage.nbytes()
-    else:
-        # A remote buffer whose own offload is still in flight is read once that copy has landed.
-        entry = copies.pending.get(storage.data_ptr())
-        handle = copies.client.prefetch(label, storage, dst.untyped_storage(), None if entry is None else entry[0])
-        copies.h2d_bytes += storage.nbytes()
-    copies.started(handle, dst, storage if kind == "offload" else None)
-    return dst
+def _copy_now(src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new flat buffer on ``device`` holding ``src``'s whole storage, copied now on the caller's thread."""
+    flat = _flat_storage(src)
+    return flat.clone() if flat.device == device else flat.to(device)
 
 
 REMOTE_DEVICE = torch.device("cpu")
@@ -225,7 +238,8 @@ def offload(x: torch.Tensor) -> torch.Tensor:
     ``release``'s job. The result lives in host memory (``REMOTE_DEVICE``), page-locked when ``x`` is on a
     GPU. Call ``wait`` on the result before reading it.
     """
-    return _start_copy("offload", x, REMOTE_DEVICE)
+    copies = _ACTIVE.get()
+    return _copy_now(x, REMOTE_DEVICE) if copies is None else copies.offload(x)
 
 
 for _key in ("CPU", "CUDA"):
@@ -248,7 +262,9 @@ def prefetch(remote: torch.Tensor, device: torch.device | None = None) -> torch.
     ``offload``'s result, with a storage of its own: views of the offloaded storage are rebuilt on it with
     ``aten.as_strided``. Call ``wait`` on the result before reading it.
     """
-    return _start_copy("prefetch", remote, remote.device if device is None else torch.device(device))
+    device = remote.device if device is None else torch.device(device)
+    copies = _ACTIVE.get()
+    return _copy_now(remote, device) if copies is None else copies.prefetch(remote, device)
 
 
 for _key in ("CPU", "CUDA"):
