@@ -234,7 +234,24 @@ def scaled_compute(hardware: Hardware, scale: float) -> Hardware:
                             hbm_bw=hardware.hbm_bw / scale, launch_s=hardware.launch_s * scale)
 
 
-# --- the plan interpreter on the 50% step's plan ------------------------------------------------------------------
+# --- the 50% step's plan run other ways: the interpreter, and the compiled graph on other copy clients -------------
+class OwnInputs:
+    """Copies of a step's flat inputs (``program.inputs`` order: ``step._current.inputs.flat(optimizer, lrs, batch
+    tensors)``), so that running its plan another way leaves the step's own state alone; the batch's slots are
+    refilled each call."""
+
+    def __init__(self, step: TrainStep, batch) -> None:
+        tensors, _, _ = flatten_batch(batch)
+        self.batch_count = len(tensors)
+        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in step.optimizer.param_groups]
+        self.flat = [t.detach().clone() for t in step._current.inputs.flat(step.optimizer, lrs, tensors)]
+
+    def with_batch(self, batch) -> list[torch.Tensor]:
+        tensors, _, _ = flatten_batch(batch)
+        self.flat[len(self.flat) - self.batch_count:] = tensors
+        return self.flat
+
+
 class InterpretedStep:
     """``step.plan`` run by ``AsyncExecutor`` on its own copies of the step's inputs (``program.inputs`` order:
     ``step._current.inputs.flat(optimizer, lrs, batch tensors)``), each call on the next batch.
@@ -246,21 +263,15 @@ class InterpretedStep:
     def __init__(self, step: TrainStep, link: NativeLink, batch) -> None:
         self.plan = step.plan
         self.executor = AsyncExecutor(link)
-        tensors, _, _ = flatten_batch(batch)
-        self.batch_count = len(tensors)
-        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in step.optimizer.param_groups]
-        self.inputs = [t.detach().clone() for t in step._current.inputs.flat(step.optimizer, lrs, tensors)]
+        self.inputs = OwnInputs(step, batch)
 
     def __call__(self, batch) -> None:
-        tensors, _, _ = flatten_batch(batch)
-        self.inputs[len(self.inputs) - self.batch_count:] = tensors
-        self.executor.run(self.plan, self.inputs)
+        self.executor.run(self.plan, self.inputs.with_batch(batch))
 
     def close(self) -> None:
         self.executor.close()
 
 
-# --- where the 50% step's time goes ---------------------------------------------------------------------------------
 class _Moved:
     """A copy that moved nothing and is complete (``NullCopies``)."""
 
@@ -295,16 +306,12 @@ class SamePlan:
     def __init__(self, step: TrainStep, client, batch) -> None:
         self.run = step._current.run
         self.copies = None if client is None else cache_ops.AsyncCopies(client=client, release_waits=True)
-        tensors, _, _ = flatten_batch(batch)
-        self.batch_count = len(tensors)
-        lrs = [torch.tensor(learning_rate(g), dtype=torch.float64) for g in step.optimizer.param_groups]
-        self.inputs = [t.detach().clone() for t in step._current.inputs.flat(step.optimizer, lrs, tensors)]
+        self.inputs = OwnInputs(step, batch)
 
     def __call__(self, batch) -> None:
-        tensors, _, _ = flatten_batch(batch)
-        self.inputs[len(self.inputs) - self.batch_count:] = tensors
+        inputs = self.inputs.with_batch(batch)
         with cache_ops.copies_on(self.copies), torch.no_grad():
-            self.run(*self.inputs)
+            self.run(*inputs)
 
 
 def breakdown_variants(half: TrainStep, hardware: Hardware, example) -> tuple[dict[str, SamePlan], list]:

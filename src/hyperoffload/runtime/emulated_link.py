@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hyperoffload.hardware import Hardware
+from hyperoffload.runtime.host_link import HostLink, RemoteBuffers
 from hyperoffload.runtime.transfers import TransferError
 
 H2D, D2H = "h2d", "d2h"
@@ -270,7 +271,7 @@ class CopyEngine:
         self._clock = end
 
 
-class LinkClient:
+class LinkClient(RemoteBuffers):
     """One user's side of an ``EmulatedLink`` (a ``Transfers`` backend): copies on the link's two engines, into
     remote buffers of its own, recorded as they are accepted.
 
@@ -287,8 +288,8 @@ class LinkClient:
     """
 
     def __init__(self, link: EmulatedLink) -> None:
+        super().__init__()
         self.link = link
-        self._remote: dict[tuple[int, int], torch.UntypedStorage] = {}
         self._accepted: set[Transfer] = set()  # added to by the issuing thread, left by the engines' threads
         link._clients.add(self)
 
@@ -328,15 +329,6 @@ class LinkClient:
         self._remote.clear()
 
     # --- the Transfers protocol: issuing copies ----------------------------------------------------
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        # One buffer of this client's per storage id and size, reused by its later offloads, in this step and the
-        # next: a storage's next offload comes after the wait for its previous prefetch (``check_plan``), and the
-        # executor returns copies, never these buffers. Another client's steps have their own buffers.
-        buffer = self._remote.get((key, nbytes))
-        if buffer is None:
-            buffer = self._remote[(key, nbytes)] = torch.UntypedStorage(nbytes)
-        return buffer
-
     def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Transfer:
         # Ops run synchronously on the caller's thread, so whatever last wrote ``src`` has finished.
         return self.link.d2h.submit(label, src, dst, accepted=self._accepted)
@@ -366,7 +358,7 @@ class LinkClient:
         self.drain()
 
 
-class EmulatedLink:
+class EmulatedLink(HostLink):
     """Two copy engines, remote -> device (H2D) and device -> remote (D2H), each with its own bandwidth.
 
     A transfer backend for ``hyperoffload.runtime.plan_executor.execute_plan``: both tiers are host
@@ -423,47 +415,10 @@ class EmulatedLink:
         for c in list(self._clients):
             c._remote.clear()
 
-    def __enter__(self) -> EmulatedLink:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # --- the Transfers protocol -----------------------------------------------------------------
-    def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        return torch.UntypedStorage(nbytes)
-
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        return self._own.remote_storage(key, nbytes, like)
-
-    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Transfer:
-        return self._own.offload(label, src, dst)
-
-    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
-                 after: Transfer | None) -> Transfer:
-        return self._own.prefetch(label, src, dst, after)
-
     def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None],
                 after: Sequence[Transfer]) -> Transfer:
         """Run a lane op's ``work`` on the engine of ``lane``; see ``LinkClient.lane_op``."""
         return self._own.lane_op(label, lane, nbytes, work, after)
-
-    def wait(self, handle: Transfer) -> None:
-        handle.wait()
-
-    def is_done(self, handle: Transfer) -> bool:
-        return handle.done()
-
-    def synchronize(self, handle: Transfer) -> None:
-        handle.wait()
-
-    def abort(self, handles: Sequence[Transfer]) -> None:
-        """Stop or finish ``handles`` and every other copy this thread handed the link; see ``LinkClient.abort``."""
-        self._own.abort(handles)
-
-    def drain(self) -> None:
-        """See ``LinkClient.drain``."""
-        self._own.drain()
 
 
 __all__ = ["D2H", "H2D", "CopyEngine", "EmulatedLink", "LinkClient", "Transfer"]

@@ -38,6 +38,7 @@ import torch
 
 from hyperoffload.hardware import Hardware
 from hyperoffload.runtime.emulated_link import D2H, H2D, EmulatedLink
+from hyperoffload.runtime.host_link import HostLink, RemoteBuffers
 
 SOURCE = Path(__file__).with_name("copy_thread.c")
 _DIRECTION = {H2D: 0, D2H: 1}
@@ -188,13 +189,13 @@ class NativeTransfer:
         return f"NativeTransfer({self.direction} {self.label}, {self.nbytes} bytes, {state})"
 
 
-class NativeClient:
+class NativeClient(RemoteBuffers):
     """One user's side of a ``NativeLink``: copies into remote buffers of its own, recorded until their bytes
     have moved (``in_flight``)."""
 
     def __init__(self, link: NativeLink) -> None:
+        super().__init__()
         self.link = link
-        self._remote: dict[tuple[int, int], torch.UntypedStorage] = {}
         self._unsettled: deque[NativeTransfer] = deque()
 
     def __getattr__(self, name: str):
@@ -237,13 +238,6 @@ class NativeClient:
         self._remote.clear()
 
     # --- the Transfers protocol: issuing copies ----------------------------------------------------
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        # One buffer per storage id and size, reused by later offloads of it (see ``LinkClient.remote_storage``).
-        buffer = self._remote.get((key, nbytes))
-        if buffer is None:
-            buffer = self._remote[(key, nbytes)] = torch.UntypedStorage(nbytes)
-        return buffer
-
     def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> NativeTransfer:
         return self._issue(D2H, label, src, dst, None)
 
@@ -256,7 +250,7 @@ class NativeClient:
         self.drain()
 
 
-class NativeLink:
+class NativeLink(HostLink):
     """Two directions of an emulated link, remote -> device (H2D) and device -> remote (D2H), moved by one native
     thread (see the module docstring). A ``Transfers`` backend without lane ops; used directly, the link is one
     ``NativeClient`` of itself, for one user at a time, and ``client()`` gives each further user its own."""
@@ -323,45 +317,9 @@ class NativeLink:
         with contextlib.suppress(Exception):
             self.close()
 
-    def __enter__(self) -> NativeLink:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # --- the Transfers protocol -----------------------------------------------------------------
-    def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        return torch.UntypedStorage(nbytes)
-
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        return self._own.remote_storage(key, nbytes, like)
-
-    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> NativeTransfer:
-        return self._own.offload(label, src, dst)
-
-    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage,
-                 after: NativeTransfer | None) -> NativeTransfer:
-        return self._own.prefetch(label, src, dst, after)
-
-    def wait(self, handle: NativeTransfer) -> None:
-        handle.wait()
-
-    def is_done(self, handle: NativeTransfer) -> bool:
-        return handle.done()
-
-    def synchronize(self, handle: NativeTransfer) -> None:
-        handle.wait()
-
-    def abort(self, handles: Sequence[NativeTransfer]) -> None:
-        self._own.abort(handles)
-
-    def drain(self) -> None:
-        self._own.drain()
-
     def in_flight(self) -> int:
+        """How many copies issued through the link itself have not moved their bytes yet."""
         return self._own.in_flight()
-
-
 
 
 HOST_LINKS = (EmulatedLink, NativeLink)

@@ -1,0 +1,74 @@
+"""What the two emulated links between pools of host memory share: ``HostLink``, the ``Transfers`` protocol
+answered through the link's own client (``EmulatedLink`` and ``NativeLink``), and ``RemoteBuffers``, each client's
+remote buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class RemoteBuffers:
+    """One remote buffer per storage id and size, reused by later offloads of that storage, in this step and the
+    next: a storage's next offload comes after the wait for its previous prefetch (``check_plan``), and an executor
+    returns copies, never these buffers. Each client of a link has its own, so executors sharing a link never write
+    each other's."""
+
+    def __init__(self) -> None:
+        self._remote: dict[tuple[int, int], torch.UntypedStorage] = {}
+
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        buffer = self._remote.get((key, nbytes))
+        if buffer is None:
+            buffer = self._remote[(key, nbytes)] = torch.UntypedStorage(nbytes)
+        return buffer
+
+
+class HostLink:
+    """A link's own ``Transfers`` methods: those of ``self._own``, the client it issues copies through when used
+    directly (for one user at a time); both tiers are host memory."""
+
+    _own: Any
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes)
+
+    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return self._own.remote_storage(key, nbytes, like)
+
+    def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Any:
+        return self._own.offload(label, src, dst)
+
+    def prefetch(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage, after: Any | None) -> Any:
+        return self._own.prefetch(label, src, dst, after)
+
+    def wait(self, handle: Any) -> None:
+        handle.wait()
+
+    def is_done(self, handle: Any) -> bool:
+        return handle.done()
+
+    def synchronize(self, handle: Any) -> None:
+        handle.wait()
+
+    def abort(self, handles: Sequence[Any]) -> None:
+        """Stop or finish ``handles`` and every other copy handed the link's own client; see its ``abort``."""
+        self._own.abort(handles)
+
+    def drain(self) -> None:
+        """See the client's ``drain``."""
+        self._own.drain()
+
+
+__all__ = ["HostLink", "RemoteBuffers"]
