@@ -7,6 +7,8 @@ the ideal clock, which is computed, not measured."""
 from __future__ import annotations
 
 import gc
+import os
+import threading
 import warnings
 
 import pytest
@@ -91,6 +93,52 @@ def test_drain_close_and_bad_parameters():
     with pytest.raises(RuntimeError, match="closed"):
         client.offload("x", torch.UntypedStorage(8), torch.UntypedStorage(8))
     link.close()  # twice is fine
+
+
+def test_clients_in_several_threads_issue_at_once():
+    with NativeLink(h2d_bw=1e12, d2h_bw=1e12) as link:
+        results: dict[int, bool] = {}
+
+        def issue(k: int) -> None:
+            client = link.client()
+            pairs = [(storage_of(torch.full((64,), float(k * 1000 + i))), torch.UntypedStorage(256))
+                     for i in range(200)]
+            handles = [client.offload("x", src, dst) if i % 2 else client.prefetch("x", src, dst, None)
+                       for i, (src, dst) in enumerate(pairs)]
+            for h in handles:
+                h.wait()
+            results[k] = all(bytes(dst) == bytes(src) for src, dst in pairs) and client.in_flight() == 0
+
+        threads = [threading.Thread(target=issue, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == {0: True, 1: True, 2: True}
+
+
+def test_a_forked_child_refuses_the_parents_link_and_the_parent_goes_on():
+    with NativeLink(h2d_bw=1e9, d2h_bw=1e9) as link:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no copy thread here; it must say so, and exit without joining one
+            try:
+                link.offload("x", torch.UntypedStorage(8), torch.UntypedStorage(8))
+                os.write(write, b"copied")
+            except RuntimeError as error:
+                os.write(write, str(error).encode())
+            finally:
+                link.close()
+                os._exit(0)
+        os.close(write)
+        said = os.read(read, 4096).decode()
+        os.waitpid(pid, 0)
+        os.close(read)
+        assert "made before the process forked" in said
+        src = storage_of(torch.arange(8.0))
+        dst = torch.UntypedStorage(src.nbytes())
+        link.offload("x", src, dst).wait()
+        assert bytes(dst) == bytes(src)
 
 
 def test_the_cache_operators_copy_on_it_and_reuse_remote_buffers_across_steps():

@@ -54,6 +54,7 @@ typedef struct {
     _Atomic int stop, sleeping;
     pthread_mutex_t lock;
     pthread_cond_t wake;
+    pthread_mutex_t submitting; /* callers in several threads issue one copy at a time */
     pthread_t thread;
 } Link;
 
@@ -146,6 +147,7 @@ void *ho_create(double h2d_bw, double d2h_bw, double h2d_latency_s, double d2h_l
     link->spin_s = spin_s;
     pthread_mutex_init(&link->lock, NULL);
     pthread_cond_init(&link->wake, NULL);
+    pthread_mutex_init(&link->submitting, NULL);
     if (pthread_create(&link->thread, NULL, run, link) != 0) {
         free(link);
         return NULL;
@@ -158,6 +160,7 @@ void *ho_create(double h2d_bw, double d2h_bw, double h2d_latency_s, double d2h_l
 int64_t ho_submit(void *handle, int d, void *dst, const void *src, size_t nbytes, int after_dir, int64_t after_seq) {
     Link *link = handle;
     Direction *dir = &link->dir[d];
+    pthread_mutex_lock(&link->submitting);
     int64_t seq = atomic_load_explicit(&dir->issued, memory_order_relaxed) + 1;
     while (seq - atomic_load_explicit(&dir->done, memory_order_acquire) > (int64_t)RING) PAUSE();
     Copy *c = &dir->ring[(uint64_t)seq % RING];
@@ -169,6 +172,7 @@ int64_t ho_submit(void *handle, int d, void *dst, const void *src, size_t nbytes
     c->issued_s = ho_now();
     c->start_s = c->end_s = 0.0;
     atomic_store(&dir->issued, seq);
+    pthread_mutex_unlock(&link->submitting);
     if (atomic_load(&link->sleeping)) {
         pthread_mutex_lock(&link->lock);
         pthread_cond_signal(&link->wake);
@@ -248,5 +252,6 @@ void ho_destroy(void *handle) {
     pthread_join(link->thread, NULL);
     pthread_mutex_destroy(&link->lock);
     pthread_cond_destroy(&link->wake);
+    pthread_mutex_destroy(&link->submitting);
     free(link);
 }

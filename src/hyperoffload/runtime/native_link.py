@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -209,7 +210,9 @@ class NativeClient(RemoteBuffers):
             raise ValueError(f"copy of {label}: source has {src.nbytes()} bytes, destination {dst.nbytes()}")
         link = self.link
         if link._handle is None:
-            raise RuntimeError("the NativeLink is closed; create a new link")
+            raise RuntimeError("the NativeLink is closed; create a new link" if not link._forked else
+                               "this NativeLink was made before the process forked, and its copy thread is not in "
+                               "this process: create a new NativeLink here")
         after_dir, after_seq = (-1, 0) if after is None else (after._dir, after._seq)
         seq = link._lib.ho_submit(link._handle, _DIRECTION[direction], dst.data_ptr(), src.data_ptr(), src.nbytes(),
                                   after_dir, after_seq)
@@ -274,7 +277,9 @@ class NativeLink(HostLink):
         if not self._handle:
             raise NativeLinkUnavailable("the native copy thread could not be started")
         self._close_lock = threading.Lock()
+        self._forked = False
         self._own = NativeClient(self)
+        _LIVE.add(self)
 
     @classmethod
     def for_hardware(cls, hardware: Hardware, **kwargs) -> NativeLink:
@@ -320,6 +325,20 @@ class NativeLink(HostLink):
     def in_flight(self) -> int:
         """How many copies issued through the link itself have not moved their bytes yet."""
         return self._own.in_flight()
+
+
+_LIVE: weakref.WeakSet[NativeLink] = weakref.WeakSet()
+"""Every open NativeLink of this process, so that a forked child (a DataLoader worker, say) can disown them: the
+child has the parent's memory but not its copy threads, and must never wait for or join one."""
+
+
+def _disown_after_fork() -> None:
+    for link in list(_LIVE):
+        link._handle, link._forked = None, True
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 HOST_LINKS = (EmulatedLink, NativeLink)
