@@ -95,6 +95,20 @@ def test_drain_close_and_bad_parameters():
     link.close()  # twice is fine
 
 
+def test_the_copy_thread_spins_only_on_a_core_the_compute_threads_leave_free(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    try:
+        torch.set_num_threads(2)
+        assert native_link.default_spin_s() == 0.0
+        with NativeLink(h2d_bw=1e9, d2h_bw=1e9) as link:
+            assert link.spin_s == 0.0
+        torch.set_num_threads(1)
+        assert native_link.default_spin_s() == native_link.SPIN_S > 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_clients_in_several_threads_issue_at_once():
     with NativeLink(h2d_bw=1e12, d2h_bw=1e12) as link:
         results: dict[int, bool] = {}

@@ -4,10 +4,11 @@ The same link as ``EmulatedLink`` (both tiers host memory; each direction a FIFO
 of ``latency + bytes / bandwidth`` per copy, a copy completing at its ideal end), with the copies moved by a
 thread written in C (``copy_thread.c``, compiled with the machine's C compiler on first use and cached) instead
 of two Python threads. That thread never takes the GIL, so a compiled step's kernels, which hold the GIL while
-they run, never wait for it and it never waits for them; it spins briefly between copies rather than sleeping,
-because waking a thread whose processor has halted costs a virtual machine tens of microseconds per copy. One
-thread moves both directions' copies, in the order they were issued, each direction keeping its own clock: the
-two directions overlap on the ideal clocks as on a duplex link, while a 2-core machine keeps a core for compute.
+they run, never wait for it and it never waits for them; where a core is free of compute threads it spins
+briefly between copies rather than sleeping, because waking a thread whose processor has halted costs a virtual
+machine tens of microseconds per copy. One thread moves both directions' copies, in the order they were issued,
+each direction keeping its own clock: the two directions overlap on the ideal clocks as on a duplex link, while a
+2-core machine keeps a core for compute.
 
 What it leaves out, against ``EmulatedLink``: lane ops (an executor runs them inline on its own thread), fault
 injection, and cancelling a queued copy (``abort`` lets queued copies finish: each is one ``memmove``).
@@ -109,6 +110,22 @@ def available() -> bool:
     except (NativeLinkUnavailable, OSError):
         return False
     return True
+
+
+SPIN_S = 2e-3
+"""How long the copy thread spins after its last copy, when a core is free for it (seconds): longer than the gaps
+between a step's copies, so that it stays awake through a step, and short enough to leave the core soon after."""
+
+
+def default_spin_s() -> float:
+    """``SPIN_S`` when PyTorch's compute threads leave a core of this process free, else 0: a spinning copy thread
+    on a core that one of them needs stalls every parallel region until the scheduler moves it (a step 5-9x slower
+    was seen on 2 cores with 2 compute threads)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return SPIN_S if torch.get_num_threads() < cores else 0.0
 
 
 class NativeTransfer:
@@ -259,15 +276,16 @@ class NativeLink(HostLink):
     ``NativeClient`` of itself, for one user at a time, and ``client()`` gives each further user its own."""
 
     def __init__(self, *, h2d_bw: float, d2h_bw: float, h2d_latency_s: float = 0.0, d2h_latency_s: float = 0.0,
-                 spin_s: float = 2e-3) -> None:
+                 spin_s: float | None = None) -> None:
         """Bandwidths in bytes/s, latencies in seconds per copy; ``spin_s``: how long the copy thread, and a
-        caller waiting for a copy, spin before they sleep (seconds)."""
+        caller waiting for a copy, spin before they sleep (seconds); None: ``default_spin_s()``."""
         for name, bw in (("h2d", h2d_bw), ("d2h", d2h_bw)):
             if not bw > 0:
                 raise ValueError(f"{name} bandwidth must be positive bytes/s, got {bw}")
         for name, latency in (("h2d", h2d_latency_s), ("d2h", d2h_latency_s)):
             if latency < 0:
                 raise ValueError(f"{name} latency must be >= 0 seconds, got {latency}")
+        spin_s = default_spin_s() if spin_s is None else spin_s
         if spin_s < 0:
             raise ValueError(f"spin_s must be >= 0 seconds, got {spin_s}")
         self._lib = library()
