@@ -20,6 +20,7 @@ from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.runtime.async_executor import run_async
 from hyperoffload.runtime.emulated_link import EmulatedLink
+from hyperoffload.runtime.native_link import NativeLink
 from hyperoffload.workloads import Llama, get_workload
 
 
@@ -74,6 +75,22 @@ def test_tiny_llama_trains_like_eager_at_half_its_peak():
     assert ValueKind.PARAMETER in kinds
     tangents = [n for n in record.backward.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
     assert tangents and not any(n.name.startswith("tangents") for n in record.forward.graph.find_nodes(op="placeholder"))
+
+
+def test_graphs_on_the_cpu_copy_asynchronously_by_default_and_synchronously_with_link_false():
+    model, batches = tiny_llama()
+    backend = hyperoffload.backend(budget="50%", hardware="h100-sxm")
+    assert backend.copies is None  # made once a graph's device is known
+    train_side_by_side(model, backend, batches, llama_loss)
+    copies = backend.copies
+    assert isinstance(copies.client.link, NativeLink) and copies.waits > 0 and copies.d2h_bytes > 0
+    torch._dynamo.reset()
+    model, batches = tiny_llama()
+    synchronous = hyperoffload.backend(budget="50%", hardware="h100-sxm", link=False)
+    train_side_by_side(model, synchronous, batches, llama_loss)
+    assert synchronous.copies is None
+    with pytest.raises(TypeError, match="False for synchronous copies"):
+        hyperoffload.backend(link="fast")
 
 
 def test_joint_plan_run_on_two_tiers_measures_the_planned_peak_and_unplanned_results(compiled_tiny_llama):

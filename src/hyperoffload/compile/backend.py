@@ -27,8 +27,8 @@ How the planned graphs run (``compiler``): ``"eager"`` runs them op by op, and t
 bit-identical to eager; ``"inductor"`` compiles them with Inductor by the route ``torch.compile(model)``
 takes, with this partition (``hyperoffload.compile.inductor``), so compute runs as fused kernels and
 the results are bit-identical to plain Inductor's with nothing offloaded. The cache operators run on
-CPU tensors (``hyperoffload.cache_ops``): synchronously, or, given ``link`` (a ``NativeLink`` or ``EmulatedLink``),
-asynchronously on its copy engines: each call of a compiled graph runs inside
+CPU tensors (``hyperoffload.cache_ops``): asynchronously on a link (by default a ``NativeLink`` of the profile's
+speed, or ``link``), or synchronously with ``link=False``: each call of a compiled graph runs inside
 ``cache_ops.copies_on(backend.copies)``, so offloads and prefetches overlap the compute and waits block
 until their copy has completed.
 """
@@ -58,7 +58,7 @@ from hyperoffload.planning import plan_checked
 from hyperoffload.plans import Kind, Plan, check_plan
 from hyperoffload.policies import get_policy
 from hyperoffload.runtime.emulated_link import EmulatedLink
-from hyperoffload.runtime.native_link import HOST_LINKS, NativeLink
+from hyperoffload.runtime.native_link import HOST_LINKS, NativeLink, host_link
 from hyperoffload.simulate import Figures, simulate
 
 COMPILERS = ("eager", "inductor")
@@ -141,8 +141,12 @@ class Backend:
     compiler: str = "eager"
     """A name in ``COMPILERS``: ``"eager"`` runs the planned graphs op by op, ``"inductor"`` compiles them."""
     copies: cache_ops.AsyncCopies | None = None
-    """Where the cache operators copy (asynchronously, on a link client's engines) while a compiled graph
-    runs; None: synchronous copies."""
+    """Where the cache operators copy (asynchronously, on a link's client) while a compiled graph runs; None:
+    synchronous copies on the compute thread, or, with ``default_link``, the default link once a graph on the CPU
+    is compiled."""
+    default_link: bool = False
+    """Whether the first graph compiled on the CPU sets ``copies`` to a client of ``host_link(hardware)`` (a
+    ``NativeLink`` of the profile's speed) when ``copies`` is None."""
     compiled: list[CompiledGraph] = field(default_factory=list)
     __name__ = "hyperoffload"  # TorchDynamo names a backend by this attribute in its messages (not a field)
 
@@ -163,6 +167,7 @@ class Backend:
 
         names = tuple(_readable_name(n) for n in gm.graph.find_nodes(op="placeholder"))
         index = len(self.compiled)
+        self._default_copies(example_inputs)
 
         def partition(joint_module, joint_inputs, *, num_fwd_outputs: int, static_lifetime_input_indices=None,
                       **kwargs):
@@ -191,6 +196,15 @@ class Backend:
                                    finish=finish, choices=lambda gm: KeepPlanOrder())
         return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, inference_compiler=inference,
                             partition_fn=partition)(gm, example_inputs)
+
+    def _default_copies(self, example_inputs: Sequence) -> None:
+        """With ``default_link``, copies on a link of the profile's speed for a graph whose tensors are all on the
+        CPU (a GPU graph's cache operators copy synchronously: the backend has no CUDA copy streams yet)."""
+        if not self.default_link or self.copies is not None:
+            return
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        if tensors and all(x.device.type == "cpu" for x in tensors):
+            self.copies = cache_ops.AsyncCopies(client=host_link(self.hardware).client(), release_waits=True)
 
     def _record_of(self, index: int) -> CompiledGraph:
         """The latest record of graph ``index`` (planned by its partition, or as an inference graph)."""
@@ -285,7 +299,7 @@ def _static_input_indices() -> list[int]:
 
 
 def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", policy: str = "hyperoffload", *,
-            compiler: str = "eager", link: NativeLink | EmulatedLink | None = None) -> Backend:
+            compiler: str = "eager", link: NativeLink | EmulatedLink | bool | None = None) -> Backend:
     """A ``torch.compile`` backend that plans offloads of each compiled step under ``budget``.
 
     ``torch.compile(model, backend=hyperoffload.backend(budget="50%", hardware="h100-sxm"))``: forward
@@ -295,7 +309,9 @@ def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", po
     peak, or ``"hideable"``; ``hardware`` a profile or its name; ``policy`` a registered policy.
     ``compiler="inductor"`` compiles the planned graphs with Inductor (loss and gradients then equal
     ``torch.compile(model)``'s); ``"eager"`` runs them op by op. ``link`` (a ``NativeLink``, or an ``EmulatedLink``): the
-    cache operators copy asynchronously on a client of it; without one they copy synchronously.
+    cache operators copy asynchronously on a client of it; by default (None) graphs on the CPU copy on a
+    ``NativeLink`` of ``hardware``'s speed; ``link=False``: every copy synchronous on the compute thread (as graphs
+    on a GPU copy for now).
     Bad values raise ``ValueError`` here (``TypeError`` for a budget that is neither an int nor text); a budget below what the policy can meet raises
     ``InfeasibleBudget`` when the graph is compiled (TorchDynamo wraps it in ``BackendCompilerFailed``).
     """
@@ -303,12 +319,12 @@ def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", po
     get_policy(policy)
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}; choose one of {', '.join(COMPILERS)}")
-    if link is not None and not isinstance(link, HOST_LINKS):
+    if link not in (None, False) and not isinstance(link, HOST_LINKS):
         raise TypeError(f"link must be a NativeLink or an EmulatedLink (hyperoffload.NativeLink.for_hardware(...)), "
-                        f"got {type(link).__name__}")
+                        f"False for synchronous copies, or None for the default; got {type(link).__name__}")
+    copies = None if link in (None, False) else cache_ops.AsyncCopies(client=link.client(), release_waits=True)
     return Backend(budget=budget, hardware=get_hardware(hardware) if isinstance(hardware, str) else hardware,
-                   policy=policy, compiler=compiler,
-                   copies=None if link is None else cache_ops.AsyncCopies(client=link.client(), release_waits=True))
+                   policy=policy, compiler=compiler, copies=copies, default_link=link is None)
 
 
 __all__ = ["COMPILERS", "Backend", "CompiledGraph", "backend", "check_budget_text"]
