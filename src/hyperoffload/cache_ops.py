@@ -104,7 +104,8 @@ class AsyncCopies:
     copy is gone when the release returns, as a plan counts it; otherwise the copy holds the storage until it is
     through, and the graph runs on meanwhile (holding more device memory than the plan counted)."""
     reading: dict[int, tuple[Any, torch.UntypedStorage]] = field(default_factory=dict)
-    """The offload reading each device storage, by the storage's address (held with it)."""
+    """The offload reading each device storage, by the storage's address, in the order they were issued; the storage
+    is held with it until the offload has completed (a GPU copy's handle does not hold its source)."""
     release_stalls: int = 0
     """How many releases found the offload of their storage still running (and, with ``release_waits``, waited)."""
 
@@ -134,6 +135,19 @@ class AsyncCopies:
         self.reading[storage.data_ptr()] = (handle, storage)
         return dst
 
+    def _reap(self) -> None:
+        """Let go of the device storages of completed offloads, oldest first (an engine completes one direction's
+        copies in order): a storage whose offload is its last use has no release, and this is where the graph's
+        other references being gone lets it be freed, within a cache operator of its copy completing, as the plan
+        counts it (the simulator frees it when the copy lands)."""
+        reading = self.reading
+        while reading:
+            key = next(iter(reading))
+            handle = reading[key][0]
+            if not handle.done() or getattr(handle, "error", None) is not None:
+                return
+            del reading[key]
+
     def prefetch(self, remote: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Start copying the remote buffer ``remote`` into a new buffer on ``device``; return it
         (``hyperoffload::prefetch``). A remote buffer whose own offload is still in flight is read once that copy
@@ -151,8 +165,9 @@ class AsyncCopies:
         return dst
 
     def _started(self, handle: Any, into: torch.UntypedStorage) -> None:
-        """Record ``handle``, the copy into ``into``; now and then, forget copies that completed and were never
-        waited for (or whose storage was never released)."""
+        """Record ``handle``, the copy into ``into``; let go of completed offloads' storages (``_reap``); now and
+        then, forget copies that completed and were never waited for."""
+        self._reap()
         if len(self.pending) + len(self.reading) > self._prune_at:
             # A failed copy stays, so that its wait raises the failure.
             for table in (self.pending, self.reading):
@@ -183,6 +198,7 @@ class AsyncCopies:
         if self.pending:  # the latest copy only: a wait must not cost the step a scan of every pending copy
             self.overlapped_waits += not next(reversed(self.pending.values()))[0].done()
         entry[0].wait()
+        self._reap()
 
 
 _LABEL = "a compiled step's storage"

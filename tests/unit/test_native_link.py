@@ -172,6 +172,22 @@ def test_the_cache_operators_copy_on_it_and_reuse_remote_buffers_across_steps():
         assert copies.waits == 6 and copies.d2h_bytes == copies.h2d_bytes == 3 * x.untyped_storage().nbytes()
 
 
+def test_a_storage_whose_offload_is_its_last_use_is_let_go_of_once_the_copy_completes():
+    """No release follows such an offload: the copy's record is what holds the storage, and the next cache operator
+    lets go of it once the copy has completed (not at some later clean-up, which made the measured peak vary)."""
+    with NativeLink(h2d_bw=1e12, d2h_bw=1e12) as link:
+        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True)
+        x, y = torch.arange(1024.0), torch.arange(8.0)
+        with cache_ops.copies_on(copies):
+            remote = torch.ops.hyperoffload.offload(x)
+            assert x.untyped_storage().data_ptr() in copies.reading
+            torch.ops.hyperoffload.wait(remote)  # completed: this wait already lets go of it
+            assert x.untyped_storage().data_ptr() not in copies.reading
+            torch.ops.hyperoffload.wait(torch.ops.hyperoffload.offload(y))
+            torch.ops.hyperoffload.offload(x)
+            assert list(copies.reading) == [x.untyped_storage().data_ptr()]  # y's went with this offload
+
+
 def test_a_host_buffer_is_handed_out_again_only_once_nothing_refers_to_it():
     pool = HostBuffers()
     first = pool.tensor(16, torch.float32)
