@@ -17,6 +17,8 @@ from torch._inductor.utils import run_and_get_code
 import hyperoffload
 from hyperoffload.capture import CaptureError
 from hyperoffload.compile.optimizers import UnsupportedOptimizer
+from hyperoffload.compile.train_step import headroom_bytes
+from hyperoffload.plans import check_plan
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.runtime.plan_executor import TransferError
@@ -163,6 +165,8 @@ def test_the_code_inductor_runs_keeps_every_cache_operator_in_order():
     assert counts == graph_counts(step.graph)
     assert counts["offload"] > 0 and counts["prefetch"] > 0
     assert "# reuse" not in codes[0]
+    # The plan leaves its headroom free under the budget (planned peak, bytes).
+    assert check_plan(step.plan).peak_bytes <= step.budget_bytes - headroom_bytes(step.budget_bytes)
 
 
 def test_a_scheduler_changes_the_learning_rate_of_every_step_without_a_new_plan():

@@ -84,6 +84,13 @@ can have more of Inductor's own excess: 18.1, then 16.8, then 16.3 MiB against 1
 excess off once each time)."""
 
 
+def headroom_bytes(budget: int) -> int:
+    """Bytes a plan leaves free under the budget (4 KiB, or 1/256 of a budget under 1 MiB): one call of a compiled
+    step was seen to hold a few hundred bytes more than its trial run, on a plan that met the budget to the byte;
+    the cause is not found yet."""
+    return min(4096, budget // 256)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepFigures:
     """What one call of a ``TrainStep`` measured (bytes, seconds)."""
@@ -380,9 +387,16 @@ class TrainStep:
             if self.offload and budget - slack < 1:
                 raise InfeasibleBudget(f"a budget of {budget - slack} bytes leaves no room",
                                        memory_profile(program).peak_bytes)
-            self._progress(f"planning {len(program.ops)} ops for {format_bytes(budget - slack)} on {self.hardware.name}"
+            room = budget - slack - headroom_bytes(budget)
+            self._progress(f"planning {len(program.ops)} ops for {format_bytes(room)} on {self.hardware.name}"
                            if self.offload else f"{len(program.ops)} ops, nothing planned (offload=False)")
-            plan = self._plan(program, budget - slack) if self.offload else plan_without_offload(program)
+            if not self.offload:
+                plan = plan_without_offload(program)
+            else:
+                try:
+                    plan = self._plan(program, room)
+                except InfeasibleBudget:  # the headroom is what makes it infeasible: the budget itself may not be
+                    plan = self._plan(program, budget - slack)
             planned.update(program=program, plan=plan, graph=lower_plan(plan), budget=budget)
             self._progress("compiling with Inductor")
             return planned["graph"]
