@@ -31,6 +31,10 @@ different random batches, all measured in this one run:
 * ``breakdown_s``: the same compiled 50% step run four more ways on copies of its inputs (``BREAKDOWN``): with
   cache operators that move nothing, with every copy synchronous on the step's thread, on a 10 TB/s ``NativeLink``
   and on an ``EmulatedLink`` (Python copy threads) of the link's speed;
+* ``in_step_issue_s``: what one cache instruction costs the step's thread inside the step (``same_plan_no_copies``
+  less ``train_step_100``, per cache instruction), and ``sim_50_in_step_issue_s`` / ``sim_error_in_step_issue``:
+  the plan simulated with that ``issue_s`` and its error against the measured step (the targets use the isolated
+  ``issue_s``, which the plan was made with);
 * the ratios ``train_step_100_s / inductor_s`` (target <= 1.05), ``train_step_50_s / inductor_s`` (<= 1.10),
   ``train_step_50_s / sim_50_s`` (``sim_error = |sim - wall| / wall`` <= 0.15), peak <= budget and diff 0.
 
@@ -47,7 +51,8 @@ is read after each model's timed rounds; wall times move with it.
                        "train_step_50_s", "sim_50_s", "exposed_50_s", "compute_50_s", "interpreter_50_s",
                        "interpreter_error", "link_bw", "copy_bw", "compute_scale", "issue_s", "measured_peak_bytes", "budget_bytes",
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
-                       "load_avg", "compile_s": {variant: s}, "breakdown_s": {variant: s}, "ratios": {name: x},
+                       "load_avg", "compile_s": {variant: s}, "breakdown_s": {variant: s}, "cache_instructions",
+                       "in_step_issue_s", "sim_50_in_step_issue_s", "sim_error_in_step_issue", "ratios": {name: x},
                        "targets": {name: bool}}}}
 
 Times in seconds, bytes in bytes, ``link_bw`` in bytes/s. Progress goes to stderr. Usage:
@@ -82,6 +87,7 @@ from hyperoffload.compile.train_step import TrainStep
 from hyperoffload.compile.whole_step import flatten_batch
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.ir import Program
+from hyperoffload.plans import Kind
 from hyperoffload.policies import get_policy
 from hyperoffload.runtime import AsyncExecutor, EmulatedLink
 from hyperoffload.runtime.native_link import NativeLink
@@ -457,7 +463,20 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     record["compute_scale"] = scale
     record["copy_bw"] = copy_bw
     record["issue_s"] = issue
+    record.update(in_step_issue(half, hardware, median))
     return record
+
+
+def in_step_issue(half: TrainStep, hardware: Hardware, median: dict[str, float]) -> dict:
+    """What one cache instruction costs the step's thread inside the 50% step: the time its graph takes with copies
+    that move nothing above the unplanned step's, per cache instruction (``in_step_issue_s``), and the plan
+    simulated with that ``issue_s`` instead of the isolated one (``sim_50_in_step_issue_s``): how far the
+    simulator's transfers are from the measured step once the calls are priced as they run."""
+    cache = sum(1 for i in half.plan.instructions if i.kind is not Kind.COMPUTE)
+    per = max(0.0, median["same_plan_no_copies"] - median["train_step_100"]) / max(cache, 1)
+    sim = simulate(half.plan, hardware.replace(issue_s=per)).figures.step_s
+    return {"cache_instructions": cache, "in_step_issue_s": per, "sim_50_in_step_issue_s": sim,
+            "sim_error_in_step_issue": abs(sim - median["train_step_50"]) / median["train_step_50"]}
 
 
 def finish_record(spec, cfg, initial, median, figures, peak, half, bw, load, compile_s, diff, state_diff,
@@ -524,6 +543,9 @@ def print_table(results: dict, cfg: BenchConfig) -> None:
               f"({format_bytes(r['unplanned_peak_bytes'])} unplanned): {verdict(targets['peak <= budget'])}")
         print(f"  max_abs_diff against offload=False {r['max_abs_diff']:g} (optimizer state "
               f"{r['max_abs_diff_state']:g}): {verdict(targets['max_abs_diff == 0'])}")
+        print(f"  a cache instruction costs the step {r['in_step_issue_s'] * 1e6:.1f} us in the step "
+              f"({r['issue_s'] * 1e6:.1f} us alone); simulated with that: {r['sim_50_in_step_issue_s'] * 1e3:.1f} ms, "
+              f"sim_error {r['sim_error_in_step_issue']:.3f}")
         print(f"  the {cfg.budget} step's plan run other ways (ms; x of train_step 100%):")
         for name, seconds in r["breakdown_s"].items():
             print(f"    {name:<24} {seconds * 1e3:8.1f}  x{seconds / r['train_step_100_s']:.2f}  {BREAKDOWN[name]}")

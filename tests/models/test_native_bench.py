@@ -53,6 +53,8 @@ def test_times_are_positive_and_the_link_hides_the_simulated_copies(quick):
     assert sorted(record["breakdown_s"]) == sorted(["same_plan_no_copies", "same_plan_sync_copies",
                                                     "same_plan_fast_link", "same_plan_python_link"])
     assert all(positive(s) for s in record["breakdown_s"].values())
+    assert record["cache_instructions"] > 0 and record["in_step_issue_s"] >= 0
+    assert positive(record["sim_50_in_step_issue_s"]) and record["sim_error_in_step_issue"] >= 0
     assert all(positive(x) for x in record["ratios"].values())
     assert all(isinstance(ok, bool) for ok in record["targets"].values())
 
