@@ -40,8 +40,8 @@ always passes the storage owner's tensor, or a flat buffer of it, so buffers hav
 
 Kernels exist for CPU tensors, where "remote memory" is simply another host allocation. They copy
 synchronously unless the caller runs the graph inside ``copies_on(copies)``: then ``offload`` and
-``prefetch`` start their copy on the copy engines of ``copies.client`` (an emulated link's
-``LinkClient``) and return the destination buffer at once, ``wait`` blocks until the copy that made
+``prefetch`` start their copy on ``copies.client`` (a client of a ``NativeLink`` or an ``EmulatedLink``) and
+return the destination buffer at once, ``wait`` blocks until the copy that made
 its argument has completed, and ``release`` drops nothing itself: the engine holds both buffers of a
 copy until it is through with them, so the device copy goes when the graph's last reference and the
 copy are both gone. The ``torch.compile`` backend installs its ``AsyncCopies`` around each call of
@@ -143,8 +143,7 @@ class AsyncCopies:
         reading = self.reading
         while reading:
             key = next(iter(reading))
-            handle = reading[key][0]
-            if not handle.done() or getattr(handle, "error", None) is not None:
+            if not _completed(reading[key][0]):
                 return
             del reading[key]
 
@@ -171,7 +170,7 @@ class AsyncCopies:
         if len(self.pending) + len(self.reading) > self._prune_at:
             # A failed copy stays, so that its wait raises the failure.
             for table in (self.pending, self.reading):
-                for key in [k for k, (h, _) in table.items() if h.done() and getattr(h, "error", None) is None]:
+                for key in [k for k, (h, _) in table.items() if _completed(h)]:
                     del table[key]
             self._prune_at = max(64, 2 * (len(self.pending) + len(self.reading)))
         self.pending[into.data_ptr()] = (handle, into)
@@ -180,7 +179,7 @@ class AsyncCopies:
         """``x``'s storage is released: with ``release_waits``, block until the offload reading it has completed
         (raising its ``TransferError`` if it failed: the remote copy the plan counts on is missing)."""
         entry = self.reading.pop(x.untyped_storage().data_ptr(), None)
-        if entry is None or entry[0].done() and getattr(entry[0], "error", None) is None:
+        if entry is None or _completed(entry[0]):
             return
         self.release_stalls += 1
         free_after = getattr(entry[0], "free_after", None)
@@ -199,6 +198,11 @@ class AsyncCopies:
             self.overlapped_waits += not next(reversed(self.pending.values()))[0].done()
         entry[0].wait()
         self._reap()
+
+
+def _completed(handle: Any) -> bool:
+    """Whether a copy has completed without failing (a failed copy's record stays, so that its wait raises)."""
+    return handle.done() and getattr(handle, "error", None) is None
 
 
 _LABEL = "a compiled step's storage"

@@ -64,13 +64,18 @@ def test_the_two_directions_overlap_on_their_own_clocks():
 
 
 def test_a_copy_keeps_its_buffers_alive_until_it_has_moved_them():
-    with NativeLink(h2d_bw=1e7, d2h_bw=1e7) as link:
+    with NativeLink(h2d_bw=1e10, d2h_bw=1e10) as link:
+        # A large copy queued first keeps the thread busy, so the small one moves its bytes after the caller has let
+        # go of its source and the allocator has handed that memory out again (filled with other values).
+        ahead = torch.UntypedStorage(64 << 20)
+        link.offload("ahead", ahead, torch.UntypedStorage(ahead.nbytes()))
         expected = torch.arange(1 << 16, dtype=torch.float32)
         remote = torch.UntypedStorage(expected.untyped_storage().nbytes())
         handle = link.offload("x", expected.clone().untyped_storage(), remote)  # the source's only reference
         gc.collect()
+        others = [torch.full_like(expected, -1.0) for _ in range(4)]
         handle.wait()
-        assert torch.equal(torch.empty(0).set_(remote), expected)
+        assert torch.equal(torch.empty(0).set_(remote), expected) and all(bool((o == -1).all()) for o in others)
 
 
 def test_drain_close_and_bad_parameters():

@@ -319,10 +319,11 @@ def backend(budget: int | str = "50%", hardware: Hardware | str = "h100-sxm", po
     get_policy(policy)
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}; choose one of {', '.join(COMPILERS)}")
-    if link not in (None, False) and not isinstance(link, HOST_LINKS):
+    synchronous = link is None or link is False
+    if not synchronous and not isinstance(link, HOST_LINKS):
         raise TypeError(f"link must be a NativeLink or an EmulatedLink (hyperoffload.NativeLink.for_hardware(...)), "
                         f"False for synchronous copies, or None for the default; got {type(link).__name__}")
-    copies = None if link in (None, False) else cache_ops.AsyncCopies(client=link.client(), release_waits=True)
+    copies = None if synchronous else cache_ops.AsyncCopies(client=link.client(), release_waits=True)
     return Backend(budget=budget, hardware=get_hardware(hardware) if isinstance(hardware, str) else hardware,
                    policy=policy, compiler=compiler, copies=copies, default_link=link is None)
 

@@ -58,7 +58,7 @@ typedef struct {
     pthread_t thread;
 } Link;
 
-double ho_now(void) {
+static double ho_now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t); /* Python's time.perf_counter on Linux */
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
@@ -181,13 +181,13 @@ int64_t ho_submit(void *handle, int d, void *dst, const void *src, size_t nbytes
     return seq;
 }
 
-int ho_moved(void *handle, int d, int64_t seq) {
+static int ho_moved(void *handle, int d, int64_t seq) {
     Link *link = handle;
     return atomic_load_explicit(&link->dir[d].done, memory_order_acquire) >= seq;
 }
 
 /* The ideal end of a moved copy (seconds on ho_now's clock); 0 once its slot has been reused. */
-double ho_end(void *handle, int d, int64_t seq) {
+static double ho_end(void *handle, int d, int64_t seq) {
     Link *link = handle;
     Direction *dir = &link->dir[d];
     if (atomic_load(&dir->issued) - seq >= (int64_t)RING) return 0.0;

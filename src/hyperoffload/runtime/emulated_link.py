@@ -54,7 +54,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from hyperoffload.hardware import Hardware
 from hyperoffload.runtime.host_link import HostLink, RemoteBuffers
 from hyperoffload.runtime.transfers import TransferError
 
@@ -375,13 +374,6 @@ class EmulatedLink(HostLink):
         self.d2h = CopyEngine(D2H, d2h_bw, d2h_latency_s, fault)
         self._clients: weakref.WeakSet[LinkClient] = weakref.WeakSet()
         self._own = LinkClient(self)
-
-    @classmethod
-    def for_hardware(cls, hardware: Hardware, **kwargs) -> EmulatedLink:
-        """A link with ``hardware``'s bandwidths and latencies (``duplex_share`` is not emulated: the two
-        engines never slow each other down beyond what the memory system does)."""
-        return cls(h2d_bw=hardware.h2d_bw, d2h_bw=hardware.d2h_bw, h2d_latency_s=hardware.h2d_latency_s,
-                   d2h_latency_s=hardware.d2h_latency_s, **kwargs)
 
     def __repr__(self) -> str:
         return (f"EmulatedLink(h2d {self.h2d.bandwidth:.3g} B/s + {self.h2d.latency_s:.3g} s, "

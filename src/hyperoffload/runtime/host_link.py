@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from hyperoffload.hardware import Hardware
+
 
 class RemoteBuffers:
     """One remote buffer per storage id and size, reused by later offloads of that storage, in this step and the
@@ -31,6 +33,13 @@ class HostLink:
     directly (for one user at a time); both tiers are host memory."""
 
     _own: Any
+
+    @classmethod
+    def for_hardware(cls, hardware: Hardware, **kwargs):
+        """A link with ``hardware``'s bandwidths and latencies (``duplex_share`` is not emulated: the two
+        directions never slow each other down beyond what the memory system does)."""
+        return cls(h2d_bw=hardware.h2d_bw, d2h_bw=hardware.d2h_bw, h2d_latency_s=hardware.h2d_latency_s,
+                   d2h_latency_s=hardware.d2h_latency_s, **kwargs)
 
     def __enter__(self):
         return self

@@ -79,16 +79,11 @@ def library() -> ctypes.CDLL:
                                             f"{done.stderr.strip()}\nuse EmulatedLink instead, or set CC")
             os.replace(built, target)  # atomic: processes building at once each install a whole file
     lib = ctypes.CDLL(str(target))
-    lib.ho_now.restype = ctypes.c_double
     lib.ho_create.restype = ctypes.c_void_p
     lib.ho_create.argtypes = [ctypes.c_double] * 5
     lib.ho_submit.restype = ctypes.c_int64
     lib.ho_submit.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                               ctypes.c_int, ctypes.c_int64]
-    lib.ho_moved.restype = ctypes.c_int
-    lib.ho_moved.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    lib.ho_end.restype = ctypes.c_double
-    lib.ho_end.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     lib.ho_poll.restype = ctypes.c_double
     lib.ho_poll.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     lib.ho_start.restype = ctypes.c_double
@@ -119,8 +114,8 @@ between a step's copies, so that it stays awake through a step, and short enough
 
 def default_spin_s() -> float:
     """``SPIN_S`` when PyTorch's compute threads leave a core of this process free, else 0: a spinning copy thread
-    on a core that one of them needs stalls every parallel region until the scheduler moves it (a step 5-9x slower
-    was seen on 2 cores with 2 compute threads)."""
+    on a core that one of them needs stalls every parallel region until the scheduler moves it, which made steps
+    several times slower."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -185,19 +180,23 @@ class NativeTransfer:
 
     def join(self) -> None:
         """Block until the bytes have moved (not until the ideal end)."""
-        if self._link._handle is None:
-            self._closed()
-        elif self._buffers is not None:
-            self._moved(self._link._lib.ho_wait(self._link._handle, self._dir, self._seq, 0, self._link.spin_s))
+        if self._buffers is not None:
+            self._block(complete=False)
 
     def wait(self) -> None:
         """Block until the copy has completed."""
-        if self._link._handle is None:
-            self._closed()
-        elif not self._done:
+        if not self._done:
             if self._buffers is not None or time.perf_counter() < self.end_s:
-                self._moved(self._link._lib.ho_wait(self._link._handle, self._dir, self._seq, 1, self._link.spin_s))
+                self._block(complete=True)
             self._done = True
+
+    def _block(self, *, complete: bool) -> None:
+        """Wait on the copy thread until the bytes have moved and, with ``complete``, the ideal end has passed."""
+        link = self._link
+        if link._handle is None:  # closed: every copy moved before the thread stopped
+            self._closed()
+        else:
+            self._moved(link._lib.ho_wait(link._handle, self._dir, self._seq, int(complete), link.spin_s))
 
     def cancel(self) -> None:
         """Nothing: a copy on this link is one ``memmove``, let finish (``abort`` waits for it)."""
@@ -298,12 +297,6 @@ class NativeLink(HostLink):
         self._forked = False
         self._own = NativeClient(self)
         _LIVE.add(self)
-
-    @classmethod
-    def for_hardware(cls, hardware: Hardware, **kwargs) -> NativeLink:
-        """A link with ``hardware``'s bandwidths and latencies (``duplex_share`` is not emulated)."""
-        return cls(h2d_bw=hardware.h2d_bw, d2h_bw=hardware.d2h_bw, h2d_latency_s=hardware.h2d_latency_s,
-                   d2h_latency_s=hardware.d2h_latency_s, **kwargs)
 
     def __repr__(self) -> str:
         return (f"NativeLink(h2d {self.h2d_bw:.3g} B/s + {self.h2d_latency_s:.3g} s, "
