@@ -35,6 +35,9 @@ different random batches, all measured in this one run:
   less ``train_step_100``, per cache instruction), and ``sim_50_in_step_issue_s`` / ``sim_error_in_step_issue``:
   the plan simulated with that ``issue_s`` and its error against the measured step (the targets use the isolated
   ``issue_s``, which the plan was made with);
+* ``page_faults``: the median minor page faults of the process during one step of each variant (new pages touched,
+  on any thread). The run first calls ``hyperoffload.keep_freed_host_memory()`` (``--default-malloc``: not), so
+  that freed buffers are handed out again rather than faulted in anew each step, for every variant alike;
 * the ratios ``train_step_100_s / inductor_s`` (target <= 1.05), ``train_step_50_s / inductor_s`` (<= 1.10),
   ``train_step_50_s / sim_50_s`` (``sim_error = |sim - wall| / wall`` <= 0.15), peak <= budget and diff 0.
 
@@ -45,14 +48,16 @@ is read after each model's timed rounds; wall times move with it.
 
 ``--json`` prints one object instead of the table::
 
-    {"config": {"steps", "warmup", "threads", "budget", "policy", "exposed", "batches", "link_bw"},
+    {"config": {"steps", "warmup", "threads", "budget", "policy", "exposed", "batches", "link_bw",
+                "keep_freed_memory"},
      "load_avg": [1-, 5-, 15-minute load average at the end],
      "models": {name: {"batch", "seq", "parameters", "eager_s", "inductor_s", "train_step_100_s",
                        "train_step_50_s", "sim_50_s", "exposed_50_s", "compute_50_s", "interpreter_50_s",
                        "interpreter_error", "link_bw", "copy_bw", "compute_scale", "issue_s", "measured_peak_bytes", "budget_bytes",
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
                        "load_avg", "compile_s": {variant: s}, "breakdown_s": {variant: s}, "cache_instructions",
-                       "in_step_issue_s", "sim_50_in_step_issue_s", "sim_error_in_step_issue", "ratios": {name: x},
+                       "in_step_issue_s", "sim_50_in_step_issue_s", "sim_error_in_step_issue",
+                       "page_faults": {variant: faults}, "ratios": {name: x},
                        "targets": {name: bool}}}}
 
 Times in seconds, bytes in bytes, ``link_bw`` in bytes/s. Progress goes to stderr. Usage:
@@ -67,6 +72,7 @@ import copy
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -81,7 +87,7 @@ import hyperoffload
 from hyperoffload import cache_ops
 from hyperoffload.budgets import parse_budget
 from hyperoffload.commands import cpu_cache_path
-from hyperoffload.compile.held_inputs import start_released_inputs_remote
+from hyperoffload.compile.held_inputs import HELD_INPUT_PASSES
 from hyperoffload.compile.optimizers import learning_rate
 from hyperoffload.compile.train_step import TrainStep
 from hyperoffload.compile.whole_step import flatten_batch
@@ -141,6 +147,9 @@ class BenchConfig:
     """Different random batches, used in turn."""
     link_bw: float | None = None
     """Link speed of the 50% step (bytes/s each way); None: the slowest that hides its copies in simulation."""
+    keep_freed_memory: bool = True
+    """Whether the run calls ``hyperoffload.keep_freed_host_memory()`` first (every variant runs in this process, so
+    all get the same malloc settings)."""
 
 
 def model_specs() -> dict[str, ModelSpec]:
@@ -183,9 +192,11 @@ def eager_loop_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -
 
 # --- the link the 50% step hides its copies on ------------------------------------------------------------------
 def plan_at(program: Program, hardware: Hardware, budget: str, policy: str):
-    """The plan ``train_step`` makes of ``program`` on ``hardware`` (the policy's, inputs released before any
-    prefetch starting remote)."""
-    return start_released_inputs_remote(get_policy(policy)(program, hardware, parse_budget(budget, program, hardware)))
+    """The plan ``train_step`` makes of ``program`` on ``hardware`` (the policy's, through ``HELD_INPUT_PASSES``)."""
+    plan = get_policy(policy)(program, hardware, parse_budget(budget, program, hardware))
+    for plan_pass in HELD_INPUT_PASSES:
+        plan = plan_pass(plan)
+    return plan
 
 
 def hiding_link_bw(program: Program, base: Hardware, cfg: BenchConfig, fastest: float) -> float:
@@ -338,9 +349,11 @@ def timed_first(make: Callable[[], object]) -> tuple[object, float]:
 
 
 def run_rounds(variants: dict[str, Callable[[object], object]], batches: list, cfg: BenchConfig,
-               order: list[int]) -> dict[str, list[float]]:
-    """Interleaved rounds: each round one step of every variant on the same batch; returns the timed walls."""
+               order: list[int]) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Interleaved rounds: each round one step of every variant on the same batch; returns the timed walls and the
+    minor page faults of the process during each timed step (new pages the step touched, on any thread)."""
     walls: dict[str, list[float]] = {name: [] for name in variants}
+    faults: dict[str, list[int]] = {name: [] for name in variants}
     gc.collect()
     gc.freeze()  # long-lived graphs and plans: the cyclic collector would rescan them during the steps
     try:
@@ -348,14 +361,16 @@ def run_rounds(variants: dict[str, Callable[[object], object]], batches: list, c
             batch = batches[k % len(batches)]
             order.append(k % len(batches))
             for name, call in variants.items():
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 call(batch)
                 wall = time.perf_counter() - start
                 if k >= cfg.warmup:
                     walls[name].append(wall)
+                    faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     finally:
         gc.unfreeze()
-    return walls
+    return walls, faults
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
@@ -431,9 +446,10 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     variants.update(breakdown)
     progress(f"{spec.name}: {cfg.warmup} + {cfg.steps} interleaved rounds of {', '.join(variants)}")
     order: list[int] = []
-    walls = run_rounds(variants, batches, cfg, order)
+    walls, faults = run_rounds(variants, batches, cfg, order)
     load = os.getloadavg()[0]
     median = {name: statistics.median(w) for name, w in walls.items()}
+    page_faults = {name: statistics.median(f) for name, f in faults.items()}
     if interpreter is not None:
         interpreter.close()
     interpreter_link.close()
@@ -463,6 +479,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     record["compute_scale"] = scale
     record["copy_bw"] = copy_bw
     record["issue_s"] = issue
+    record["page_faults"] = page_faults
     record.update(in_step_issue(half, hardware, median))
     return record
 
@@ -549,6 +566,7 @@ def print_table(results: dict, cfg: BenchConfig) -> None:
         print(f"  the {cfg.budget} step's plan run other ways (ms; x of train_step 100%):")
         for name, seconds in r["breakdown_s"].items():
             print(f"    {name:<24} {seconds * 1e3:8.1f}  x{seconds / r['train_step_100_s']:.2f}  {BREAKDOWN[name]}")
+        print("  minor page faults per step: " + ", ".join(f"{k} {v:g}" for k, v in r["page_faults"].items()))
         print("  compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in r["compile_s"].items()))
     load = results["load_avg"]
     print(f"\nload average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1, 5, 15 min)")
@@ -569,15 +587,19 @@ def main(argv=None) -> int:
                              "whose simulated step leaves at most --exposed exposed")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc settings as they are (default: keep_freed_host_memory() first)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (3 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if steps < 1 or warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     cfg = BenchConfig(steps=steps, warmup=warmup, threads=args.threads, budget=args.budget, policy=args.policy,
-                      exposed=args.exposed, link_bw=args.link)
+                      exposed=args.exposed, link_bw=args.link, keep_freed_memory=not args.default_malloc)
     names = args.models or (["tiny-llama"] if args.quick else list(model_specs()))
     torch.set_num_threads(cfg.threads)
+    if cfg.keep_freed_memory and not hyperoffload.keep_freed_host_memory():
+        progress("malloc is not glibc's: its settings are left as they are")
     progress(f"cpu-emulated profile ({cfg.threads} thread(s))")
     base = get_hardware("cpu-emulated", cpu_cache=cpu_cache_path().with_name(
         f"cpu-calibration-{cfg.threads}-threads.json"))

@@ -81,6 +81,7 @@ def main() -> int:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
 
+    hyperoffload.keep_freed_host_memory()  # on the CPU: reuse freed buffers rather than fault in new pages each step
     torch.manual_seed(0)
     model = TinyDecoder()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)

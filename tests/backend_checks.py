@@ -57,7 +57,8 @@ def assert_really_offloads(backend: Backend) -> None:
     assert record.figures.peak_bytes <= record.budget_bytes
     counts = record.cache_op_counts()
     assert counts["offload"] > 0 and counts["prefetch"] > 0 and counts["release"] > 0
-    assert counts["wait"] == counts["offload"] + counts["prefetch"]
+    # Every prefetch is waited for; an offload is not where a prefetch reads it in flight (the engines order them).
+    assert counts["prefetch"] <= counts["wait"] <= counts["offload"] + counts["prefetch"]
 
     program, plan = record.program, record.plan
     offloaded = [i.target for i in plan.instructions if i.kind is Kind.OFFLOAD]

@@ -9,8 +9,10 @@ matching operator of ``hyperoffload.cache_ops`` on the storage's tensor:
   of the whole storage.
 * ``WAIT s``     -> ``wait_offload_<s> = hyperoffload.wait(offload_<s>)`` or
   ``wait_prefetch_<s> = hyperoffload.wait(prefetch_<s>)``, whichever transfer is in flight.
-* ``PREFETCH s`` -> ``prefetch_<s> = hyperoffload.prefetch(wait_offload_<s>)`` (or of the step
-  input itself, for a storage in ``plan.initial_remote``); on a GPU, ``prefetch(..., device)`` names the device
+* ``PREFETCH s`` -> ``prefetch_<s> = hyperoffload.prefetch(wait_offload_<s>)``, or of
+  ``offload_<s>`` itself while that offload is in flight (the copy engines start the copy back once it has
+  landed; the graph does not stop for it), or of the step input itself, for a storage in
+  ``plan.initial_remote``; on a GPU, ``prefetch(..., device)`` names the device
   the storage is computed on, since remote buffers live in host memory.
 * ``RELEASE s``  -> ``hyperoffload.release(<the device tensor of s>)``.
 
@@ -137,6 +139,8 @@ class _Lowering:
     remote: dict[int, torch.fx.Node] = field(default_factory=dict)
     """Latest remote buffer of each storage (an ``offload`` node until waited, then its ``wait``)."""
     in_flight: dict[int, tuple[Kind, torch.fx.Node]] = field(default_factory=dict)
+    chained: dict[int, torch.fx.Node] = field(default_factory=dict)
+    """The offload of each storage that a prefetch read before it was waited for (the copy engine orders the two)."""
     dirty: set[int] = field(default_factory=set)
     """Input and constant storages written in a copy other than the caller's tensor."""
     dtype_views: dict[tuple[str, torch.dtype], torch.fx.Node] = field(default_factory=dict)
@@ -258,8 +262,10 @@ class _Lowering:
         elif instr.kind is Kind.WAIT:
             self._wait(s, name)
         elif instr.kind is Kind.PREFETCH:
-            if self.in_flight.get(s, (None,))[0] is Kind.OFFLOAD:  # the copy back reads the landed offload
-                self._wait(s, name)
+            # A prefetch of an offload still in flight reads its buffer unwaited: the copy engines start the copy
+            # back once the offload has landed, as the plan says, and the graph does not stop for it.
+            if self.in_flight.get(s, (None,))[0] is Kind.OFFLOAD:
+                self.chained[s] = self.in_flight.pop(s)[1]
             device = self._device_of(s)
             args = (self.remote[s],) if device == cache_ops.REMOTE_DEVICE else (self.remote[s], device)
             node = self._call(cache_ops.PREFETCH, args, f"prefetch_{name}")
@@ -303,6 +309,10 @@ class _Lowering:
         # step run on its own completes them before handing the state back.
         for s, (kind, _) in sorted(self.in_flight.items()):
             if kind is Kind.OFFLOAD:
+                self._wait(s, self._name(s))
+        for s, node in sorted(self.chained.items()):  # the step may read these remote buffers once it returns
+            if self.remote.get(s) is node and not self.ready.get(s, False):
+                self.in_flight[s] = (Kind.OFFLOAD, node)
                 self._wait(s, self._name(s))
         for s in sorted(self.dirty):
             if self.ready.get(s, False):

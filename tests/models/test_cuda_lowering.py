@@ -66,7 +66,8 @@ def test_a_gpu_plan_offloads_to_host_memory_and_prefetches_back_to_the_gpu():
         by_target.setdefault(target, set()).add(device.type)
     assert by_target.pop(cache_ops.OFFLOAD) == {"cpu"}
     assert by_target.pop(cache_ops.PREFETCH) == {"cuda"}
-    assert by_target.pop(cache_ops.WAIT) == {"cpu", "cuda"}  # offloads' buffers and prefetched copies
+    # Prefetched copies (an offload's buffer is waited for only if nothing prefetches it while it is in flight).
+    assert "cuda" in by_target.pop(cache_ops.WAIT)
     assert set().union(*by_target.values()) == {"cuda"}  # every op of the step itself runs on the GPU
     prefetches = gm.graph.find_nodes(op="call_function", target=cache_ops.PREFETCH)
     assert prefetches and all(n.args[1] == torch.device("cuda", 0) for n in prefetches)

@@ -12,6 +12,9 @@ start of the step and waited for just before its first use. The device copy then
 from the first instruction on, holding the same bytes at every instruction as the original plan
 counted, so the peak is unchanged and every release is real; the link carries one more copy of each
 such input per step.
+
+``without_current_offloads`` then drops each offload whose storage's remote copy is still current (such an input
+before its first write: the caller's tensor already holds those bytes), with its wait.
 """
 
 from __future__ import annotations
@@ -50,4 +53,36 @@ def start_released_inputs_remote(plan: Plan) -> Plan:
                                initial_remote=plan.initial_remote | frozenset(released))
 
 
-__all__ = ["start_released_inputs_remote"]
+def without_current_offloads(plan: Plan) -> Plan:
+    """``plan`` without the offloads that copy what remote memory already holds: a storage that starts the step there
+    (``Plan.initial_remote``) or was offloaded before, with no write since. A wait for a dropped offload goes too.
+    ``plan`` itself when there is none."""
+    _, _, written = op_storages(plan.program)
+    current = set(plan.initial_remote)  # storages whose remote copy holds their data
+    unwaited: set[int] = set()  # storages whose dropped offload the next wait of theirs would have waited for
+    instructions: list[Instr] = []
+    for ins in plan.instructions:
+        kind, s = ins.kind, ins.target
+        if kind is Kind.COMPUTE:
+            current.difference_update(written[s])
+        elif kind is Kind.OFFLOAD:
+            if s in current:
+                unwaited.add(s)
+                continue
+            current.add(s)
+        elif kind is Kind.PREFETCH:
+            unwaited.discard(s)  # the next wait of s is this prefetch's
+        elif kind is Kind.WAIT and s in unwaited:
+            unwaited.discard(s)
+            continue
+        instructions.append(ins)
+    if len(instructions) == len(plan.instructions):
+        return plan
+    return dataclasses.replace(plan, instructions=tuple(instructions))
+
+
+HELD_INPUT_PASSES = (start_released_inputs_remote, without_current_offloads)
+"""The passes a plan of a step on the caller's own tensors goes through, in order (``hyperoffload.plan``'s
+``passes``)."""
+
+__all__ = ["HELD_INPUT_PASSES", "start_released_inputs_remote", "without_current_offloads"]

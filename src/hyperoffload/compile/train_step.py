@@ -44,7 +44,7 @@ from hyperoffload.budgets import parse_budget
 from hyperoffload.capture.graph_to_program import CaptureError, program_from_graph
 from hyperoffload.capture.steps import _own_storages
 from hyperoffload.compile.backend import check_budget_text
-from hyperoffload.compile.held_inputs import start_released_inputs_remote
+from hyperoffload.compile.held_inputs import HELD_INPUT_PASSES
 from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned
 from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
 from hyperoffload.compile.placement import input_devices, place_inputs, step_device
@@ -425,7 +425,7 @@ class TrainStep:
 
     def _plan(self, program: Program, budget: int) -> Plan:
         return plan_checked(program, self.hardware, budget, policy=self.policy,
-                            passes=(start_released_inputs_remote,), simulate=False).plan
+                            passes=HELD_INPUT_PASSES, simulate=False).plan
 
 
 def _never_partitioned(*args, **kwargs):
