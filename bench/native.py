@@ -9,17 +9,19 @@ different random batches, all measured in this one run:
 * ``inductor_s``: the same loop with the model under plain ``torch.compile`` (Inductor), the optimizer eager;
 * ``train_step_100_s``: median call of ``train_step(..., budget="100%", measure=False)``;
 * ``train_step_50_s``: median call of ``train_step(..., budget="50%", measure=False)`` planned on the
-  ``cpu-emulated`` profile at a link speed its simulated step hides the copies at (``link_bw``: the slowest of
-  ``LINK_CANDIDATES`` whose plan leaves at most ``--exposed`` of the simulated step exposed to transfers, and no
-  faster than ``copy_bw``, the rate the host copies memory at (half the profile's ``hbm_bw``, which counts bytes
-  read and written): an emulated link cannot move bytes faster than the memory system its engine copies with), its
-  copies on a ``NativeLink`` of that profile (same bandwidth and latency), so simulator and link agree
+  ``cpu-emulated`` profile with its link at ``copy_bw`` each way (``link_bw``), the rate the host copies memory at
+  (half the profile's ``hbm_bw``, which counts bytes read and written): the fastest an emulated link can honestly
+  go, since its engine copies with that memory system; its copies on a ``NativeLink`` of that profile (same
+  bandwidth and latency), so simulator and link agree. The simulator's copy stalls at that speed
+  (``stall_copy_50_s``) say whether it hides the copies: the compute stream never waits for one when they are 0
   (``--link`` gives the speed instead). The profile's compute model is the interpreter's (one aten op at a
   time); it is scaled first so that the unplanned compiled step (``train_step_100``) simulates at its measured
   time (``compute_scale``), as the compiled kernels, not the interpreter's ops, set the pace here, and its
   ``issue_s`` is what one cache operator call costs the step's thread (``cache_op_issue_s``), which the
   simulator charges the compute stream per cache instruction and the planner weighs;
-* ``sim_50_s``: that step's simulated ``step_s`` (``step.figures``), and ``exposed_50_s`` its exposed transfer time;
+* ``sim_50_s``: that step's simulated ``step_s`` (``step.figures``), ``exposed_50_s`` the part of it that is not
+  compute (copy stalls and the cache instructions' ``issue_s``), ``stall_copy_50_s`` the compute stream's waits
+  for copies;
 * ``interpreter_50_s``: the same plan run by the project's plan interpreter (``AsyncExecutor.run``, one op at
   a time, in place on copies of the step's inputs) on an emulated link of the same speed; null, with
   ``interpreter_error`` saying why, if it cannot run;
@@ -48,11 +50,12 @@ is read after each model's timed rounds; wall times move with it.
 
 ``--json`` prints one object instead of the table::
 
-    {"config": {"steps", "warmup", "threads", "budget", "policy", "exposed", "batches", "link_bw",
+    {"config": {"steps", "warmup", "threads", "budget", "policy", "batches", "link_bw",
                 "keep_freed_memory"},
      "load_avg": [1-, 5-, 15-minute load average at the end],
      "models": {name: {"batch", "seq", "parameters", "eager_s", "inductor_s", "train_step_100_s",
-                       "train_step_50_s", "sim_50_s", "exposed_50_s", "compute_50_s", "interpreter_50_s",
+                       "train_step_50_s", "sim_50_s", "exposed_50_s", "stall_copy_50_s", "compute_50_s",
+                       "interpreter_50_s",
                        "interpreter_error", "link_bw", "copy_bw", "compute_scale", "issue_s", "measured_peak_bytes", "budget_bytes",
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
                        "load_avg", "compile_s": {variant: s}, "breakdown_s": {variant: s}, "cache_instructions",
@@ -85,24 +88,18 @@ from torch import nn
 
 import hyperoffload
 from hyperoffload import cache_ops
-from hyperoffload.budgets import parse_budget
 from hyperoffload.commands import cpu_cache_path
-from hyperoffload.compile.held_inputs import HELD_INPUT_PASSES
 from hyperoffload.compile.optimizers import learning_rate
 from hyperoffload.compile.train_step import TrainStep
 from hyperoffload.compile.whole_step import flatten_batch
 from hyperoffload.hardware import Hardware, get_hardware
-from hyperoffload.ir import Program
 from hyperoffload.plans import Kind
-from hyperoffload.policies import get_policy
 from hyperoffload.runtime import AsyncExecutor, EmulatedLink
 from hyperoffload.runtime.native_link import NativeLink
 from hyperoffload.simulate import simulate
 from hyperoffload.units import format_bandwidth, format_bytes, parse_bandwidth
 from hyperoffload.workloads import Llama, LlamaConfig, get_workload
 
-LINK_CANDIDATES = tuple(2**k * 1e9 for k in range(0, 8))
-"""Link speeds tried for the 50% step, slowest first (bytes/s each way: 1 GB/s to 128 GB/s)."""
 
 BREAKDOWN = {
     "same_plan_no_copies": "cache operators that move nothing (results wrong): the graph, the calls, their buffers",
@@ -141,8 +138,6 @@ class BenchConfig:
     """Compute threads (the rest of the cores are left to the emulated link's copy threads)."""
     budget: str = "50%"
     policy: str = "hyperoffload"
-    exposed: float = 0.01
-    """Largest fraction of the simulated step left exposed to transfers at the chosen link speed."""
     batches: int = 4
     """Different random batches, used in turn."""
     link_bw: float | None = None
@@ -190,27 +185,7 @@ def eager_loop_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -
     return loss.detach()
 
 
-# --- the link the 50% step hides its copies on ------------------------------------------------------------------
-def plan_at(program: Program, hardware: Hardware, budget: str, policy: str):
-    """The plan ``train_step`` makes of ``program`` on ``hardware`` (the policy's, through ``HELD_INPUT_PASSES``)."""
-    plan = get_policy(policy)(program, hardware, parse_budget(budget, program, hardware))
-    for plan_pass in HELD_INPUT_PASSES:
-        plan = plan_pass(plan)
-    return plan
-
-
-def hiding_link_bw(program: Program, base: Hardware, cfg: BenchConfig, fastest: float) -> float:
-    """The slowest of ``LINK_CANDIDATES`` up to ``fastest`` (bytes/s) at which the plan's simulated step has at most
-    ``cfg.exposed`` of its time exposed to transfers (``fastest``'s candidate if none does)."""
-    candidates = [bw for bw in LINK_CANDIDATES if bw <= fastest] or [LINK_CANDIDATES[0]]
-    for bw in candidates:
-        figures = simulate(plan_at(program, base.replace(h2d_bw=bw, d2h_bw=bw), cfg.budget, cfg.policy),
-                           base.replace(h2d_bw=bw, d2h_bw=bw)).figures
-        if figures.exposed_s <= cfg.exposed * figures.step_s:
-            return bw
-    return candidates[-1]
-
-
+# --- calibrating the profile to the compiled step -------------------------------------------------------------------
 def compiled_compute_scale(full: TrainStep, batches: list, base: Hardware, calls: int = 5) -> float:
     """Median measured time of the unplanned compiled step (``full``) over its simulated compute time on ``base``:
     the factor by which Inductor's fused kernels run slower (above 1) or faster (below 1) than the profile's
@@ -417,7 +392,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
              f"issue_s)")
     progress(f"{spec.name}: the compiled step computes {1 / scale:.2f}x as fast as the profile's per-op model; "
              f"planning on the profile scaled to it")
-    bw = cfg.link_bw if cfg.link_bw is not None else hiding_link_bw(full.program, base, cfg, copy_bw)
+    bw = cfg.link_bw if cfg.link_bw is not None else copy_bw
     hardware = base.replace(h2d_bw=bw, d2h_bw=bw)
     progress(f"{spec.name}: train_step at {cfg.budget}, link {format_bandwidth(bw)} each way")
     half, compile_s["train_step_50"] = timed_first(lambda: hyperoffload.train_step(
@@ -502,7 +477,8 @@ def finish_record(spec, cfg, initial, median, figures, peak, half, bw, load, com
         "batch": spec.batch, "seq": spec.seq, "parameters": sum(p.numel() for p in initial.parameters()),
         "eager_s": median["eager"], "inductor_s": median["inductor"],
         "train_step_100_s": median["train_step_100"], "train_step_50_s": median["train_step_50"],
-        "sim_50_s": figures.step_s, "exposed_50_s": figures.exposed_s, "compute_50_s": figures.compute_s,
+        "sim_50_s": figures.step_s, "exposed_50_s": figures.exposed_s,
+        "stall_copy_50_s": figures.stall_copy_s, "compute_50_s": figures.compute_s,
         "interpreter_50_s": median.get("interpreter_50"), "interpreter_error": interpreter_error,
         "link_bw": bw, "measured_peak_bytes": peak.peak_bytes, "budget_bytes": half.budget_bytes,
         "unplanned_peak_bytes": half.unplanned_peak_bytes, "h2d_bytes": peak.h2d_bytes, "d2h_bytes": peak.d2h_bytes,
@@ -534,7 +510,8 @@ def print_table(results: dict, cfg: BenchConfig) -> None:
     for name, r in results["models"].items():
         ratios, targets = r["ratios"], r["targets"]
         print(f"\n{name}: {r['parameters']:,} parameters, batch {r['batch']} x {r['seq']} tokens; link "
-              f"{format_bandwidth(r['link_bw'])} each way (simulated exposed {r['exposed_50_s'] * 1e3:.2f} ms); "
+              f"{format_bandwidth(r['link_bw'])} each way (simulated copy stalls {r['stall_copy_50_s'] * 1e3:.2f} ms, "
+              f"exposed {r['exposed_50_s'] * 1e3:.2f} ms); "
               f"load average {r['load_avg']:.2f}")
         interp = ("-" if r["interpreter_50_s"] is None else f"{r['interpreter_50_s'] * 1e3:8.1f}")
         rows = [
@@ -580,11 +557,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 2, 1 with --quick)")
     parser.add_argument("--budget", default="50%")
     parser.add_argument("--policy", default="hyperoffload")
-    parser.add_argument("--exposed", type=float, default=0.01,
-                        help="largest fraction of the simulated step exposed to transfers at the chosen link speed")
     parser.add_argument("--link", type=parse_bandwidth, default=None,
-                        help="link speed of the 50%% step each way (e.g. 8GB/s); default: the slowest of 1-128 GB/s "
-                             "whose simulated step leaves at most --exposed exposed")
+                        help="link speed of the 50%% step each way (e.g. 8GB/s); default: the rate the host copies "
+                             "memory at (copy_bw)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--default-malloc", action="store_true",
@@ -595,7 +570,7 @@ def main(argv=None) -> int:
     if steps < 1 or warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     cfg = BenchConfig(steps=steps, warmup=warmup, threads=args.threads, budget=args.budget, policy=args.policy,
-                      exposed=args.exposed, link_bw=args.link, keep_freed_memory=not args.default_malloc)
+                      link_bw=args.link, keep_freed_memory=not args.default_malloc)
     names = args.models or (["tiny-llama"] if args.quick else list(model_specs()))
     torch.set_num_threads(cfg.threads)
     if cfg.keep_freed_memory and not hyperoffload.keep_freed_host_memory():

@@ -19,7 +19,8 @@ SCRIPT = ROOT / "bench" / "native.py"
 
 TIMES = ("eager_s", "inductor_s", "train_step_100_s", "train_step_50_s", "sim_50_s")
 KEYS = (*TIMES, "interpreter_50_s", "interpreter_error", "measured_peak_bytes", "budget_bytes", "max_abs_diff",
-        "load_avg", "link_bw", "exposed_50_s", "compile_s", "breakdown_s", "ratios", "targets")
+        "load_avg", "link_bw", "exposed_50_s", "stall_copy_50_s", "compile_s", "breakdown_s", "page_faults", "ratios",
+        "targets")
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +50,8 @@ def test_times_are_positive_and_the_link_hides_the_simulated_copies(quick):
     record = quick["models"]["tiny-llama"]
     assert all(positive(record[key]) for key in TIMES), {key: record[key] for key in TIMES}
     assert positive(record["link_bw"]) and 0 <= record["exposed_50_s"] <= record["sim_50_s"]
+    assert 0 <= record["stall_copy_50_s"] <= record["exposed_50_s"]
+    assert all(isinstance(n, (int, float)) and n >= 0 for n in record["page_faults"].values())
     assert all(positive(s) for s in record["compile_s"].values())
     assert sorted(record["breakdown_s"]) == sorted(["same_plan_no_copies", "same_plan_sync_copies",
                                                     "same_plan_fast_link", "same_plan_python_link"])

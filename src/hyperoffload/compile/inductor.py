@@ -48,20 +48,28 @@ PLANNED_GRAPH_CONFIG = {
 """``torch._inductor.config`` settings every planned graph is compiled with (see the module docstring)."""
 
 class KeepPlanOrder(InductorChoices):
-    """Inductor's fusion heuristics, except that two nodes with a cache operator between them in the graph's order
-    are never fused.
+    """Inductor's fusion heuristics, except that two nodes with a ``wait`` or a ``release`` between them in the
+    graph's order are never fused.
 
     Inductor fuses nodes that are far apart when they read the same buffer or are independent and alike (a
     parameter's weight decay with the forward's read of it; every Adam step counter of the model, in one kernel
     at the start). A fused kernel runs where its first node was, so it computes values long before the plan does
-    and holds them across the transfers and releases that were to make room: the plan's memory schedule would not
-    hold. Between two cache operators, nodes fuse as Inductor decides."""
+    and holds them across the releases that were to make room: the plan's memory schedule would not hold. A wait
+    is a barrier too: a write of a storage whose offload the plan waits for first must not move above that wait
+    (the copy reads the storage until then, and nothing in the graph's data says so). Offloads and prefetches are
+    not barriers: a node moved across one changes neither what the copy reads or writes (a node that overwrites
+    what an offload reads comes after it, as Inductor orders a mutation after the earlier reads of its buffer; a
+    prefetched copy is read only through its wait) nor what the step holds between two releases. Every cache
+    operator stays where the plan put it: Inductor's reordering passes are off (``PLANNED_GRAPH_CONFIG``)."""
+
+    BARRIERS = frozenset({"wait", "release"})
+    """The cache operators (by ``torch.ops.hyperoffload`` name) that no fusion crosses."""
 
     @staticmethod
     def uuid() -> str:
         """What Inductor's caches key compiled code on (``config.inductor_choices_class``): code fused by other
         rules is never handed back for a planned graph."""
-        return hashlib.sha256(b"hyperoffload KeepPlanOrder/1").hexdigest()
+        return hashlib.sha256(b"hyperoffload KeepPlanOrder/2 wait release").hexdigest()
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,10 +87,14 @@ class KeepPlanOrder(InductorChoices):
 
 
 def _cache_op_positions(scheduler) -> list[int]:
-    """The positions (``min_order``) of the cache operators among the scheduler's nodes, ascending."""
-    return sorted(n.min_order for n in scheduler.nodes
-                  if getattr(getattr(n, "node", None), "op_overload", None) is not None
-                  and n.node.op_overload.namespace == cache_ops.NAMESPACE)
+    """The positions (``min_order``) of the barrier cache operators (``KeepPlanOrder.BARRIERS``) among the
+    scheduler's nodes, ascending."""
+    positions = []
+    for n in scheduler.nodes:
+        op = getattr(getattr(n, "node", None), "op_overload", None)
+        if op is not None and op.namespace == cache_ops.NAMESPACE and op._opname in KeepPlanOrder.BARRIERS:
+            positions.append(n.min_order)
+    return sorted(positions)
 
 
 Partition = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
