@@ -88,10 +88,11 @@ def _root(node: torch.fx.Node) -> torch.fx.Node:
 
 # --- what Inductor runs ---------------------------------------------------------------------------
 
-_CALL = re.compile(r"^(?:(\w+) = )?torch\.ops\.hyperoffload\.(offload|prefetch|wait|release)\.(?:default|live)"
-                   r"\((\w+)(?:, \[.*\])?\)$")
-"""A cache operator's call in Inductor's wrapper code: ``buf2 = torch.ops.hyperoffload.wait.default(buf1)``, or a
-release naming the values computed before it, ``torch.ops.hyperoffload.release.live(buf3, [buf5, buf7])``."""
+_CALL = re.compile(r"^(?:(\w+) = )?torch\.ops\.hyperoffload\.(offload|prefetch|wait|release)\.(default|live|into)"
+                   r"\((\w+)(?:, \[.*\]|, (\w+))?\)$")
+"""A cache operator's call in Inductor's wrapper code: ``buf2 = torch.ops.hyperoffload.wait.default(buf1)``, a
+release naming the values computed before it, ``torch.ops.hyperoffload.release.live(buf3, [buf5, buf7])``, or an
+offload into a given remote buffer, ``torch.ops.hyperoffload.offload.into(buf4, arg0_1)``."""
 _ALIAS = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)\b")
 
 
@@ -140,11 +141,13 @@ def check_cache_op_order(code: str) -> dict[str, int]:
     for i, text in enumerate(body):
         call = _CALL.match(text)
         if call:
-            out, op, arg = call.groups()
-            calls.append((i, op, arg))
+            out, op, overload, arg, into = call.groups()
+            if overload == "into":  # its transfer's result is the remote buffer it writes
+                op, out = "offload_into", into
+            calls.append((i, op, arg if op != "offload_into" else into))
             if op == "wait":
                 aliases.join(out, arg)
-            elif op in ("offload", "prefetch"):
+            elif op in ("offload", "prefetch", "offload_into"):
                 transfer_of[out] = i
             continue
         alias = _ALIAS.match(text)
@@ -161,12 +164,14 @@ def check_cache_op_order(code: str) -> dict[str, int]:
 
     for i, op, arg in calls:
         if op == "wait":
-            early = [j for j in readers(arg) if j < i]
+            root = aliases.find(arg)  # a buffer an ``offload.into`` writes is read before it too (it existed)
+            since = max((t for n, t in transfer_of.items() if aliases.find(n) == root and t < i), default=-1)
+            early = [j for j in readers(arg) if since < j < i]
             assert not early, f"{body[early[0]]!r} reads the result of a transfer before {body[i]!r}"
         elif op == "release":
             late = [j for j in readers(arg) if j > i]
             assert not late, f"{body[late[0]]!r} reads a storage after {body[i]!r}"
-    counts = {op: 0 for op in ("offload", "prefetch", "wait", "release")}
+    counts = {op: 0 for op in ("offload", "prefetch", "wait", "release", "offload_into")}
     for _, op, _ in calls:
         counts[op] += 1
     return counts
@@ -179,7 +184,7 @@ def _is_alias(text: str) -> bool:
 
 def graph_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     kinds = {cache_ops.OFFLOAD: "offload", cache_ops.PREFETCH: "prefetch", cache_ops.WAIT: "wait",
-             cache_ops.RELEASE: "release"}
+             cache_ops.RELEASE: "release", cache_ops.OFFLOAD_INTO: "offload_into"}
     counts = {op: 0 for op in kinds.values()}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in kinds:

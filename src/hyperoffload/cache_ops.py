@@ -135,6 +135,18 @@ class AsyncCopies:
         self.reading[storage.data_ptr()] = (handle, storage)
         return dst
 
+    def offload_into(self, x: torch.Tensor, remote: torch.Tensor) -> None:
+        """Start copying ``x``'s whole storage into ``remote``'s, a remote buffer of the same size
+        (``hyperoffload::offload.into``)."""
+        storage, into = x.untyped_storage(), remote.untyped_storage()
+        if storage.nbytes() != into.nbytes():
+            raise ValueError(f"offload.into: the device storage has {storage.nbytes()} bytes, the remote buffer "
+                             f"{into.nbytes()}")
+        handle = self.client.offload(_LABEL, storage, into)
+        self.d2h_bytes += storage.nbytes()
+        self._started(handle, into)
+        self.reading[storage.data_ptr()] = (handle, storage)
+
     def _reap(self) -> None:
         """Let go of the device storages of completed offloads, oldest first (an engine completes one direction's
         copies in order): a storage whose offload is its last use has no release, and this is where the graph's
@@ -271,6 +283,34 @@ def _offload_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((_storage_elements(x),), dtype=x.dtype, device=REMOTE_DEVICE)
 
 
+# ``offload.into``: the same copy into a remote buffer the caller already has (a step's state, whose caller's tensor
+# is its home in remote memory): what would otherwise be an offload into a new buffer and a copy from it.
+torch.library.define(f"{NAMESPACE}::offload.into", "(Tensor x, Tensor(a!) remote) -> ()")
+
+
+def offload_into(x: torch.Tensor, remote: torch.Tensor) -> None:
+    """Copy the whole storage of ``x`` into the whole storage of ``remote``, a tensor in remote memory whose storage
+    has the same size (it is written, whatever part of it ``remote`` views). Call ``wait(remote)`` before reading
+    ``remote``, or handing it back to its owner."""
+    copies = _ACTIVE.get()
+    if copies is not None:
+        copies.offload_into(x, remote)
+        return
+    if x.untyped_storage().nbytes() != remote.untyped_storage().nbytes():
+        raise ValueError(f"offload.into: the device storage has {x.untyped_storage().nbytes()} bytes, the remote "
+                         f"buffer {remote.untyped_storage().nbytes()}")
+    remote.untyped_storage().copy_(x.untyped_storage())
+
+
+for _key in ("CPU", "CUDA"):
+    torch.library.impl(f"{NAMESPACE}::offload.into", _key)(offload_into)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::offload.into")
+def _offload_into_fake(x: torch.Tensor, remote: torch.Tensor) -> None:
+    return None
+
+
 torch.library.define(f"{NAMESPACE}::prefetch", "(Tensor remote, Device? device=None) -> Tensor")
 
 
@@ -358,7 +398,8 @@ def release_live(x: torch.Tensor, live: list[torch.Tensor]) -> None:
     _released(x)
 
 
-for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.prefetch.default,
+for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.offload.into,
+            torch.ops.hyperoffload.prefetch.default,
             torch.ops.hyperoffload.wait.default, torch.ops.hyperoffload.release.default,
             torch.ops.hyperoffload.release.live):
     # Transfers and frees are the point of the schedule even when nothing reads their result.
@@ -366,11 +407,12 @@ for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.prefe
 del _op
 
 OFFLOAD = torch.ops.hyperoffload.offload.default
+OFFLOAD_INTO = torch.ops.hyperoffload.offload.into
 PREFETCH = torch.ops.hyperoffload.prefetch.default
 WAIT = torch.ops.hyperoffload.wait.default
 RELEASE = torch.ops.hyperoffload.release.default
 RELEASE_LIVE = torch.ops.hyperoffload.release.live
 
-__all__ = ["AsyncCopies", "copies_on", "FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OP_RULES", "LANE_OPS", "NAMESPACE", "OFFLOAD", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE", "RELEASE_LIVE",
+__all__ = ["AsyncCopies", "copies_on", "FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OP_RULES", "LANE_OPS", "NAMESPACE", "OFFLOAD", "OFFLOAD_INTO", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE", "RELEASE_LIVE",
            "STORE_ROWS", "WAIT", "fetch_blocks_pooled", "offload", "prefetch", "prefetch_blocks", "release",
-           "store_rows", "wait", "fetch_missing_blocks"]
+           "store_rows", "wait", "fetch_missing_blocks", "offload_into"]

@@ -49,14 +49,14 @@ import torch
 import torch.fx
 
 from hyperoffload import cache_ops
-from hyperoffload.plans import Instr, Kind, Plan, check_plan
+from hyperoffload.plans import Instr, Kind, Plan, check_plan, op_storages
 
 
 class LoweringError(ValueError):
     """A plan cannot be lowered onto its program's graph; the message says why."""
 
 
-def lower_plan(plan: Plan) -> torch.fx.GraphModule:
+def lower_plan(plan: Plan, *, send_home: bool = False) -> torch.fx.GraphModule:
     """A new GraphModule running ``plan``: its compute ops in plan order, with the cache operators.
 
     Called like the captured graph, with the step's inputs in ``program.inputs`` order, it returns
@@ -65,12 +65,16 @@ def lower_plan(plan: Plan) -> torch.fx.GraphModule:
     size): its views are rebuilt on the transferred copy from the captured fake tensors
     (``hyperoffload.compile.layouts`` sees to it for compiled graphs). The plan is checked with
     ``check_plan`` first (``PlanError`` if it breaks a rule); the program must carry its fx graph.
+
+    ``send_home``: an input that starts the step in remote memory and is updated on the device goes back to the
+    caller's tensor on the copy engines (``offload.into``), issued right after its last write and waited for at the
+    end of the step, rather than copied there by the graph's own thread at the end.
     """
     program = plan.program
     if program.graph is None:
         raise LoweringError(f"program {program.name} has no fx graph to lower onto; build it with a capture function")
     check_plan(plan)
-    lowering = _Lowering.start(plan)
+    lowering = _Lowering.start(plan, send_home=send_home)
     for index, instr in enumerate(plan.instructions):
         lowering.emit(index, instr)
     lowering.finish()
@@ -145,9 +149,13 @@ class _Lowering:
     """Input and constant storages written in a copy other than the caller's tensor."""
     dtype_views: dict[tuple[str, torch.dtype], torch.fx.Node] = field(default_factory=dict)
     name_uses: dict[str, int] = field(default_factory=dict)
+    home_after: dict[int, int] = field(default_factory=dict)
+    """Storages sent back to the caller's tensor on the copy engines (``send_home``): the instruction after which
+    each is (its last write; nothing of the plan transfers it later)."""
+    sent_home: set[int] = field(default_factory=set)
 
     @classmethod
-    def start(cls, plan: Plan) -> _Lowering:
+    def start(cls, plan: Plan, *, send_home: bool = False) -> _Lowering:
         program = plan.program
         source: torch.fx.Graph = program.graph.graph
         graph = torch.fx.Graph()
@@ -161,7 +169,8 @@ class _Lowering:
         owner_node: dict[int, str] = {}
         for name, vid in program.node_values.items():
             owner_node.setdefault(vid, name)
-        self = cls(plan=plan, graph=graph, nodes=nodes, getitems=getitems, owner_node=owner_node)
+        self = cls(plan=plan, graph=graph, nodes=nodes, getitems=getitems, owner_node=owner_node,
+                   home_after=_sent_home_after(plan) if send_home else {})
         remote_at_start = plan.initial_remote
         for n in source.nodes:
             if n.op not in ("placeholder", "get_attr"):
@@ -253,6 +262,8 @@ class _Lowering:
     def emit(self, index: int, instr: Instr) -> None:
         if instr.kind is Kind.COMPUTE:
             self._compute(instr.target)
+            for s in [s for s, after in self.home_after.items() if after == index]:
+                self._send_home(s)
             return
         s, name = instr.target, self._name(instr.target)
         if instr.kind is Kind.OFFLOAD:
@@ -293,6 +304,14 @@ class _Lowering:
             if s in self.home and self.generation.get(s, 0):
                 self.dirty.add(s)
 
+    def _send_home(self, s: int) -> None:
+        """Start copying storage ``s``'s device copy back into the caller's tensor (its last write was just emitted)."""
+        if not self.generation.get(s, 0) or s not in self.dirty:
+            return  # the device copy is the caller's tensor, or it holds what the caller's tensor does
+        self._call(cache_ops.OFFLOAD_INTO, (self.device_base[s], self.home[s]), f"send_home_{self._name(s)}")
+        self.sent_home.add(s)
+        self.dirty.discard(s)
+
     def _wait(self, s: int, name: str) -> None:
         kind, transfer = self.in_flight.pop(s)
         node = self._call(cache_ops.WAIT, (transfer,), f"wait_{kind.value}_{name}")
@@ -314,6 +333,9 @@ class _Lowering:
             if self.remote.get(s) is node and not self.ready.get(s, False):
                 self.in_flight[s] = (Kind.OFFLOAD, node)
                 self._wait(s, self._name(s))
+        for s in sorted(self.sent_home):  # the caller's tensors hold the step's result before it returns
+            waited = self._call(cache_ops.WAIT, (self.home[s],), f"wait_home_{self._name(s)}")
+            self._rebase_on_home(s, waited)
         for s in sorted(self.dirty):
             if self.ready.get(s, False):
                 latest = self.device_base[s]
@@ -322,15 +344,20 @@ class _Lowering:
             else:
                 raise LoweringError(f"{self.plan.program.values[s].name} is updated in place but ends the step "
                                     f"with a transfer still in flight; wait for it before the step ends")
-            flat = self._call(torch.ops.aten.as_strided.default, (self.home[s], [self._elements(s)], [1], 0),
-                              f"flat_{self._name(s)}")
+            flat = self._rebase_on_home(s, self.home[s])
             self._call(torch.ops.aten.copy_.default, (flat, latest), f"copy_back_{self._name(s)}")
-            # Outputs aliasing this input are views of the caller's tensor again, as unplanned.
-            self.generation[s] += 1
-            self.device_base[s] = flat
-            self.ready[s] = True
         output = next(n for n in self.plan.program.graph.graph.nodes if n.op == "output")
         self.graph.node_copy(output, self._read_output)
+
+    def _rebase_on_home(self, s: int, home: torch.fx.Node) -> torch.fx.Node:
+        """Make ``home`` (the caller's tensor of storage ``s``, or an alias of it) the storage's current copy, as a
+        flat buffer, so that outputs aliasing the input are views of the caller's tensor again, as unplanned."""
+        flat = self._call(torch.ops.aten.as_strided.default, (home, [self._elements(s)], [1], 0),
+                          f"flat_{self._name(s)}")
+        self.generation[s] += 1
+        self.device_base[s] = flat
+        self.ready[s] = True
+        return flat
 
     def _remote_valid(self, s: int) -> bool:
         """Whether ``remote[s]`` holds ``s``'s data: it exists and no offload into it is still in flight."""
@@ -344,6 +371,24 @@ class _Lowering:
             return self._view_of(original, self.remote[s], s)
         raise LoweringError(f"the step returns {original.name}, whose storage {self.plan.program.values[s].name} "
                             f"ends the step neither on the device nor in remote memory")
+
+
+def _sent_home_after(plan: Plan) -> dict[int, int]:
+    """For each storage that starts the step in remote memory (the caller's tensor is its home) and is written, the
+    instruction of its last write, where no cache instruction of the plan touches it afterwards (``send_home``)."""
+    _, _, written = op_storages(plan.program)
+    program = plan.program
+    last_write: dict[int, int] = {}
+    last_transfer: dict[int, int] = {}
+    for i, ins in enumerate(plan.instructions):
+        if ins.kind is Kind.COMPUTE:
+            for s in written[ins.target]:
+                if s in plan.initial_remote:
+                    last_write[s] = i
+        else:
+            last_transfer[ins.target] = i
+    whole = {s for s in last_write if program.values[s].alloc_bytes % _dtype(program.values[s].dtype).itemsize == 0}
+    return {s: i for s, i in last_write.items() if s in whole and last_transfer.get(s, -1) < i}
 
 
 __all__ = ["LoweringError", "lower_plan", "plan_code"]

@@ -111,7 +111,7 @@ def test_order_check_catches_a_release_before_a_reader_and_a_read_before_the_wai
         torch.ops.hyperoffload.release.default(buf3)
         return (buf4, )
 """
-    assert check_cache_op_order(good) == {"offload": 0, "prefetch": 1, "wait": 1, "release": 1}
+    assert check_cache_op_order(good) == {"offload": 0, "prefetch": 1, "wait": 1, "release": 1, "offload_into": 0}
     read_early = good.replace("        extern_kernels.mm(x, reinterpret_tensor(buf3", "        cpp_fused(buf1)\n"
                               "        extern_kernels.mm(x, reinterpret_tensor(buf3")
     read_early = read_early.replace("        buf2 = torch.ops.hyperoffload.wait", "        cpp_fused(buf1)\n"
@@ -122,6 +122,17 @@ def test_order_check_catches_a_release_before_a_reader_and_a_read_before_the_wai
         "        extern_kernels.mm", "        torch.ops.hyperoffload.release.default(buf3)\n        extern_kernels.mm")
     with pytest.raises(AssertionError, match="after"):
         check_cache_op_order(released_early)
+    # The caller's tensor ``w`` is read (prefetched) before an ``offload.into`` writes it back, and not again
+    # before the wait for that copy.
+    sent_home = good.replace("        torch.ops.hyperoffload.release.default(buf3)\n",
+                             "        torch.ops.hyperoffload.offload.into(buf3, w)\n"
+                             "        torch.ops.hyperoffload.release.default(buf3)\n"
+                             "        buf5 = torch.ops.hyperoffload.wait.default(w)\n")
+    assert check_cache_op_order(sent_home) == {"offload": 0, "prefetch": 1, "wait": 2, "release": 1,
+                                               "offload_into": 1}
+    with pytest.raises(AssertionError, match="before"):
+        check_cache_op_order(sent_home.replace("        buf5 = torch.ops", "        cpp_fused(w)\n        buf5 = "
+                                                                            "torch.ops"))
 
 
 def test_a_release_names_the_values_computed_from_its_storage_and_read_after_it():

@@ -13,7 +13,7 @@ from hyperoffload.capture import program_from_graph
 from hyperoffload.ir import ValueKind
 from hyperoffload.lower import LoweringError, lower_plan, plan_code
 from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
-from hyperoffload.runtime import run_reference
+from hyperoffload.runtime import EmulatedLink, run_reference
 from hyperoffload.workloads import capture_workload, get_workload
 
 from helpers import random_valid_order
@@ -104,13 +104,14 @@ def idle_gaps(program, order):
     return {s: max((b - a, a, b) for a, b in zip(u, u[1:])) for s, u in uses.items() if len(u) > 1}
 
 
-def run_both(plan, inputs):
-    """Run ``plan`` lowered and the program's reference executor on separate clones of ``inputs``."""
+def run_both(plan, inputs, **lowering):
+    """Run ``plan`` lowered (with ``lowering``'s options) and the program's reference executor on separate clones of
+    ``inputs``."""
     reference_inputs = [t.clone() for t in inputs]
     lowered_inputs = [t.clone() for t in inputs]
     reference = run_reference(plan.program, reference_inputs)
     with torch.no_grad():
-        result = lower_plan(plan)(*lowered_inputs)
+        result = lower_plan(plan, **lowering)(*lowered_inputs)
     outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
     return reference.outputs, outputs, reference_inputs, lowered_inputs
 
@@ -287,6 +288,30 @@ def test_synthetic_plan_with_views_dtype_aliases_and_remote_outputs(synthetic):
     assert "copy_back_w_1" not in nodes  # w is read, never written, after its prefetch
     returned = list(gm.graph.nodes)[-1].args[0]
     assert returned[1].args[0].name.startswith("wait_offload_relu")
+
+
+def test_state_updated_on_the_device_goes_home_on_the_copy_engines(synthetic):
+    """With ``send_home``, the in-place update of ``state`` (which starts remote) goes back into the caller's tensor
+    by ``offload.into`` right after its last write, waited for at the end, instead of a copy at the end."""
+    program, inputs = synthetic
+    plan = synthetic_plan(program)
+    expected, got, reference_inputs, lowered_inputs = run_both(plan, inputs, send_home=True)
+    assert_identical(expected, got, ["out", "y"])
+    assert_identical(reference_inputs, lowered_inputs, ["w", "x", "state"])
+    link = EmulatedLink(h2d_bw=1e9, d2h_bw=1e9)
+    copies = cache_ops.AsyncCopies(client=link.client())
+    async_inputs = [t.clone() for t in inputs]
+    try:
+        with cache_ops.copies_on(copies), torch.no_grad():
+            lower_plan(plan, send_home=True)(*async_inputs)
+    finally:
+        link.close()
+    assert_identical(reference_inputs, async_inputs, ["w", "x", "state"])  # landed before the step returned
+
+    order = [n.name for n in lower_plan(plan, send_home=True).graph.nodes]
+    assert "copy_back_state_1" not in order and "copy_back_state_1" in [n.name for n in lower_plan(plan).graph.nodes]
+    assert order.index("send_home_state_1") == order.index("add_") + 1
+    assert order.index("wait_home_state_1") > order.index("add_3")
 
 
 def test_lowered_graph_traces_with_fake_tensors(synthetic):

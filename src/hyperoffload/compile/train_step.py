@@ -397,7 +397,7 @@ class TrainStep:
                     plan = self._plan(program, room)
                 except InfeasibleBudget:  # the headroom is what makes it infeasible: the budget itself may not be
                     plan = self._plan(program, budget - slack)
-            planned.update(program=program, plan=plan, graph=lower_plan(plan), budget=budget)
+            planned.update(program=program, plan=plan, graph=lower_plan(plan, send_home=True), budget=budget)
             self._progress("compiling with Inductor")
             return planned["graph"]
 
