@@ -69,32 +69,54 @@ class KeepPlanOrder(InductorChoices):
     def uuid() -> str:
         """What Inductor's caches key compiled code on (``config.inductor_choices_class``): code fused by other
         rules is never handed back for a planned graph."""
-        return hashlib.sha256(b"hyperoffload KeepPlanOrder/2 wait release").hexdigest()
+        return hashlib.sha256(b"hyperoffload KeepPlanOrder/3 wait release-holding-more").hexdigest()
 
     def __init__(self) -> None:
         super().__init__()
         self._positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        """The positions of the cache operators among each scheduler's nodes (``_cache_op_positions``)."""
+        """The positions of the barriers among each scheduler's nodes (``_barrier_positions``)."""
 
     def can_fuse(self, scheduler, node1, node2, shared_data_score: int) -> bool:
         positions = self._positions.get(scheduler)
         if positions is None:  # the cache operators are never fused, so their positions stay
-            positions = self._positions[scheduler] = _cache_op_positions(scheduler)
+            positions = self._positions[scheduler] = _barrier_positions(scheduler)
+        waits, releases = positions
         low, high = min(node1.min_order, node2.min_order), max(node1.max_order, node2.max_order)
-        if bisect.bisect_right(positions, low) < bisect.bisect_left(positions, high):
+        if bisect.bisect_right(waits, low) < bisect.bisect_left(waits, high):
+            return False
+        first = bisect.bisect_right(releases, low)
+        if first < len(releases) and releases[first] < high and not _holds_nothing_more(node1, node2, releases[first]):
             return False
         return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
 
 
-def _cache_op_positions(scheduler) -> list[int]:
-    """The positions (``min_order``) of the barrier cache operators (``KeepPlanOrder.BARRIERS``) among the
-    scheduler's nodes, ascending."""
-    positions = []
+def _holds_nothing_more(node1, node2, release: int) -> bool:
+    """Whether fusing ``node1`` and ``node2`` across the release at position ``release`` allocates nothing before it
+    that the unfused nodes allocated after it: every node of theirs placed after the release (the fused kernel
+    runs it before) writes only buffers that exist already (in place) or that only the fused kernel reads (which
+    Inductor then never allocates)."""
+    nodes = (*node1.get_nodes(), *node2.get_nodes())
+    fused = {n.get_name() for n in nodes}
+    for n in nodes:
+        if n.min_order < release:
+            continue
+        for buf in n.get_outputs():
+            if buf.get_mutations() or buf.get_aliases():
+                continue
+            if not all(not use.is_weak and getattr(use.node, "get_name", None) is not None
+                       and use.node.get_name() in fused for use in buf.users):
+                return False
+    return True
+
+
+def _barrier_positions(scheduler) -> tuple[list[int], list[int]]:
+    """The positions (``min_order``) of the waits and of the releases among the scheduler's nodes, ascending."""
+    waits, releases = [], []
     for n in scheduler.nodes:
         op = getattr(getattr(n, "node", None), "op_overload", None)
         if op is not None and op.namespace == cache_ops.NAMESPACE and op._opname in KeepPlanOrder.BARRIERS:
-            positions.append(n.min_order)
-    return sorted(positions)
+            (waits if op._opname == "wait" else releases).append(n.min_order)
+    return sorted(waits), sorted(releases)
 
 
 Partition = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]

@@ -44,6 +44,7 @@ from hyperoffload.budgets import parse_budget
 from hyperoffload.capture.graph_to_program import CaptureError, program_from_graph
 from hyperoffload.capture.steps import _own_storages
 from hyperoffload.compile.backend import check_budget_text
+from hyperoffload.compile.gathered_waits import gathered_waits
 from hyperoffload.compile.held_inputs import HELD_INPUT_PASSES
 from hyperoffload.compile.inductor import PLANNED_GRAPH_CONFIG, KeepPlanOrder, compile_planned
 from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule_for
@@ -425,7 +426,7 @@ class TrainStep:
 
     def _plan(self, program: Program, budget: int) -> Plan:
         return plan_checked(program, self.hardware, budget, policy=self.policy,
-                            passes=HELD_INPUT_PASSES, simulate=False).plan
+                            passes=(*HELD_INPUT_PASSES, gathered_waits), simulate=False).plan
 
 
 def _never_partitioned(*args, **kwargs):
