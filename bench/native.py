@@ -9,11 +9,12 @@ different random batches, all measured in this one run:
 * ``inductor_s``: the same loop with the model under plain ``torch.compile`` (Inductor), the optimizer eager;
 * ``train_step_100_s``: median call of ``train_step(..., budget="100%", measure=False)``;
 * ``train_step_50_s``: median call of ``train_step(..., budget="50%", measure=False)`` planned on the
-  ``cpu-emulated`` profile with its link at ``copy_bw`` each way (``link_bw``), the rate the host copies memory at
-  (half the profile's ``hbm_bw``, which counts bytes read and written): the fastest an emulated link can honestly
-  go, since its engine copies with that memory system; its copies on a ``NativeLink`` of that profile (same
-  bandwidth and latency), so simulator and link agree. The simulator's copy stalls at that speed
-  (``stall_copy_50_s``) say whether it hides the copies: the compute stream never waits for one when they are 0
+  ``cpu-emulated`` profile with its link at half of ``copy_bw`` each way (``link_bw``), where ``copy_bw`` is the
+  rate the host copies memory at (half the profile's ``hbm_bw``, which counts bytes read and written): the copies
+  of both directions move on the one thread of a ``NativeLink``, so that is the fastest duplex link it keeps the
+  timing of when both directions are busy; its copies on a ``NativeLink`` of that profile (same bandwidth and
+  latency), so simulator and link agree. The simulator's copy stalls at that speed (``stall_copy_50_s``) say
+  whether it hides the copies: the compute stream never waits for one when they are 0
   (``--link`` gives the speed instead). The profile's compute model is the interpreter's (one aten op at a
   time); it is scaled first so that the unplanned compiled step (``train_step_100``) simulates at its measured
   time (``compute_scale``), as the compiled kernels, not the interpreter's ops, set the pace here, and its
@@ -37,6 +38,8 @@ different random batches, all measured in this one run:
   less ``train_step_100``, per cache instruction), and ``sim_50_in_step_issue_s`` / ``sim_error_in_step_issue``:
   the plan simulated with that ``issue_s`` and its error against the measured step (the targets use the isolated
   ``issue_s``, which the plan was made with);
+* ``blocked_50_s``: seconds per call the 50% step's thread spent blocked in ``wait`` (``waits``) and in
+  ``release`` waiting for the offload still reading the storage (``releases``), over the timed and warm-up rounds;
 * ``page_faults``: the median minor page faults of the process during one step of each variant (new pages touched,
   on any thread). The run first calls ``hyperoffload.keep_freed_host_memory()`` (``--default-malloc``: not), so
   that freed buffers are handed out again rather than faulted in anew each step, for every variant alike;
@@ -60,7 +63,8 @@ is read after each model's timed rounds; wall times move with it.
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
                        "load_avg", "compile_s": {variant: s}, "breakdown_s": {variant: s}, "cache_instructions",
                        "in_step_issue_s", "sim_50_in_step_issue_s", "sim_error_in_step_issue",
-                       "page_faults": {variant: faults}, "ratios": {name: x},
+                       "page_faults": {variant: faults}, "blocked_50_s": {"waits", "releases"},
+                       "ratios": {name: x},
                        "targets": {name: bool}}}}
 
 Times in seconds, bytes in bytes, ``link_bw`` in bytes/s. Progress goes to stderr. Usage:
@@ -392,7 +396,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
              f"issue_s)")
     progress(f"{spec.name}: the compiled step computes {1 / scale:.2f}x as fast as the profile's per-op model; "
              f"planning on the profile scaled to it")
-    bw = cfg.link_bw if cfg.link_bw is not None else copy_bw
+    bw = cfg.link_bw if cfg.link_bw is not None else copy_bw / 2  # both directions share the one copy thread
     hardware = base.replace(h2d_bw=bw, d2h_bw=bw)
     progress(f"{spec.name}: train_step at {cfg.budget}, link {format_bandwidth(bw)} each way")
     half, compile_s["train_step_50"] = timed_first(lambda: hyperoffload.train_step(
@@ -421,7 +425,11 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     variants.update(breakdown)
     progress(f"{spec.name}: {cfg.warmup} + {cfg.steps} interleaved rounds of {', '.join(variants)}")
     order: list[int] = []
+    blocked_before = (half.copies.wait_s, half.copies.release_wait_s)
     walls, faults = run_rounds(variants, batches, cfg, order)
+    calls = cfg.warmup + cfg.steps
+    blocked = {"waits": (half.copies.wait_s - blocked_before[0]) / calls,
+               "releases": (half.copies.release_wait_s - blocked_before[1]) / calls}
     load = os.getloadavg()[0]
     median = {name: statistics.median(w) for name, w in walls.items()}
     page_faults = {name: statistics.median(f) for name, f in faults.items()}
@@ -455,6 +463,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     record["copy_bw"] = copy_bw
     record["issue_s"] = issue
     record["page_faults"] = page_faults
+    record["blocked_50_s"] = blocked
     record.update(in_step_issue(half, hardware, median))
     return record
 
@@ -543,6 +552,8 @@ def print_table(results: dict, cfg: BenchConfig) -> None:
         print(f"  the {cfg.budget} step's plan run other ways (ms; x of train_step 100%):")
         for name, seconds in r["breakdown_s"].items():
             print(f"    {name:<24} {seconds * 1e3:8.1f}  x{seconds / r['train_step_100_s']:.2f}  {BREAKDOWN[name]}")
+        print(f"  the {cfg.budget} step's thread blocked per call: {r['blocked_50_s']['waits'] * 1e3:.2f} ms in waits, "
+              f"{r['blocked_50_s']['releases'] * 1e3:.2f} ms in releases (for offloads still running)")
         print("  minor page faults per step: " + ", ".join(f"{k} {v:g}" for k, v in r["page_faults"].items()))
         print("  compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in r["compile_s"].items()))
     load = results["load_avg"]
@@ -559,7 +570,7 @@ def main(argv=None) -> int:
     parser.add_argument("--policy", default="hyperoffload")
     parser.add_argument("--link", type=parse_bandwidth, default=None,
                         help="link speed of the 50%% step each way (e.g. 8GB/s); default: the rate the host copies "
-                             "memory at (copy_bw)")
+                             "memory at, shared by both directions (copy_bw / 2)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--default-malloc", action="store_true",

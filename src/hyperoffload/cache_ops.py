@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,10 @@ class AsyncCopies:
     is held with it until the offload has completed (a GPU copy's handle does not hold its source)."""
     release_stalls: int = 0
     """How many releases found the offload of their storage still running (and, with ``release_waits``, waited)."""
+    release_wait_s: float = 0.0
+    """Seconds the graph's thread spent blocked in releases, waiting for offloads to complete (``release_waits``)."""
+    wait_s: float = 0.0
+    """Seconds the graph's thread spent blocked in ``wait``, for copies not completed yet."""
 
     remote_buffers: HostBuffers = field(default_factory=HostBuffers)
     """Where the offloads of a step on the CPU get their remote buffers: reused across steps, so that a copy does
@@ -198,7 +203,9 @@ class AsyncCopies:
         if free_after is not None:  # a GPU copy: its source's memory is handed out again only after it
             free_after()
         elif self.release_waits:
+            start = time.perf_counter()
             entry[0].wait()
+            self.release_wait_s += time.perf_counter() - start
 
     def wait_for(self, x: torch.Tensor) -> None:
         """Block until the copy into ``x``'s storage has completed (nothing to do if none is pending)."""
@@ -208,7 +215,9 @@ class AsyncCopies:
         self.waits += 1
         if self.pending:  # the latest copy only: a wait must not cost the step a scan of every pending copy
             self.overlapped_waits += not next(reversed(self.pending.values()))[0].done()
+        start = time.perf_counter()
         entry[0].wait()
+        self.wait_s += time.perf_counter() - start
         self._reap()
 
 

@@ -52,6 +52,8 @@ def test_times_are_positive_and_the_link_hides_the_simulated_copies(quick):
     assert positive(record["link_bw"]) and 0 <= record["exposed_50_s"] <= record["sim_50_s"]
     assert 0 <= record["stall_copy_50_s"] <= record["exposed_50_s"]
     assert all(isinstance(n, (int, float)) and n >= 0 for n in record["page_faults"].values())
+    assert sorted(record["blocked_50_s"]) == ["releases", "waits"]
+    assert all(0 <= s < record["train_step_50_s"] for s in record["blocked_50_s"].values())
     assert all(positive(s) for s in record["compile_s"].values())
     assert sorted(record["breakdown_s"]) == sorted(["same_plan_no_copies", "same_plan_sync_copies",
                                                     "same_plan_fast_link", "same_plan_python_link"])
