@@ -475,7 +475,7 @@ def in_step_issue(half: TrainStep, hardware: Hardware, median: dict[str, float])
     simulator's transfers are from the measured step once the calls are priced as they run."""
     cache = sum(1 for i in half.plan.instructions if i.kind is not Kind.COMPUTE)
     per = max(0.0, median["same_plan_no_copies"] - median["train_step_100"]) / max(cache, 1)
-    sim = simulate(half.plan, hardware.replace(issue_s=per)).figures.step_s
+    sim = simulate(half.plan, hardware.replace(issue_s=per), release_waits=True).figures.step_s
     return {"cache_instructions": cache, "in_step_issue_s": per, "sim_50_in_step_issue_s": sim,
             "sim_error_in_step_issue": abs(sim - median["train_step_50"]) / median["train_step_50"]}
 

@@ -218,8 +218,12 @@ def plan_traffic(plan: Plan) -> tuple[int, int]:
     return lane_h2d + copied_h2d, lane_d2h + copied_d2h
 
 
-def simulate(plan: Plan, hardware: Hardware | str) -> Timeline:
+def simulate(plan: Plan, hardware: Hardware | str, *, release_waits: bool = False) -> Timeline:
     """Simulate ``plan`` on ``hardware`` (a profile or its name); raise ``PlanError`` if the plan is invalid.
+
+    ``release_waits``: a release of a storage whose offload is still in flight stops the compute stream until that
+    offload has landed, as the cache operators' runtime on the CPU does (``AsyncCopies(release_waits=True)``, which
+    ``train_step`` uses there); by default a release lets compute run on and its bytes come back when the copy lands.
 
     A plan that keeps storages in remote memory between steps (they start the step there and are
     sent back by its end, and every other input ends where it started) is simulated for two
@@ -229,13 +233,13 @@ def simulate(plan: Plan, hardware: Hardware | str) -> Timeline:
     """
     hardware = as_hardware(hardware)
     if not _keeps_state_remote(plan):
-        return _simulate(plan, hardware)
+        return _simulate(plan, hardware, release_waits=release_waits)
     from hyperoffload.repeat import repeat_plan
 
     single = plan
     doubled, starts = repeat_plan(plan, 2)
     try:
-        timeline = _simulate(doubled, hardware, per_step=single)
+        timeline = _simulate(doubled, hardware, per_step=single, release_waits=release_waits)
     except PlanError:
         check_plan(plan)  # report the error against the plan as given, where it can be found
         raise
@@ -283,14 +287,14 @@ def _stuck(program, instrs, hardware: Hardware, t: float, nxt: float, running: i
                      f"finite (the profile's own checks refuse them; was it changed after it was made?)")
 
 
-def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None) -> Timeline:
+def _simulate(plan: Plan, hardware: Hardware, per_step: Plan | None = None, *, release_waits: bool = False) -> Timeline:
     """Simulate ``plan``; figures that count one step's work (compute, bytes) come from ``per_step``.
 
     The steps: check the plan; work out what each instruction waits for, allocates and frees (``_Facts``, one
     method per instruction kind); run the event loop (``_run_events``); refuse a plan that leaves instructions
     unrun (a deadlock); measure what the figures are worked out from."""
     check = check_plan(plan)
-    facts = _Facts(plan, hardware, check)
+    facts = _Facts(plan, hardware, check, release_waits=release_waits)
     run = _run_events(plan, hardware, facts, check.initial_bytes)
     memory = run.memory
     _refuse_unfinished(plan, run.finish, memory[-1][1])
@@ -327,11 +331,13 @@ class _Facts:
                  "after", "wait_for", "on_lane", "copy_bytes", "queues", "compute_stream", "has_lanes", "op_instr",
                  "deps", "lane_deps", "frees_after", "deferred_frees", "last_writer", "last_offload", "readers_since",
                  "pending_transfer", "last_transfer", "allocating", "blocked_releases", "outstanding", "freed_bytes",
-                 "release_bytes", "is_wait")
+                 "release_bytes", "is_wait", "release_waits", "waiting_releases")
 
-    def __init__(self, plan: Plan, hardware: Hardware, check) -> None:
+    def __init__(self, plan: Plan, hardware: Hardware, check, *, release_waits: bool = False) -> None:
         program, instrs = plan.program, plan.instructions
         self.program, self.hardware, self.values = program, hardware, program.values
+        self.release_waits = release_waits
+        self.waiting_releases: list[int] = []  # releases the compute stream stops at (``release_waits``)
         self.cost = op_times(program, hardware)
         self.n = n = len(instrs)
         self.budget = plan.budget_bytes
@@ -368,6 +374,8 @@ class _Facts:
         self.allocating = [i for i in range(n) if alloc[i] > 0]
         self._count_frees()
         self.is_wait = [kind is Kind.WAIT for kind, _ in instrs]
+        for i in self.waiting_releases:
+            self.is_wait[i] = True
 
     def _count_frees(self) -> None:
         """Who holds back each deferred free, the bytes each instruction frees once it finishes and each deferred
@@ -439,6 +447,11 @@ class _Facts:
         copy lands."""
         needs = [self.readers_since.get(s, -1), self.last_transfer.get(s, -1)]
         self.deferred_frees[i] = (s, [x for x in dict.fromkeys(needs) if x >= 0])
+        offload = self.pending_transfer.get(s, -1)  # an offload: a release never comes while a prefetch is in flight
+        if self.release_waits and offload >= 0:
+            self.wait_for[i] = offload  # the compute stream stops here until the offload has landed
+            self.waiting_releases.append(i)
+            self.compute_stream.append(i)
 
 
 def _issue_delays(instrs, issue_s: float) -> list[float]:

@@ -88,6 +88,20 @@ def test_offload_and_prefetch_half_hidden():
     assert f.stall_copy_s == pytest.approx(1.0) and f.stalls == 2
 
 
+def test_a_release_that_waits_stops_compute_until_its_offload_lands():
+    # The runtime on the CPU: the release right after the offload (1.0 -> 1.5) holds op 1 back to 1.5, so op 1
+    # runs 1.5..2.5, the prefetch 2.5 -> 3.0 under op 2 (2.5..3.5), op 3 3.5..4.5: half a second later than a release
+    # that lets compute run on.
+    plan = round_trip_plan(activation_round_trip(GB // 2))
+    f = simulate(plan, hardware(), release_waits=True).figures
+    assert f.step_s == pytest.approx(4.5)
+    assert f.stall_copy_s == pytest.approx(0.5) and f.stalls == 1
+    assert simulate(plan, hardware()).figures.step_s == pytest.approx(4.0)
+    waited = plan_of(plan.program, [(C, 0), (O, 1), (C, 1), (W, 1), (R, 1), (P, 1), (C, 2), (W, 1), (C, 3)])
+    assert simulate(waited, hardware(), release_waits=True).figures.step_s == pytest.approx(
+        simulate(waited, hardware()).figures.step_s)  # landed by its release: nothing to stop for
+
+
 def test_both_lanes_busy_share_bandwidth():
     """Prefetch of w (2 GB) from t=0 and offload of a (0.5 GB) from t=1, duplex share 0.5:
     w moves 1 GB alone by t=1; both then run at 0.5 GB/s; a lands at t=2 with 0.5 GB of w left,

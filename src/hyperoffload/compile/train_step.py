@@ -189,8 +189,10 @@ class TrainStep:
 
     @property
     def figures(self) -> Figures:
-        """The plan simulated on the hardware profile (seconds, bytes)."""
-        return simulate(self.plan, self.hardware).figures
+        """The plan simulated on the hardware profile (seconds, bytes), with releases that stop the step until their
+        offload has landed where its copies' runtime does so (on the CPU)."""
+        return simulate(self.plan, self.hardware, release_waits=self.copies.release_waits and self.link is not None
+                        ).figures
 
     @property
     def budget_bytes(self) -> int:
