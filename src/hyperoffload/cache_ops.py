@@ -11,6 +11,7 @@ operator                                MindSpore                   plan instruc
 ``hyperoffload::prefetch(remote)``      ``UpdateToDevice``          ``PREFETCH``: remote -> device copy
 ``hyperoffload::wait(x)``               stream/event sync           ``WAIT``: a transfer has finished
 ``hyperoffload::release(x)``            ``Free``                    ``RELEASE``: drop the device copy
+``hyperoffload::offload.into(x, r)``    ``UpdateToRemote``          none: state sent home (``lower_plan``)
 ``hyperoffload::prefetch_blocks``       indexed ``UpdateToDevice``  none: chosen at run time (NSA)
 ``hyperoffload::fetch_blocks_pooled``   the same, via a block pool  none: chosen at run time (NSA)
 ``hyperoffload::fetch_missing_blocks``  the same, after a guess     none: chosen at run time (NSA)
