@@ -145,7 +145,7 @@ class BenchConfig:
     batches: int = 4
     """Different random batches, used in turn."""
     link_bw: float | None = None
-    """Link speed of the 50% step (bytes/s each way); None: the slowest that hides its copies in simulation."""
+    """Link speed of the 50% step (bytes/s each way); None: half the host's copy rate (``copy_bw / 2``)."""
     keep_freed_memory: bool = True
     """Whether the run calls ``hyperoffload.keep_freed_host_memory()`` first (every variant runs in this process, so
     all get the same malloc settings)."""
@@ -311,7 +311,7 @@ class SamePlan:
 
 
 def breakdown_variants(half: TrainStep, hardware: Hardware, example) -> tuple[dict[str, SamePlan], list]:
-    """The 50% step's plan run five more ways (``BREAKDOWN``); returns them and the links to close afterwards."""
+    """The 50% step's plan run four more ways (``BREAKDOWN``); returns them and the links to close afterwards."""
     links = [NativeLink(h2d_bw=1e13, d2h_bw=1e13), EmulatedLink.for_hardware(hardware)]
     variants = {"same_plan_no_copies": SamePlan(half, NullCopies(), example),
                 "same_plan_sync_copies": SamePlan(half, None, example),

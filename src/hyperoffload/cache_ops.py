@@ -125,7 +125,7 @@ class AsyncCopies:
 
     def offload(self, x: torch.Tensor) -> torch.Tensor:
         """Start copying ``x``'s whole storage into a new remote buffer; return the buffer (``hyperoffload::offload``).
-        Called once per transfer inside compiled graphs, so it is written flat."""
+        Called once per transfer inside compiled graphs."""
         storage = x.untyped_storage()
         nbytes, itemsize = storage.nbytes(), x.element_size()
         if nbytes % itemsize:
@@ -134,20 +134,12 @@ class AsyncCopies:
             dst = self.remote_buffers.tensor(nbytes // itemsize, x.dtype)
         else:  # page-locked, from PyTorch's caching host allocator, so that the copy is asynchronous DMA
             dst = torch.empty((nbytes // itemsize,), dtype=x.dtype, device=REMOTE_DEVICE, pin_memory=True)
-        into = dst.untyped_storage()
-        handle = self.client.offload(_LABEL, storage, into)
-        self.d2h_bytes += nbytes
-        self._started(handle, into)
-        self.reading[storage.data_ptr()] = (handle, storage)
+        self.offload_into(storage, dst.untyped_storage())
         return dst
 
-    def offload_into(self, x: torch.Tensor, remote: torch.Tensor) -> None:
-        """Start copying ``x``'s whole storage into ``remote``'s, a remote buffer of the same size
-        (``hyperoffload::offload.into``)."""
-        storage, into = x.untyped_storage(), remote.untyped_storage()
-        if storage.nbytes() != into.nbytes():
-            raise ValueError(f"offload.into: the device storage has {storage.nbytes()} bytes, the remote buffer "
-                             f"{into.nbytes()}")
+    def offload_into(self, storage: torch.UntypedStorage, into: torch.UntypedStorage) -> None:
+        """Start copying the device storage ``storage`` into ``into``, a remote storage of the same size
+        (``hyperoffload::offload.into``, and ``offload`` once it has its buffer)."""
         handle = self.client.offload(_LABEL, storage, into)
         self.d2h_bytes += storage.nbytes()
         self._started(handle, into)
@@ -302,14 +294,15 @@ def offload_into(x: torch.Tensor, remote: torch.Tensor) -> None:
     """Copy the whole storage of ``x`` into the whole storage of ``remote``, a tensor in remote memory whose storage
     has the same size (it is written, whatever part of it ``remote`` views). Call ``wait(remote)`` before reading
     ``remote``, or handing it back to its owner."""
+    storage, into = x.untyped_storage(), remote.untyped_storage()
+    if storage.nbytes() != into.nbytes():
+        raise ValueError(f"offload.into: the device storage has {storage.nbytes()} bytes, the remote buffer "
+                         f"{into.nbytes()}")
     copies = _ACTIVE.get()
-    if copies is not None:
-        copies.offload_into(x, remote)
-        return
-    if x.untyped_storage().nbytes() != remote.untyped_storage().nbytes():
-        raise ValueError(f"offload.into: the device storage has {x.untyped_storage().nbytes()} bytes, the remote "
-                         f"buffer {remote.untyped_storage().nbytes()}")
-    remote.untyped_storage().copy_(x.untyped_storage())
+    if copies is None:
+        into.copy_(storage)
+    else:
+        copies.offload_into(storage, into)
 
 
 for _key in ("CPU", "CUDA"):

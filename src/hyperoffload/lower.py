@@ -149,9 +149,9 @@ class _Lowering:
     """Input and constant storages written in a copy other than the caller's tensor."""
     dtype_views: dict[tuple[str, torch.dtype], torch.fx.Node] = field(default_factory=dict)
     name_uses: dict[str, int] = field(default_factory=dict)
-    home_after: dict[int, int] = field(default_factory=dict)
-    """Storages sent back to the caller's tensor on the copy engines (``send_home``): the instruction after which
-    each is (its last write; nothing of the plan transfers it later)."""
+    home_after: dict[int, list[int]] = field(default_factory=dict)
+    """Storages sent back to the caller's tensor on the copy engines (``send_home``), by the instruction after which
+    they are (their last write; nothing of the plan transfers them later)."""
     sent_home: set[int] = field(default_factory=set)
 
     @classmethod
@@ -262,7 +262,7 @@ class _Lowering:
     def emit(self, index: int, instr: Instr) -> None:
         if instr.kind is Kind.COMPUTE:
             self._compute(instr.target)
-            for s in [s for s, after in self.home_after.items() if after == index]:
+            for s in self.home_after.get(index, ()):
                 self._send_home(s)
             return
         s, name = instr.target, self._name(instr.target)
@@ -306,7 +306,7 @@ class _Lowering:
 
     def _send_home(self, s: int) -> None:
         """Start copying storage ``s``'s device copy back into the caller's tensor (its last write was just emitted)."""
-        if not self.generation.get(s, 0) or s not in self.dirty:
+        if s not in self.dirty:
             return  # the device copy is the caller's tensor, or it holds what the caller's tensor does
         self._call(cache_ops.OFFLOAD_INTO, (self.device_base[s], self.home[s]), f"send_home_{self._name(s)}")
         self.sent_home.add(s)
@@ -373,9 +373,9 @@ class _Lowering:
                             f"ends the step neither on the device nor in remote memory")
 
 
-def _sent_home_after(plan: Plan) -> dict[int, int]:
-    """For each storage that starts the step in remote memory (the caller's tensor is its home) and is written, the
-    instruction of its last write, where no cache instruction of the plan touches it afterwards (``send_home``)."""
+def _sent_home_after(plan: Plan) -> dict[int, list[int]]:
+    """The storages that start the step in remote memory (the caller's tensor is their home) and are written, by the
+    instruction of their last write, where no cache instruction of the plan touches them afterwards (``send_home``)."""
     _, _, written = op_storages(plan.program)
     program = plan.program
     last_write: dict[int, int] = {}
@@ -388,7 +388,11 @@ def _sent_home_after(plan: Plan) -> dict[int, int]:
         else:
             last_transfer[ins.target] = i
     whole = {s for s in last_write if program.values[s].alloc_bytes % _dtype(program.values[s].dtype).itemsize == 0}
-    return {s: i for s, i in last_write.items() if s in whole and last_transfer.get(s, -1) < i}
+    after: dict[int, list[int]] = {}
+    for s, i in last_write.items():
+        if s in whole and last_transfer.get(s, -1) < i:
+            after.setdefault(i, []).append(s)
+    return after
 
 
 __all__ = ["LoweringError", "lower_plan", "plan_code"]

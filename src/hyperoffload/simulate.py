@@ -331,13 +331,12 @@ class _Facts:
                  "after", "wait_for", "on_lane", "copy_bytes", "queues", "compute_stream", "has_lanes", "op_instr",
                  "deps", "lane_deps", "frees_after", "deferred_frees", "last_writer", "last_offload", "readers_since",
                  "pending_transfer", "last_transfer", "allocating", "blocked_releases", "outstanding", "freed_bytes",
-                 "release_bytes", "is_wait", "release_waits", "waiting_releases")
+                 "release_bytes", "is_wait", "release_waits")
 
     def __init__(self, plan: Plan, hardware: Hardware, check, *, release_waits: bool = False) -> None:
         program, instrs = plan.program, plan.instructions
         self.program, self.hardware, self.values = program, hardware, program.values
         self.release_waits = release_waits
-        self.waiting_releases: list[int] = []  # releases the compute stream stops at (``release_waits``)
         self.cost = op_times(program, hardware)
         self.n = n = len(instrs)
         self.budget = plan.budget_bytes
@@ -345,7 +344,7 @@ class _Facts:
         op_alloc, self.op_reads, self.op_writes = _op_facts(program)
         self.alloc = alloc = alloc_bytes(program, instrs, op_alloc)
         self.after = [-1] * n  # a copy's data dependency (instruction that must finish first)
-        self.wait_for = [-1] * n  # a WAIT's transfer
+        self.wait_for = [-1] * n  # the transfer a WAIT (or, with ``release_waits``, a release) stops the stream for
         self.on_lane = [False] * n  # copies: prefetches, offloads and lane ops
         self.copy_bytes = [0] * n
         self.queues = ([], [])  # the instructions of the copy lanes H2D and D2H, in plan order
@@ -373,9 +372,9 @@ class _Facts:
             handle[kind](i, target)
         self.allocating = [i for i in range(n) if alloc[i] > 0]
         self._count_frees()
-        self.is_wait = [kind is Kind.WAIT for kind, _ in instrs]
-        for i in self.waiting_releases:
-            self.is_wait[i] = True
+        # WAITs, and with ``release_waits`` the releases of storages whose offload is in flight: both have a transfer
+        # the compute stream stops at.
+        self.is_wait = [transfer >= 0 for transfer in self.wait_for]
 
     def _count_frees(self) -> None:
         """Who holds back each deferred free, the bytes each instruction frees once it finishes and each deferred
@@ -450,7 +449,6 @@ class _Facts:
         offload = self.pending_transfer.get(s, -1)  # an offload: a release never comes while a prefetch is in flight
         if self.release_waits and offload >= 0:
             self.wait_for[i] = offload  # the compute stream stops here until the offload has landed
-            self.waiting_releases.append(i)
             self.compute_stream.append(i)
 
 

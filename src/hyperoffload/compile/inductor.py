@@ -48,8 +48,9 @@ PLANNED_GRAPH_CONFIG = {
 """``torch._inductor.config`` settings every planned graph is compiled with (see the module docstring)."""
 
 class KeepPlanOrder(InductorChoices):
-    """Inductor's fusion heuristics, except that two nodes with a ``wait`` or a ``release`` between them in the
-    graph's order are never fused.
+    """Inductor's fusion heuristics, except that two nodes with a ``wait`` between them in the graph's order are never
+    fused, nor two with a ``release`` between them unless the fused kernel allocates nothing more before the
+    release than the unfused nodes did (``_holds_nothing_more``).
 
     Inductor fuses nodes that are far apart when they read the same buffer or are independent and alike (a
     parameter's weight decay with the forward's read of it; every Adam step counter of the model, in one kernel
@@ -63,7 +64,7 @@ class KeepPlanOrder(InductorChoices):
     operator stays where the plan put it: Inductor's reordering passes are off (``PLANNED_GRAPH_CONFIG``)."""
 
     BARRIERS = frozenset({"wait", "release"})
-    """The cache operators (by ``torch.ops.hyperoffload`` name) that no fusion crosses."""
+    """The cache operators (by ``torch.ops.hyperoffload`` name) fusion is checked across (``can_fuse``)."""
 
     @staticmethod
     def uuid() -> str:
