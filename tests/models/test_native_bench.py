@@ -64,6 +64,15 @@ def test_times_are_positive_and_the_link_hides_the_simulated_copies(quick):
     assert all(isinstance(ok, bool) for ok in record["targets"].values())
 
 
+def test_the_profile_is_fitted_to_the_compiled_step(quick):
+    record = quick["models"]["tiny-llama"]
+    # tiny-llama's step has matrix products of several shapes and attention forward and backward, each measured
+    assert record["extern_op_signatures"] >= 3
+    assert positive(record["compute_scale"]) and positive(record["isolated_issue_s"]) and record["issue_s"] >= 0
+    assert quick["config"]["in_step_issue"] is True
+    assert positive(record["link_latency_s"]) and positive(record["breakdown_train_step_100_s"])
+
+
 def test_the_interpreter_reports_a_time_or_why_not(quick):
     record = quick["models"]["tiny-llama"]
     if record["interpreter_50_s"] is None:

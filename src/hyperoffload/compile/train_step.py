@@ -51,7 +51,8 @@ from hyperoffload.compile.optimizers import hyperparameters, learning_rate, rule
 from hyperoffload.compile.placement import input_devices, place_inputs, step_device
 from hyperoffload.compile.step_guard import Snapshot, deferred_interrupts
 from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatten_batch, init_optimizer_state,
-                                             is_tensor_leaf, mark_phases, trace_whole_step, write_back_early)
+                                             is_tensor_leaf, mark_phases, read_written_back, trace_whole_step,
+                                             write_back_early)
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.lower import lower_plan
@@ -417,7 +418,7 @@ class TrainStep:
                          budget_bytes=planned["budget"], slack=slack, trials=trials)
 
     def _program(self, graph: torch.fx.GraphModule, inputs: StepInputs) -> Program:
-        graph = mark_phases(write_back_early(graph))
+        graph = mark_phases(read_written_back(write_back_early(graph)))
         placeholders = graph.graph.find_nodes(op="placeholder")
         if len(placeholders) != len(inputs.kinds):
             raise CaptureError(f"Inductor's graph of the step has {len(placeholders)} inputs where the step has "

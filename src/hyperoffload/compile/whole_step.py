@@ -347,6 +347,39 @@ def write_back_early(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
+def read_written_back(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` in which a node after a write-back ``copy_(input, new)`` that reads ``new`` reads ``input``
+    instead, which holds the same values from the write-back on (an optimizer update reads a moment's new value
+    after writing it into the moment). ``new`` then ends at its write-back, and the input's storage is what
+    later readers hold: so a plan releases the input after them rather than before, where the values they read
+    would have to be stored apart from it; and Inductor, which never stores ``new`` apart when it fuses the
+    write-back with those readers, holds what the plan counts. Only a ``new`` of the input's size, stride and
+    dtype is replaced, and only while no later write-back writes the input again."""
+    graph, env = _copied(gm, list(gm.graph.nodes))
+    nodes = list(graph.nodes)
+    placeholders = {n for n in nodes if n.op == "placeholder"}
+    for w in [n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+              and n.args[0] in placeholders and not n.users]:
+        dst, src = w.args[0], w.args[1]
+        if not isinstance(src, torch.fx.Node) or not _same_layout(dst, src):
+            continue
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        rewrites = [n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+                    and n.args[0] is dst and position[n] > position[w]]
+        until = min((position[n] for n in rewrites), default=len(position))
+        for user in list(src.users):
+            if position[w] < position[user] < until:
+                user.replace_input_with(src, dst)
+    graph.lint()
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def _same_layout(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    x, y = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+            and x.shape == y.shape and x.stride() == y.stride())
+
+
 def mark_phases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm`` with the phase markers ``program_from_graph`` reads, from the phases ``trace_whole_step``
     left in each node's ``meta["custom"]`` (a node without one, such as a write-back, is in the phase of the
@@ -373,4 +406,5 @@ def mark_phases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 __all__ = ["Leaf", "PHASE_META", "StepInputs", "describe_inputs", "describe_leaf", "flatten_batch",
-           "init_optimizer_state", "is_tensor_leaf", "mark_phases", "trace_whole_step", "write_back_early"]
+           "init_optimizer_state", "is_tensor_leaf", "mark_phases", "read_written_back", "trace_whole_step",
+           "write_back_early"]
