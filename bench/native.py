@@ -9,10 +9,12 @@ different random batches, all measured in this one run:
 * ``inductor_s``: the same loop with the model under plain ``torch.compile`` (Inductor), the optimizer eager;
 * ``train_step_100_s``: median call of ``train_step(..., budget="100%", measure=False)``;
 * ``train_step_50_s``: median call of ``train_step(..., budget="50%", measure=False)`` planned on the
-  ``cpu-emulated`` profile with its link at half of ``copy_bw`` each way (``link_bw``), where ``copy_bw`` is the
-  rate the host copies memory at (half the profile's ``hbm_bw``, which counts bytes read and written): the copies
-  of both directions move on the one thread of a ``NativeLink``, so that is the fastest duplex link it keeps the
-  timing of when both directions are busy; its copies on a ``NativeLink`` of that profile (same bandwidth and
+  ``cpu-emulated`` profile with its link at half the rate the link's one copy thread moved bytes at while a first
+  50% plan's step ran in the calibration rounds (``copy_rate_in_step``; ``link_bw``): the copies of both
+  directions move on the one thread of a ``NativeLink``, so that is the fastest duplex link it keeps the timing of
+  when both directions are busy (half of ``copy_bw``, the rate the host copies memory at by the profile's
+  calibration, plans that first step; ``--isolated-issue`` keeps it); its copies on a ``NativeLink`` of that
+  profile (same bandwidth and
   latency), so simulator and link agree; each copy on it costs a GPU's per-copy latency (``GPU_LINK``'s
   ``h2d_latency_s``; ``--latency``). The simulator's copy stalls at that speed (``stall_copy_50_s``) say whether it
   hides the copies: the compute stream never waits for one when they are 0 (``--link`` gives the speed instead).
@@ -68,7 +70,7 @@ is read after each model's timed rounds; wall times move with it.
                        "train_step_50_s", "sim_50_s", "exposed_50_s", "stall_copy_50_s", "compute_50_s",
                        "interpreter_50_s",
                        "interpreter_error", "link_bw", "link_latency_s", "copy_bw", "compute_scale", "issue_s",
-                       "isolated_issue_s", "extern_op_signatures", "measured_peak_bytes", "budget_bytes",
+                       "isolated_issue_s", "extern_op_signatures", "copy_rate_in_step", "measured_peak_bytes", "budget_bytes",
                        "unplanned_peak_bytes", "h2d_bytes", "d2h_bytes", "max_abs_diff", "max_abs_diff_state",
                        "load_avg", "compile_s": {variant: s}, "breakdown_s": {variant: s}, "breakdown_train_step_100_s", "cache_instructions",
                        "in_step_issue_s", "sim_50_in_step_issue_s", "sim_error_in_step_issue",
@@ -110,6 +112,7 @@ from hyperoffload.cost import op_signature, op_times, with_measured_op_costs
 from hyperoffload.hardware import Hardware, get_hardware
 from hyperoffload.plans import Kind
 from hyperoffload.runtime import AsyncExecutor, EmulatedLink
+from hyperoffload.runtime.emulated_link import D2H, H2D
 from hyperoffload.runtime.native_link import NativeLink
 from hyperoffload.simulate import simulate
 from hyperoffload.units import format_bandwidth, format_bytes, parse_bandwidth, parse_duration
@@ -160,7 +163,8 @@ class BenchConfig:
     batches: int = 4
     """Different random batches, used in turn."""
     link_bw: float | None = None
-    """Link speed of the 50% step (bytes/s each way); None: half the host's copy rate (``copy_bw / 2``)."""
+    """Link speed of the 50% step (bytes/s each way); None: half the rate the copy thread moves bytes at inside a
+    planned step (``copy_rate_in_step / 2``; ``copy_bw / 2`` with ``in_step_issue`` off)."""
     link_latency_s: float | None = None
     """Fixed cost of each copy on that link before its bytes move (seconds); None: a GPU's (``GPU_LINK``'s), where
     ``cpu-emulated``'s default (a Python thread's hand-off) is several times what the native copy thread costs."""
@@ -267,20 +271,43 @@ def median_step_s(step: TrainStep, batches: list, warmup: int = 3, calls: int = 
     return statistics.median(walls[warmup:])
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InStep:
+    """What ``calibrated_in_rounds`` measured."""
+
+    full_s: float
+    """Median seconds of the unplanned compiled step."""
+    issue_s: float
+    """Seconds one cache instruction costs a compiled step."""
+    copy_rate: float
+    """Bytes per second the link's copy thread moved while a planned step ran (bytes over the seconds its
+    ``memmove`` calls took, both directions together)."""
+
+
 def calibrated_in_rounds(full: TrainStep, planned: TrainStep, others: dict[str, Callable], batches: list,
-                         warmup: int = 2, calls: int = 7) -> tuple[float, float]:
-    """``(full_s, issue_s)`` measured as the benchmark times its steps: in interleaved rounds with the other
-    variants (``others``), which leave the caches as the timed rounds will. ``full_s`` is the median of ``full``
-    (the unplanned compiled step); ``issue_s`` is what one cache instruction costs a compiled step: ``planned``'s
+                         warmup: int = 2, calls: int = 7) -> InStep:
+    """The compiled steps measured as the benchmark times them: in interleaved rounds with the other variants
+    (``others``), which leave the caches as the timed rounds will. ``full_s`` is the median of ``full`` (the
+    unplanned compiled step); ``issue_s`` is what one cache instruction costs a compiled step: ``planned``'s
     compiled graph run with copies that move nothing (``NullCopies``), less ``full``, per cache instruction of
     ``planned``'s plan. Beyond the operator call itself (``cache_op_issue_s``), that holds what the step pays
     around it: the generated code's checks, the buffers the copies write, and the fused kernels a wait or a
-    release splits."""
-    variants = {**others, "full": full, "no_copies": SamePlan(planned, NullCopies(), batches[0])}
+    release splits. ``copy_rate`` is how fast ``planned``'s own ``NativeLink`` moved bytes while it ran in those
+    rounds: its copy thread shares the machine's memory system with the step's compute."""
+    variants = {**others, "full": full, "no_copies": SamePlan(planned, NullCopies(), batches[0]), "planned": planned}
+    link, copies = planned.link, planned.copies
+
+    def moved() -> tuple[int, float]:
+        return (copies.h2d_bytes + copies.d2h_bytes, link.moving_s(H2D) + link.moving_s(D2H))
+
+    before = moved()
     walls, _ = run_rounds(variants, batches, BenchConfig(steps=calls, warmup=warmup, threads=1), [])
+    copies.client.drain()
+    after = moved()
     full_s = statistics.median(walls["full"])
     cache = sum(1 for i in planned.plan.instructions if i.kind is not Kind.COMPUTE)
-    return full_s, max(0.0, statistics.median(walls["no_copies"]) - full_s) / max(cache, 1)
+    return InStep(full_s=full_s, issue_s=max(0.0, statistics.median(walls["no_copies"]) - full_s) / max(cache, 1),
+                  copy_rate=(after[0] - before[0]) / max(after[1] - before[1], 1e-9))
 
 
 def cache_op_issue_s(calls: int = 200, repeats: int = 5) -> float:
@@ -474,6 +501,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     base_unfitted = base
     base, scale = calibrated_profile(base_unfitted, full, extern_costs, median_step_s(full, batches))
     isolated_issue = cache_op_issue_s()
+    copy_rate = copy_bw
     progress(f"{spec.name}: {len(extern_costs)} external kernels charged their measured times, the other ops "
              f"{1 / scale:.2f}x as fast as the profile's per-op model: planning on that")
     progress(f"{spec.name}: a cache operator call costs the step's thread {isolated_issue * 1e6:.1f} us alone")
@@ -493,13 +521,18 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
         calibration, compile_s["calibration_50"] = timed_first(lambda: planned(hardware))
         others = {"eager": lambda b: eager_loop_step(eager_model, eager_opt, b),
                   "inductor": lambda b: eager_loop_step(compiled_forward, compiled_opt, b)}
-        full_s, issue = calibrated_in_rounds(full, calibration, others, batches)
+        measured = calibrated_in_rounds(full, calibration, others, batches)
         calibration.link.close()
         del calibration
-        base, scale = calibrated_profile(base_unfitted, full, extern_costs, full_s)
+        base, scale = calibrated_profile(base_unfitted, full, extern_costs, measured.full_s)
+        issue, copy_rate = measured.issue_s, measured.copy_rate
+        if cfg.link_bw is None:  # the fastest duplex link the copy thread keeps the timing of, as fast as it copies here
+            bw = copy_rate / 2
+            link.update(h2d_bw=bw, d2h_bw=bw)
         hardware = base.replace(issue_s=issue, **link)
         progress(f"{spec.name}: in rounds with the other variants, the other ops run {1 / scale:.2f}x as fast as the "
-                 f"per-op model and a cache instruction costs the step {issue * 1e6:.1f} us: the profile from here on")
+                 f"per-op model, a cache instruction costs the step {issue * 1e6:.1f} us and the copy thread moves "
+                 f"{format_bandwidth(copy_rate)}: the profile from here on")
     progress(f"{spec.name}: train_step at {cfg.budget}, link {format_bandwidth(bw)} each way, {hardware.h2d_latency_s * 1e6:.0f} us a copy")
     half, compile_s["train_step_50"] = timed_first(lambda: planned(hardware))
 
@@ -568,6 +601,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
                            interpreter_error)
     record["compute_scale"] = scale
     record["copy_bw"] = copy_bw
+    record["copy_rate_in_step"] = copy_rate
     record["link_latency_s"] = hardware.h2d_latency_s
     record["issue_s"] = issue
     record["isolated_issue_s"] = isolated_issue
@@ -680,8 +714,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default="50%")
     parser.add_argument("--policy", default="hyperoffload")
     parser.add_argument("--link", type=parse_bandwidth, default=None,
-                        help="link speed of the 50%% step each way (e.g. 8GB/s); default: the rate the host copies "
-                             "memory at, shared by both directions (copy_bw / 2)")
+                        help="link speed of the 50%% step each way (e.g. 8GB/s); default: half the rate the copy "
+                             "thread moves bytes at inside a planned step (both directions share it)")
     parser.add_argument("--latency", type=parse_duration, default=None,
                         help=f"per-copy latency of that link (e.g. 50us); default: {GPU_LINK}'s")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))

@@ -71,6 +71,7 @@ def test_the_profile_is_fitted_to_the_compiled_step(quick):
     assert positive(record["compute_scale"]) and positive(record["isolated_issue_s"]) and record["issue_s"] >= 0
     assert quick["config"]["in_step_issue"] is True
     assert positive(record["link_latency_s"]) and positive(record["breakdown_train_step_100_s"])
+    assert positive(record["copy_rate_in_step"]) and record["link_bw"] == record["copy_rate_in_step"] / 2
 
 
 def test_the_interpreter_reports_a_time_or_why_not(quick):
