@@ -2,8 +2,8 @@
 
 Builds, for LLaMA 3 70B training (batch 1, seq 4096, bf16), a plan that sends every saved
 activation to remote memory across its longest idle span (offload and release after the use
-before the span, prefetch at the end of it, no lookahead) and simulates it on h200. The issue's
-target is "a few seconds" for about 20,000 instructions on a 2-core machine.
+before the span, prefetch at the end of it, no lookahead) and simulates it on h200. The target is
+a few seconds for about 20,000 instructions on a 2-core machine.
 
     .venv/bin/python bench/simulate_time.py [--workload llama3-8b] [--hardware h100-sxm]
 """

@@ -39,6 +39,7 @@ _WHERE = {
     "backend": "hyperoffload.compile",
     "StepFigures": "hyperoffload.compile.train_step",
     "TrainStep": "hyperoffload.compile.train_step",
+    "TrialRuns": "hyperoffload.compile.train_step",
     "train_step": "hyperoffload.compile.train_step",
     "PolicyResult": "hyperoffload.compare",
     "compare": "hyperoffload.compare",
@@ -59,7 +60,7 @@ lazy_package(__name__, _WHERE)
 
 __version__ = "0.1.0"
 
-__all__ = ["StepFigures", "TrainStep", "train_step", "AsyncExecutor", "EmulatedLink", "NativeLink", "run_async", "keep_freed_host_memory", "PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "HardwareError", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
+__all__ = ["StepFigures", "TrainStep", "TrialRuns", "train_step", "AsyncExecutor", "EmulatedLink", "NativeLink", "run_async", "keep_freed_host_memory", "PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "HardwareError", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
            "hideable_budget", "parse_budget", "plan", "plan_checked", "Planned", "plan_hyperoffload", "simulate", "verify", "AdamW", "CaptureError", "Captured", "LiveRange", "MemoryProfile", "Op", "Phase", "Program", "Value",
            "ValueKind", "capture_decode_step", "capture_prefill_step", "capture_train_step", "fake_build",
            "live_ranges", "memory_profile", "storage_ranges", "verify_program"]

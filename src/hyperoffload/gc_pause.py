@@ -2,10 +2,10 @@
 
 Planning an 8B training step makes millions of short-lived objects (instructions, lane searches,
 simulator events) on top of a captured program of some 450k. Each full collection walks all of them,
-and the collector ran several per plan: about a fifth of the planning time of ``llama3-8b`` on
-``h100-sxm`` at 20% of the peak (2.9 s of 12.5 s, measured with ``gc.callbacks``). Planning leaves no
-cyclic garbage behind (a collection after four plans with the collector off found none), so reference
-counting frees everything it makes and the collector has nothing to find.
+and the collector ran several per plan, a large share of the planning time (docs/results.md, "Planning
+results (simulated)", has the figure). Planning leaves no cyclic garbage behind (a collection after
+planning with the collector off finds none), so reference counting frees everything it makes and the
+collector has nothing to find.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ _EPS = 1e-12
 
 class Interval(NamedTuple):
     """Busy time of one stream for one instruction (seconds from the start of the step). (A named tuple, as
-    ``Stall``: immutable like a frozen dataclass and 2.5 times faster to make; a simulation of an 8B training
-    step makes some 20k.)"""
+    ``Stall``: immutable like a frozen dataclass and faster to make; a simulation of an 8B training step makes
+    some 20k.)"""
 
     stream: str
     start: float

@@ -23,8 +23,11 @@ from hyperoffload.plans import plan_without_offload
 from hyperoffload.policies import PlannerConfig, plan_hyperoffload
 from hyperoffload.runtime import ArenaOverlap, AsyncExecutor, BudgetExceeded, EmulatedLink, run_async, run_plan
 from hyperoffload.runtime import arena as arena_module
-from hyperoffload.runtime import plan_executor as executor_module
-from hyperoffload.runtime.plan_executor import SyncTransfers, move_order, out_variant
+from hyperoffload.runtime import out_variants
+from hyperoffload.runtime.out_variants import out_variant
+from hyperoffload.runtime.placement import move_order
+from hyperoffload.runtime.transfers import SyncTransfers
+from hyperoffload.runtime.views import _ViewMeta
 from hyperoffload.workloads import capture_workload, get_workload
 
 pytestmark = pytest.mark.usefixtures("one_compute_thread")  # see tests/conftest.py
@@ -195,8 +198,6 @@ def test_the_arena_is_allocated_by_the_backend_on_the_inputs_device(captured, re
 def test_slots_are_views_of_the_arena_bytes_with_each_tensors_own_layout():
     """What the executor builds a slot and a value in it from, on the arena's device: a byte range of the arena as
     a storage of its own, and a view with the value's dtype, size, stride and offset, writing the arena's bytes."""
-    from hyperoffload.runtime.plan_executor import _ViewMeta
-
     arena = torch.UntypedStorage(1024)
     arena_bytes = torch.empty(0, dtype=torch.uint8).set_(arena)
     arena_bytes.zero_()
@@ -298,7 +299,7 @@ def test_state_placed_in_an_arena_is_run_from_it_without_a_second_arena(captured
     unplanned = plan_without_offload(program)
     for _ in range(3):
         want_out = run_plan(unplanned, want).outputs
-    slots = executor_module.arena_slots(planned, planned.layout).slots
+    slots = arena_module.arena_slots(planned, planned.layout).slots
     with CountingArenas(**SLOW) as link, AsyncExecutor(link) as executor:
         state = executor.place(planned, captured.inputs, arena=True)
         (arena,) = executor._arena
@@ -462,8 +463,8 @@ def test_out_overloads_match_the_captured_ops_arguments():
     # the scalar wrapped as mul.Scalar wraps it; _to_copy and clone (clone.out: composite too) through copy_.
     assert out_variant(aten.mul.Scalar) == (aten.mul.out, "out")
     assert out_variant(aten.div.Scalar) == (aten.div.out, "out")
-    assert out_variant(aten.clone.default) == (executor_module._copy_into, "out")
-    assert out_variant(aten._to_copy.default) == (executor_module._copy_into, "out")
+    assert out_variant(aten.clone.default) == (out_variants._copy_into, "out")
+    assert out_variant(aten._to_copy.default) == (out_variants._copy_into, "out")
     assert out_variant(aten.add.Scalar) is None
     assert out_variant(aten.silu_backward.default) == (aten.silu_backward.grad_input, "grad_input")
     assert out_variant(aten.sum.dim_IntList) == (aten.sum.IntList_out, "out")
@@ -475,11 +476,11 @@ def test_out_overloads_match_the_captured_ops_arguments():
 def test_copies_write_into_their_slot_only_as_strided_copies_on_the_same_device():
     x = torch.arange(6.0).reshape(2, 3).t()
     out = torch.empty(3, 2, dtype=torch.bfloat16)
-    assert executor_module._copy_into(x, out=out, dtype=torch.bfloat16) is out
+    assert out_variants._copy_into(x, out=out, dtype=torch.bfloat16) is out
     assert torch.equal(out, torch.ops.aten._to_copy.default(x, dtype=torch.bfloat16))
     for refused in ({"device": "meta"}, {"layout": torch.sparse_coo}, {"pin_memory": True}):
         with pytest.raises(RuntimeError, match="strided copy"):
-            executor_module._copy_into(x, out=out, **refused)
+            out_variants._copy_into(x, out=out, **refused)
 
 
 def test_dtype_casts_and_scalar_ops_write_into_their_slots_bit_identically():
@@ -502,14 +503,14 @@ def test_dtype_casts_and_scalar_ops_write_into_their_slots_bit_identically():
     inputs = [t.clone() for t in captured.inputs]
     run = run_plan(plan, inputs, arena=True)
     assert_identical([*run.outputs, *inputs], [*want_out, *want])
-    original = dict(executor_module._WRITTEN_INTO_OUT)
+    original = dict(out_variants._WRITTEN_INTO_OUT)
     try:
-        executor_module._WRITTEN_INTO_OUT.clear()
-        executor_module.out_variant.cache_clear()
+        out_variants._WRITTEN_INTO_OUT.clear()
+        out_variants.out_variant.cache_clear()
         copied_before = run_plan(plan, [t.clone() for t in captured.inputs], arena=True).arena_copied_bytes
     finally:
-        executor_module._WRITTEN_INTO_OUT.update(original)
-        executor_module.out_variant.cache_clear()
+        out_variants._WRITTEN_INTO_OUT.update(original)
+        out_variants.out_variant.cache_clear()
     assert copied_before - run.arena_copied_bytes == cast_bytes
 
 

@@ -18,7 +18,7 @@ import hyperoffload
 from hyperoffload import cache_ops
 from hyperoffload.compile import Backend
 from hyperoffload.runtime.emulated_link import EmulatedLink
-from hyperoffload.runtime.plan_executor import TransferError
+from hyperoffload.runtime.transfers import TransferError
 from hyperoffload.workloads import Llama, get_workload
 
 

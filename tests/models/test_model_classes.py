@@ -19,9 +19,8 @@ from helpers import assert_matches_eager
 from hyperoffload.capture import capture_prefill_step, capture_train_step, fake_build
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.policies.hyperoffload import minimum_budget
-from hyperoffload.runtime import run_reference
+from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.runtime.reference import replayed_random_numbers
-from hyperoffload.runtime.plan_executor import run_plan
 
 H100 = "h100-sxm"
 

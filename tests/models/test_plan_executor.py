@@ -11,8 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Kind, Plan, PlanError, check_plan, plan_without_offload
-from hyperoffload.runtime import run_reference
-from hyperoffload.runtime.plan_executor import run_plan
+from hyperoffload.runtime import run_plan, run_reference
 
 
 @pytest.fixture(scope="module")

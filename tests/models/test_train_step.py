@@ -17,11 +17,11 @@ from torch._inductor.utils import run_and_get_code
 import hyperoffload
 from hyperoffload.capture import CaptureError
 from hyperoffload.compile.optimizers import UnsupportedOptimizer
-from hyperoffload.compile.train_step import headroom_bytes
+from hyperoffload.compile.train_step import TrialRuns
 from hyperoffload.plans import check_plan
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.runtime.emulated_link import EmulatedLink
-from hyperoffload.runtime.plan_executor import TransferError
+from hyperoffload.runtime.transfers import TransferError
 
 def cpu() -> str:
     """The profile the steps here are planned for: a preset, so that every process makes the same plans (the
@@ -166,7 +166,7 @@ def test_the_code_inductor_runs_keeps_every_cache_operator_in_order():
     assert counts["offload"] > 0 and counts["prefetch"] > 0
     assert "# reuse" not in codes[0]
     # The plan leaves its headroom free under the budget (planned peak, bytes).
-    assert check_plan(step.plan).peak_bytes <= step.budget_bytes - headroom_bytes(step.budget_bytes)
+    assert check_plan(step.plan).peak_bytes <= step.budget_bytes - TrialRuns().headroom(step.budget_bytes)
 
 
 def test_a_scheduler_changes_the_learning_rate_of_every_step_without_a_new_plan():
@@ -407,7 +407,7 @@ def test_ctrl_c_during_a_step_takes_effect_once_the_step_has_completed():
 
 def test_a_step_still_over_its_budget_after_the_last_trial_warns(monkeypatch):
     """Each plan is measured in a trial run, the last one too: a step that keeps holding more than the budget is
-    planned ``MAX_TRIALS`` times and then said to be over it."""
+    planned ``TrialRuns.max_plans`` times and then said to be over it."""
     from hyperoffload.compile import train_step as module
 
     def over_budget(self, compiled, flat, *, measure):
@@ -415,8 +415,17 @@ def test_a_step_still_over_its_budget_after_the_last_trial_warns(monkeypatch):
 
     monkeypatch.setattr(module.TrainStep, "_run", over_budget)
     model, opt = make("adamw")
-    with pytest.warns(UserWarning, match=f"over the budget .* after {module.MAX_TRIALS} plans"):
+    trials = TrialRuns(max_plans=3)
+    with pytest.warns(UserWarning, match=f"over the budget .* after {trials.max_plans} plans"):
         step = hyperoffload.train_step(model, opt, classify, batches(1)[0], budget="50%", hardware=cpu(),
-                                       measure=False)
-    assert len(step._current.trials) == module.MAX_TRIALS
-    assert step._current.slack == 1024 * sum(range(1, module.MAX_TRIALS))  # k times the k-th excess
+                                       measure=False, trials=trials)
+    assert len(step._current.trials) == trials.max_plans
+    assert step._current.slack == 1024 * sum(range(1, trials.max_plans))  # k times the k-th excess
+
+
+def test_trial_runs_refuse_settings_that_cannot_work():
+    with pytest.raises(ValueError, match="max_plans must be at least 1"):
+        TrialRuns(max_plans=0)
+    with pytest.raises(ValueError, match="headroom_share"):
+        TrialRuns(headroom_share=1.5)
+    assert TrialRuns().headroom(1 << 30) == 4096 and TrialRuns().headroom(1024) == 4

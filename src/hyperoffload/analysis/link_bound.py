@@ -13,8 +13,8 @@ and whatever order it runs the ops in:
   most live bytes in the captured order, and keeps the largest. In training the backward pass's fullest op
   (its first) forces every saved activation and all the state; where the captured step peaks in the
   optimizer (``llama3-70b``, with every gradient live), the gradients are not forced there, since an
-  order that updates during the backward pass frees them early: at 70% of the peak on ``h200`` the
-  bound was 0.98 x ``bound_s`` at that op and is 1.09 at the backward pass's first.
+  order that updates during the backward pass frees them early, so the bound at the backward pass's first
+  op is the higher (docs/results.md, "Planning results (simulated)", has the figures).
 * **Those bytes cross the link both ways.** A storage off the device at that op was sent out
   after it was last written, in this step or, for state kept remote, the previous one (a storage the
   step never writes needs no offload: its remote copy stays current), and comes back if anything
@@ -48,20 +48,21 @@ reads it, or, for state the step reads, for the next step's read; likewise at ``
 one stretch unless the storage is read both between them (by an op after ``X`` and before ``Y`` in every order)
 and between ``Y`` and the next step's ``X`` (by an op after ``Y``, or, for state, which lives on into the next
 step, before ``X``); then it comes in twice a step. A parameter off at the peak and again during the optimizer
-phase is read in the backward pass between them and in the forward pass after: on ``gh200`` at 10% of
-``llama3-8b``'s peak, where the embedding's update alone needs 6 GiB of the 10.6 GiB budget, those second
-prefetches make the bound 1.054 x ``bound_s`` (1.009 at the peak alone), 1.127 at the smallest budget (5.9
-GiB). The least copy time over how much of each storage is off at each op is a small linear program (one row per
-storage and rule; HiGHS, well under a second on an 8B step). It lets every copy share the link, without the
-phases of the one-op bound: looser there, and kept for the parameters it counts twice.
+phase is read in the backward pass between them and in the forward pass after: where one large update
+needs much of the budget (``llama3-8b`` training on a fast link at its smallest budgets, the embedding's
+update), those second prefetches raise the bound above the one at the peak alone (docs/results.md,
+"Planning results (simulated)"). The least copy time over how much of each storage is off at each op is a
+small linear program (one row per storage and rule, solved with HiGHS). It lets every copy share the link,
+without the phases of the one-op bound: looser there, and kept for the parameters it counts twice.
 
 The bound is the larger of the step's compute time and that copy time. It holds for every plan of
 the program (every op on the device, each storage moved whole) because it depends on neither the
 order nor the schedule; the window bound (``window_bound``) is usually tighter for one order, since it
 also knows when the copies can run. It is what rules out ``step_s <= 1.05 x bound_s`` on a link-bound
 step: where the forced bytes are the whole peak and all of them are state that crosses both ways, it is
-``bound_s / duplex_share``; where saved activations must be among them, more (``llama3-8b`` training on
-``h100-sxm`` at half the peak: 1.349 x ``bound_s`` against 1.250 without the phases).
+``bound_s / duplex_share``; where saved activations must be among them, more, since they cross one
+direction at a time (the figures with and without the phases: docs/results.md, "Planning results
+(simulated)").
 """
 
 from __future__ import annotations

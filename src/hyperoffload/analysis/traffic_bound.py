@@ -39,14 +39,13 @@ loosens.
 
 The LP minimises ``L``; the bound is ``max(compute_s, L)``. The memory rows are intervals of consecutive
 positions, so they are written as a flow along the order (one arc per position, one per segment) and the LP
-has a few nonzeros per position and segment: on an 8B training step (11k ops, 8k segments) HiGHS's interior
-point method solves it in about a second, on a 70B one (28k ops, 20k segments) in about five (its simplex
-took 13 s there). Its optimum is reduced by a relative ``1e-7`` so that solver tolerance does not
-put the bound above a plan that meets it exactly.
+has a few nonzeros per position and segment; HiGHS's interior point method solves it, faster than its simplex
+on full-size steps (solve times: docs/results.md, "Planning results (simulated)"). Its optimum is reduced by a
+relative ``1e-7`` so that solver tolerance does not put the bound above a plan that meets it exactly.
 
 It knows nothing of time within the step, so it is often looser than the window or flow bound; it is tighter
-where the copies' volume, not their timing, decides: ``llama3-8b`` training on ``gh200`` at 10% of the peak,
-where no plan in any of the planner's candidate orders can step faster than 1.059 x ``bound_s``.
+where the copies' volume, not their timing, decides, as on a fast link at a small budget, where state kept
+remote comes back twice a step (``llama3-8b`` training on ``gh200`` at 10% of the peak: docs/results.md).
 """
 
 from __future__ import annotations

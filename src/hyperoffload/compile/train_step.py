@@ -79,18 +79,33 @@ change what a kernel computes: the planned graphs' settings, and
   vectorized ``exp`` rounds differently from ``std::exp``; with scalar tails such a loop runs scalar either way."""
 
 
-MAX_TRIALS = 4
-"""Plans of one form of the step at most, each compiled and measured in a trial run; the k-th trial that holds more
-than the budget (but the last) is followed by planning again for k times that excess less (a plan for less room
-can have more of Inductor's own excess: 18.1, then 16.8, then 16.3 MiB against 16.2 MiB were seen, taking the
-excess off once each time)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrialRuns:
+    """How a planned step is made to stay within its budget as compiled: each plan is compiled and run once on
+    copies of the state, measured, and planned again for less where Inductor's buffers held more than the plan
+    counted (``train_step(..., trials=TrialRuns(...))``)."""
 
+    max_plans: int = 4
+    """Plans of one form of the step at most, each measured in a trial run; the k-th trial that holds more than the
+    budget (but the last) is followed by planning again for k times that excess less (a plan for less room can
+    have more of Inductor's own excess, so taking the excess off once each time need not converge; docs/compile.md
+    has the case). After the last, a step still over its budget warns."""
+    headroom_bytes: int = 4096
+    """Bytes every plan leaves free under the budget, at most: one call of a compiled step was seen to hold a few
+    hundred bytes more than its trial run, on a plan that met the budget to the byte (the cause is not found)."""
+    headroom_share: float = 1 / 256
+    """... and at most this share of the budget, so that a small budget keeps most of its room."""
 
-def headroom_bytes(budget: int) -> int:
-    """Bytes a plan leaves free under the budget (4 KiB, or 1/256 of a budget under 1 MiB): one call of a compiled
-    step was seen to hold a few hundred bytes more than its trial run, on a plan that met the budget to the byte;
-    the cause is not found yet."""
-    return min(4096, budget // 256)
+    def __post_init__(self) -> None:
+        if self.max_plans < 1:
+            raise ValueError(f"TrialRuns.max_plans must be at least 1, got {self.max_plans}")
+        if self.headroom_bytes < 0 or not 0 <= self.headroom_share < 1:
+            raise ValueError(f"TrialRuns: headroom_bytes must be >= 0 and headroom_share in [0, 1), got "
+                             f"{self.headroom_bytes} and {self.headroom_share}")
+
+    def headroom(self, budget: int) -> int:
+        """Bytes a plan for ``budget`` bytes leaves free under it."""
+        return min(self.headroom_bytes, int(budget * self.headroom_share))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,7 +156,8 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any],
                  example_batch: Any, *, budget: int | str, hardware: Hardware | str, policy: str = "hyperoffload",
                  link: NativeLink | EmulatedLink | None = None, offload: bool = True, measure: bool = True,
-                 rollback: bool = False, progress: Callable[[str], None] | None = None) -> None:
+                 rollback: bool = False, progress: Callable[[str], None] | None = None,
+                 trials: TrialRuns | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -160,6 +176,7 @@ class TrainStep:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.budget, self.policy, self.offload, self.measure = budget, policy, offload, measure
         self.rollback = rollback
+        self.trials = trials if trials is not None else TrialRuns()
         self._progress = progress if progress is not None else (lambda text: None)
         if self.device.type == "cpu":
             self.link: NativeLink | EmulatedLink | None = link if link is not None else host_link(self.hardware)
@@ -338,7 +355,7 @@ class TrainStep:
         Planned steps are then run once on copies of the state, measured: where Inductor's buffers hold more than
         the plan counts (it materializes some values the plan treats as views, and lays out a few kernels'
         workspaces itself), the step is planned again for a budget smaller by the excess, up to
-        ``MAX_TRIALS`` times, so that what runs stays within the budget."""
+        ``self.trials.max_plans`` times in all, so that what runs stays within the budget."""
         init_optimizer_state(self.optimizer, rule_for(self.optimizer))
         inputs = describe_inputs(self.model, self.optimizer, batch)
         tensors, spec, leaves = flatten_batch(batch)
@@ -364,8 +381,9 @@ class TrainStep:
                 break
             held = (f"the compiled step held {format_bytes(peak)} on the device, {format_bytes(excess)} over the "
                     f"budget of {format_bytes(compiled.budget_bytes)}")
-            if len(compiled.trials) == MAX_TRIALS:
-                warnings.warn(f"train_step: {held} after {MAX_TRIALS} plans; give a larger budget", stacklevel=4)
+            if len(compiled.trials) == self.trials.max_plans:
+                warnings.warn(f"train_step: {held} after {self.trials.max_plans} plans; give a larger budget",
+                              stacklevel=4)
                 break
             self._progress(f"the trial held {format_bytes(peak)}, {format_bytes(excess)} over the budget: planning "
                            f"again for {'that' if len(compiled.trials) == 1 else f'{len(compiled.trials)} times that'} "
@@ -391,7 +409,7 @@ class TrainStep:
             if self.offload and budget - slack < 1:
                 raise InfeasibleBudget(f"a budget of {budget - slack} bytes leaves no room",
                                        memory_profile(program).peak_bytes)
-            room = budget - slack - headroom_bytes(budget)
+            room = budget - slack - self.trials.headroom(budget)
             self._progress(f"planning {len(program.ops)} ops for {format_bytes(room)} on {self.hardware.name}"
                            if self.offload else f"{len(program.ops)} ops, nothing planned (offload=False)")
             if not self.offload:
@@ -444,7 +462,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
                example_batch: Any, *, budget: int | str = "50%", hardware: Hardware | str = "h100-sxm",
                policy: str = "hyperoffload", link: NativeLink | EmulatedLink | None = None, offload: bool = True,
                measure: bool = True, rollback: bool = False,
-               progress: Callable[[str], None] | None = None) -> TrainStep:
+               progress: Callable[[str], None] | None = None, trials: TrialRuns | None = None) -> TrainStep:
     """The user's whole training step, planned under ``budget`` and compiled by Inductor.
 
     ``loss_fn(model, batch)`` returns the loss; ``example_batch`` is any tree of tensors the step will be called
@@ -458,10 +476,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     out) leaves the state partly updated unless ``rollback=True``, which copies the state the step writes before
     each call (that many bytes more copying per step) and puts it back on failure. ``progress(text)``
     hears what making the step is doing (tracing, planning, compiling, trial runs; ``print`` will do), which takes
-    tens of seconds on a small model, and again when a new batch shape or setting makes it plan again.
+    tens of seconds on a small model, and again when a new batch shape or setting makes it plan again. ``trials``
+    (a ``TrialRuns``) says how many plans a step may take to fit its budget as compiled, and what room each leaves.
     """
     return TrainStep(model, optimizer, loss_fn, example_batch, budget=budget, hardware=hardware, policy=policy,
-                     link=link, offload=offload, measure=measure, rollback=rollback, progress=progress)
+                     link=link, offload=offload, measure=measure, rollback=rollback, progress=progress,
+                     trials=trials)
 
 
-__all__ = ["StepFigures", "TrainStep", "train_step"]
+__all__ = ["StepFigures", "TrainStep", "TrialRuns", "train_step"]

@@ -1,9 +1,41 @@
 """How a step runs from its arena: opening or reusing it, and putting each storage into its slot.
 
-Step inputs on the device are copied into their slots first; a prefetch copies straight into its slot; an op
-with a usable ``out=`` overload writes into its slot, and the other ops' results are copied there, every value
-aliasing such a storage rebound as a view of the slot. A slot is written again only once the offloads reading
-its previous occupant have finished, and every placement is checked against the storages live in the arena.
+Run from one arena (``execute_plan(..., arena=True)``, ``run_plan(plan, inputs, arena=True)``), every device
+storage lives in its slot ``[offset, offset + nbytes)`` of one byte buffer of ``layout.arena_bytes``, allocated once
+at the start of the step on the device tier, where ``layout`` is ``plan.layout`` (from
+``PlannerConfig(static_layout=True)``), a ``Layout`` passed in, or ``assign_offsets(plan)``.
+
+* Step inputs on the device are copied into their slots first (in place, the caller's tensors still get the final
+  state back); a prefetch copies from remote memory straight into its slot.
+* An op that makes one new storage and has an ``out=`` overload with the same arguments (``out_variants``: ``mm.out``
+  for ``mm``, ``mul.out`` for ``mul.Tensor``) writes straight into its slot, as a view with the size and strides the
+  capture recorded. Other ops allocate through PyTorch, and each output that owns a storage is copied into its slot
+  right after the op, every value aliasing it rebound as a view of the slot with its own size, stride and offset,
+  so in-place ops write into the arena. That costs such an output one copy and a transient allocation outside the
+  arena (``PlanRun.arena_copied_bytes`` counts them); routing every allocation into the arena would take a pluggable
+  allocator (``MemPool``).
+* A slot is reused only once the offload reading its previous occupant has finished: before the slot is written
+  again, later compute is made to wait for that offload (``Transfers.wait``), and a prefetch into the slot starts
+  only after the compute issued before it (the backend's ``prefetch`` contract), so the ops reading the previous
+  occupant have finished too.
+* At every allocation the step checks, from the slot tensors' addresses, that the live storages' byte ranges are
+  inside the arena and pairwise disjoint, and raises ``ArenaOverlap`` naming both storages and the instruction
+  otherwise.
+* Outputs that do not alias an input are returned as copies, so the arena is freed when the step returns. With
+  ``donate=True`` the state lives in the arena; given ``kept_arena`` (as ``AsyncExecutor.step`` does), the next
+  donated step of the plan runs from that same arena, moving each state storage from where the step left it to its
+  start slot (``placement.move_order``), so a training loop holds one arena rather than two while the state is
+  copied from one into the next.
+
+The arena is the same code on every device: the buffer is allocated where the backend puts device storages
+(``Transfers.arena_storage``, else ``Transfers.device_storage``) and must be on the device of the step's device-tier
+inputs; slots are byte ranges of it (``UntypedStorage`` slices, which share its memory) and values are views of them
+with their own dtype, size, stride and offset (``views``). On CPU the waits above block the caller's thread (ops run
+on it). On CUDA (``cuda_streams.CudaStreams``) every copy into a slot (``_fill``) runs on the compute stream after the
+op that produced it; a reused slot's wait is an event wait of the compute stream, so the host does not block; a
+prefetch's side stream waits for the compute stream first; and the arena is marked as used by both side streams, so
+a copy of a slot still queued when the arena is freed (a carried offload) keeps its block from being reused
+(``tests/gpu/test_cuda_runtime.py`` and ``make gpu-check`` run this where there is a GPU).
 """
 
 from __future__ import annotations

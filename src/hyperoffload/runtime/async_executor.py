@@ -14,7 +14,7 @@ starts, as a training loop would::
             state = list(run.state)
         ex.synchronize()                     # before reading the state
 
-The instruction handling is ``hyperoffload.runtime.plan_executor.execute_plan``, shared with the
+The instruction handling is ``hyperoffload.runtime.interpreter.execute_plan``, shared with the
 synchronous reference; only the transfer backend differs. The step's own lane ops (``Op.lane``: the block fetches and
 row stores of a remote KV cache) run on the link's copy lanes too, overlapping compute as the simulator
 models them; on CUDA they run inline on the compute stream (see ``cuda_streams``). Every step measures device-tier bytes

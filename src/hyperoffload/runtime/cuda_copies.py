@@ -6,8 +6,8 @@ device (``hyperoffload.train_step`` on a GPU model). The cache operators allocat
 allocator for an offload) and hand the copy here. The rules follow CUDA's stream semantics (the CUDA C
 Programming Guide, "Streams" and "Events") and PyTorch's "CUDA semantics" note; unlike the interpreter's
 backend (``cuda_streams``) nothing is marked with ``record_stream``, which makes the caching allocator hold a
-block until some later point of its own choosing (on an H200 the interpreter's step reserved 1.26-2.02x its
-budget that way):
+block until some later point of its own choosing (the interpreter's step on a GPU reserved well above its
+budget that way: docs/results.md, "Measured on an H200"):
 
 * **Ordering.** Each copy is issued on its direction's stream after that stream waits (``wait_stream``) for
   everything issued so far on the compute stream: the op that last wrote an offload's source, and any queued op

@@ -19,7 +19,7 @@ semantics" note on streams and ``record_stream``):
   offload), the caching allocator does not hand the block out again until the copy has finished.
   The byte count still holds it until the copy's event has completed, and an allocation that would
   not fit under the budget waits for that event on the host (``Event.synchronize``).
-* **Running from an arena** (``arena=True``; see ``plan_executor``). The arena is one block of the
+* **Running from an arena** (``arena=True``; see ``arena_step``). The arena is one block of the
   caching allocator (``arena_storage``); slots are storages sliced from it, which the allocator does not
   track, so ``record_stream`` on a slot does nothing and the arena itself is marked as used by both side
   streams instead: when it is freed with a copy of a slot still queued (an offload carried into the next

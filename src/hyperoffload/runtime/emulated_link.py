@@ -339,7 +339,7 @@ class LinkClient(RemoteBuffers):
     def lane_op(self, label: str, lane: str, nbytes: int, work: Callable[[], int | None],
                 after: Sequence[Transfer]) -> Transfer:
         """Run a lane op's ``work`` on the engine of ``lane`` (``"h2d"`` or ``"d2h"``), after ``after``; see
-        ``hyperoffload.runtime.plan_executor.Transfers.lane_op``."""
+        ``hyperoffload.runtime.transfers.Transfers.lane_op``."""
         engine = self.link.h2d if lane == H2D else self.link.d2h if lane == D2H else None
         if engine is None:
             raise ValueError(f"lane op {label}: lane must be {H2D!r} or {D2H!r}, got {lane!r}")
@@ -360,7 +360,7 @@ class LinkClient(RemoteBuffers):
 class EmulatedLink(HostLink):
     """Two copy engines, remote -> device (H2D) and device -> remote (D2H), each with its own bandwidth.
 
-    A transfer backend for ``hyperoffload.runtime.plan_executor.execute_plan``: both tiers are host
+    A transfer backend for ``hyperoffload.runtime.interpreter.execute_plan``: both tiers are host
     memory, so storages are plain CPU storages and only the copies cost link time. Used directly, the link
     issues copies as one ``LinkClient`` of its engines, for one user at a time; ``client()`` gives each further
     user (each ``AsyncExecutor``) its own.

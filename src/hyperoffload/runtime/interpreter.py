@@ -1,12 +1,58 @@
-"""The interpreter: one loop over a plan's instructions, one method per instruction kind.
+"""The interpreter: run a Plan on real tensors, one loop over its instructions, one method per instruction kind.
 
-``execute_plan`` runs one step of a plan on real tensors with a transfer backend doing the copies; ``run_plan``
-is the reference, with synchronous copies. The step (``_Step``) dispatches each instruction to the method named
-after its kind (``compute``, ``offload``, ``release``, ``prefetch``, ``wait``), as ``torch.fx.Interpreter``
-dispatches each node to the method named after its op. What each instruction does, and how device bytes,
-the arena and lane ops behave, is described in ``hyperoffload.runtime.plan_executor``; the step's arena, lane
-ops, transfer bookkeeping and results are its mixins (``arena_step``, ``lane_ops``, ``transfers``,
-``step_results``).
+``execute_plan`` runs one step of a plan with a transfer backend (``transfers.Transfers``) doing the copies;
+``run_plan`` is the reference, with synchronous copies (``SyncTransfers``, which runs lane ops inline too);
+``emulated_link`` and ``native_link`` run the copies on copy threads that take as long as the link would,
+``cuda_streams`` on CUDA side streams. The step (``_Step``) dispatches each instruction to the method named after
+its kind (``compute``, ``offload``, ``release``, ``prefetch``, ``wait``), as ``torch.fx.Interpreter`` dispatches
+each node to the method named after its op.
+
+There are two tiers. The *device* tier is an environment of live tensors, as in ``run_reference``; the *remote*
+tier maps a storage id to a buffer holding a copy of that storage's bytes. Instructions act on them in plan order:
+
+* ``COMPUTE op`` runs the op's fx node on the caller's thread (a lane op goes to its copy lane: ``lane_ops``).
+  Storages are freed after their last device use exactly as ``check_plan(plan).frees_after`` says, by dropping
+  every value aliasing them at once.
+* ``OFFLOAD s`` starts a copy of the whole untyped storage of ``s`` into a remote buffer, so any view into it can
+  be rebuilt.
+* ``RELEASE s`` drops every value aliasing ``s`` from the device tier and remembers the view metadata (``views``)
+  of those read again later or returned.
+* ``PREFETCH s`` allocates a new device storage and starts a copy of the remote buffer into it.
+* ``WAIT s`` waits for the latest transfer of ``s``; only then are the remembered views rebuilt on a prefetched
+  storage, so no op can read a copy that has not landed.
+
+*Remote* values (``Value.remote``: a step input living in remote memory for the whole step, such as a remote KV
+cache) are in the environment so lane ops can read and write them, but their storages are never device bytes:
+they are neither counted nor dropped, and only lane ops touch them. Inputs that start the step in remote memory
+(``plan.initial_remote``) are their own remote copy: prefetches read the caller's storage, and an offload of
+such a storage writes back into it.
+
+Device bytes are measured after every instruction (``device_bytes``). With a budget, an allocation that would not
+fit while a released storage is still being copied out waits for that copy (as the simulator's memory stall
+does); if the measured bytes exceed the budget anyway the step fails with ``BudgetExceeded``. The caller's own
+references to its input tensors are not part of the device tier: once the plan releases an input's storage, that
+memory counts as remote.
+
+What the step leaves behind depends on ``donate`` (``step_results``):
+
+* ``donate=False`` (in place, like the unplanned step): caller tensors (step inputs and graph constants) whose
+  storage the plan released are no longer the tensors the step updates, so the final bytes of every such storage
+  are copied back into the caller's storage at the end, from the device tier or, if the plan leaves it in remote
+  memory, from its remote copy; returned values aliasing such a storage are returned as views of the caller's
+  storage. This copy-back emulates the caller's tensors living wherever the plan left them and is not counted as
+  a transfer.
+* ``donate=True`` (a training loop that hands its state to the executor): the executor takes the input tensors
+  out of the list it is given (so it holds the only references and released memory is really given back) and
+  returns the state where the plan left it, in ``PlanRun.state``, to be passed to the next step. Nothing is
+  copied back. The plan must leave every input where it found it, so that it can run again on its own result.
+
+With ``arena`` the step keeps every device storage in its slot of one buffer (``arena_step``).
+
+The step's parts are mixins, one module per concern: ``transfers`` (the transfers it started), ``arena_step``
+(running from an arena), ``lane_ops`` (ops on the copy lanes) and ``step_results`` (completing the step and
+building its ``PlanRun``). Beside them: ``prepared_plan`` (what every step of a plan shares), ``views`` (a tensor
+rebuilt as a view of another copy of its storage), ``out_variants`` (the ``out=`` overloads that write into
+arena slots), ``arena`` (slots and the overlap check) and ``placement`` (where a donated step's state starts).
 """
 
 from __future__ import annotations
@@ -37,7 +83,7 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
                  carried: dict[int, Any] | None = None,
                  on_instruction: Callable[[int], None] | None = None, arena: bool | Layout = False,
                  kept_arena: list[torch.UntypedStorage] | None = None) -> PlanRun:
-    """Run one step of ``plan`` on ``inputs`` with ``transfers`` doing the copies (see ``plan_executor``).
+    """Run one step of ``plan`` on ``inputs`` with ``transfers`` doing the copies (see the module docstring).
 
     ``plan`` may be a ``PreparedPlan`` (``prepare_plan``), to check and analyse it once for many steps.
     ``donate``: take the tensors out of ``inputs`` (a list, emptied) and return the state in ``PlanRun.state``
@@ -46,7 +92,7 @@ def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor
     address -> handle) so that the next step (given the same dict) orders its prefetches after them; the
     caller completes them with the backend before reading that state. ``on_instruction(i)`` is called after
     each instruction (progress, or stopping a step from outside by raising). ``arena``: run from one arena
-    (``True``, or a ``Layout`` of the plan; see ``plan_executor``). ``kept_arena``: where a donated step keeps
+    (``True``, or a ``Layout`` of the plan; see ``arena_step``). ``kept_arena``: where a donated step keeps
     its arena for the next (a list of at most one); a later donated step whose state lives in it reuses it.
 
     If anything raises (a failed copy, an op, ``on_instruction``), every transfer of the step is stopped or
@@ -68,7 +114,7 @@ def run_plan(plan: Plan, inputs: Sequence[torch.Tensor], *, arena: bool | Layout
     are used as given and updated in place, as in ``run_reference``: pass clones to keep the originals.
     ``arena``: run from one arena (``True``: ``plan.layout`` or ``assign_offsets(plan)``; or a ``Layout``
     of this plan), allocated on the device of the inputs the step starts with on the device tier; see
-    ``hyperoffload.runtime.plan_executor``.
+    ``hyperoffload.runtime.arena_step``.
     """
     return execute_plan(plan, inputs, SyncTransfers(), arena=arena)
 

@@ -3,8 +3,12 @@
 A lane op (an indexed fetch of KV blocks, a write of rows to a remote cache) is handed, with the input tensors
 it reads, to the transfer backend's lane of its direction (``Transfers.lane_op``), as the simulator runs it:
 after the lane ops it depends on (``Program.dependencies()``) have finished, in FIFO order with that lane's
-copies. The interpreter goes on; the first instruction that depends on it waits for it first, its outputs join
-the device tier once the step sees it finished, and the device storages it reads stay counted until then.
+copies. The interpreter goes on; the first instruction that depends on the lane op (reads its outputs, or
+touches a storage it writes or writes one it reads), or an ``OFFLOAD`` of a storage it writes, waits for it
+first (counted in ``copy_wait_s``), and every lane op has finished when the step returns. Its outputs join the
+device tier once the step sees it finished; the device storages it reads stay counted until then, even if the
+plan frees them meanwhile. A lane op that fails raises ``TransferError``. The remote values it reads and writes
+(``Value.remote``) are in the step's environment but are never device bytes.
 """
 
 from __future__ import annotations

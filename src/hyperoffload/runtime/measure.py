@@ -18,13 +18,13 @@ simulator's prediction for the same plan.
 Figure names follow ``docs/figures.md``.
 
 **Dispatch calibration.** The ``cpu-emulated`` profile's ``launch_s`` is the cost of one bare aten call
-from Python (about 2 us here), but the executor pays more per op: it looks up the op's arguments, records
-its results and counts their bytes (about 8-10 us), and it pays that on views too, which the cost model
-charges nothing because they launch no kernel on an accelerator. On a step of small ops (``tiny-llama``:
-1,326 ops, 440 of them views) this alone makes ``compute_s`` half of what the executor takes.
-``executor_dispatch_s`` measures the executor's cost per op on a synthetic chain of tiny ops (independent of
-the workload), and ``for_executor`` sets the profile's ``launch_s`` to it, spread over the ops that the cost
-model charges, so the simulated compute stream pays one dispatch per op the executor runs.
+from Python, but the executor pays more per op: it looks up the op's arguments, records its results and counts
+their bytes, and it pays that on views too, which the cost model charges nothing because they launch no kernel
+on an accelerator. On a step of small ops this alone makes the simulated ``compute_s`` fall well short of what
+the executor takes (docs/runtime.md, "Calibrating the simulator to the executor", has the figures and the
+command). ``executor_dispatch_s`` measures the executor's cost per op on a synthetic chain of tiny ops
+(independent of the workload), and ``for_executor`` sets the profile's ``launch_s`` to it, spread over the ops
+that the cost model charges, so the simulated compute stream pays one dispatch per op the executor runs.
 ``executor_issue_s`` likewise measures what each cache instruction costs the executor's one thread on the
 emulated link (issuing the copy, the copy threads' hand-offs, the bookkeeping), which ``for_executor`` sets
 as the profile's ``issue_s``.
@@ -38,10 +38,14 @@ measures each such op on the step's own inputs (``custom_op_costs``) and has the
 step (and a decode step's remote-KV forms) through the executor and charges every compute op whose target and
 shapes (``cost.op_signature``) ran there its mean time per call, dispatch included (``executor_op_costs``). On
 a CPU the roofline misjudges small kernels both ways: attention, batched matmuls and ``arange`` take several
-times their roofline, elementwise ops less than the spread dispatch cost. On ``tiny-deepseek`` decode this
-took the simulator's error on the unplanned step from 0.42 (one dispatch cost for every op) to 0.01-0.03
-(``bench/decode_kv.py --only run``, docs/results.md). The dispatch
-calibration above remains for op shapes not timed (plans of other forms of the step).
+times their roofline, elementwise ops less than the spread dispatch cost; what timing them changes in the
+simulator's error is in docs/runtime.md (same section). The dispatch calibration above remains for op shapes
+not timed (plans of other forms of the step).
+
+**Warm-up.** A fresh process runs its first second or so of small ops slower (allocator, first-call paths,
+clock ramp-up), so the first timing a process makes needs a longer warm-up than later ones. Which timing is
+the first is the caller's knowledge, not this module's: ``executor_op_costs`` takes ``warm_up_s``, and
+``for_executor`` warms up its first measured form only.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ class RunConfig:
     """Let a step's last offloads of state overlap the next step, as a training loop does."""
     arena: bool = False
     """Run the planned steps from one arena (``plan.layout``, else ``assign_offsets(plan)``; see
-    ``hyperoffload.runtime.plan_executor``); the unplanned step runs as always."""
+    ``hyperoffload.runtime.arena_step``); the unplanned step runs as always."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -256,16 +260,18 @@ def custom_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: i
 
 
 WARM_UP_S = 1.5
-"""Seconds the first ``executor_op_costs`` of a process runs its step before timing it (later ones, two runs)."""
-_warmed = False
+"""Seconds of warm-up the first ``executor_op_costs`` of a process needs before timing (its default and
+``for_executor``'s); later ones in the same process need only two runs (``warm_up_s=0``)."""
 
 
-def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: int = 11) -> dict[str, float]:
+def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: int = 11,
+                      warm_up_s: float = WARM_UP_S) -> dict[str, float]:
     """Seconds per call of each op signature (``cost.op_signature``) of ``program``'s compute ops, measured by
     running the unplanned step through the plan executor (synchronous copies) on clones of ``inputs``: after
-    warm-up runs (``WARM_UP_S`` the first time in a process), ``repeats`` runs time each op from the end of the
-    instruction before it to the end of its own (its arguments looked up, the call, its results recorded: all
-    the executor's one thread spends on it). Per op the fastest time is kept, scaled so that the ops add up
+    warm-up runs (two, and more until ``warm_up_s`` seconds have passed: ``WARM_UP_S`` for the first timing in a
+    process, 0 for later ones), ``repeats`` runs time each op from the end of the instruction before it to the
+    end of its own (its arguments looked up, the call, its results recorded: all the executor's one thread
+    spends on it). Per op the fastest time is kept, scaled so that the ops add up
     to the fastest run, then the mean over the ops of each signature. The step's first instruction, which also
     pays for starting the step, and lane ops, which run on copy lanes when planned, are left out. Empty if
     ``inputs`` are fake tensors."""
@@ -285,12 +291,9 @@ def executor_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats:
     gc.collect()
     gc.freeze()  # the cyclic collector would otherwise land on whichever op allocates when it runs
     try:
-        # The first time in a process, warm up for WARM_UP_S as well as two runs: a fresh process runs its first
-        # second or so of small ops slower (allocator, first-call paths, clock ramp-up), which two runs of a
-        # 12 ms step miss.
-        global _warmed
-        warm_until = time.perf_counter() + (0.0 if _warmed else WARM_UP_S)
-        _warmed = True
+        # Two runs at least, and until warm_up_s has passed: two runs of a step of small ops miss a fresh process's
+        # slow first second (see "Warm-up" above).
+        warm_until = time.perf_counter() + warm_up_s
         k = 0
         while k < 2 or time.perf_counter() < warm_until:
             execute_plan(prepared, [t.clone() for t in inputs], transfers)
@@ -334,7 +337,7 @@ def _measurable_forms(program: Program,
 
 
 def for_executor(hardware: Hardware, program: Program, dispatch_s: float, issue_s: float | None = None,
-                 inputs: Sequence[torch.Tensor] | None = None) -> Hardware:
+                 inputs: Sequence[torch.Tensor] | None = None, warm_up_s: float = WARM_UP_S) -> Hardware:
     """``hardware`` with ``launch_s`` set so that the cost model charges ``dispatch_s`` (seconds) for every op of
     ``program`` (views included) while charging launch overhead only on ops that are not views, and, if
     given, ``issue_s`` (seconds) per cache instruction (``executor_issue_s``).
@@ -348,7 +351,9 @@ def for_executor(hardware: Hardware, program: Program, dispatch_s: float, issue_
     With the same inputs, every compute op (views included) whose signature (target and shapes) runs in those
     forms is charged its time through the executor (``executor_op_costs``), which replaces both the roofline
     and the dispatch estimate: the roofline misjudges small CPU kernels both ways (attention, batched matmuls
-    and ``arange`` take several times their roofline, elementwise ops less than the spread dispatch cost)."""
+    and ``arange`` take several times their roofline, elementwise ops less than the spread dispatch cost).
+    ``warm_up_s``: seconds of warm-up before the first form is timed (``executor_op_costs``; the default suits
+    the first timing of a process, 0 a process that has timed steps already); later forms warm up by two runs."""
     launched = sum(not op.is_view for op in program.ops)
     if not launched:
         return hardware
@@ -365,11 +370,11 @@ def for_executor(hardware: Hardware, program: Program, dispatch_s: float, issue_
     lanes: dict[str, bool] = {}
     costs: dict[str, float] = {}
     shapes: dict[str, float] = {}
-    for form, form_inputs in _measurable_forms(program, inputs):
+    for k, (form, form_inputs) in enumerate(_measurable_forms(program, inputs)):
         lanes.update((op.target, op.lane is not None) for op in form.ops)
         for target, seconds in custom_op_costs(form, form_inputs).items():
             costs.setdefault(target, seconds)  # the step's own form first, then its remote-KV forms
-        for signature, seconds in executor_op_costs(form, form_inputs).items():
+        for signature, seconds in executor_op_costs(form, form_inputs, warm_up_s=0.0 if k else warm_up_s).items():
             shapes.setdefault(signature, seconds)
     # The executor dispatches a custom compute op like any other (``launch_s``); a lane op's kernel runs on its
     # lane, where the executor's dispatch is not. Ops of a measured signature are charged that, which already

@@ -48,7 +48,8 @@ def out_variant(target, device_type: str = "cpu") -> tuple[Any, str] | None:
     Instead, ``_to_copy`` and ``clone`` write with ``copy_`` (what both do once they have allocated), and
     ``mul.Scalar`` and ``div.Scalar`` with the tensor overload's ``out=`` kernel, which they call with the scalar
     wrapped (``_WRITTEN_INTO_OUT``): the same bytes without the allocation. The largest of these in a LLaMA step,
-    the logits' upcast to float32, was the 1.95 GiB a bf16 step held outside its arena on an H200."""
+    the logits' upcast to float32, is one of the step's largest blocks, which a bf16 step on a GPU held outside
+    its arena before (docs/results.md, "Measured on an H200")."""
     written = _WRITTEN_INTO_OUT.get(target)
     if written is not None:
         overload, out_name = written
