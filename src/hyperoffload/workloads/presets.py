@@ -48,7 +48,7 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload(
             name="tiny-llama",
-            description="4-layer LLaMA-style decoder for tests and demos; a training step runs in about 30 ms on CPU",
+            description="4-layer LLaMA-style decoder for tests and demos; its steps take milliseconds on CPU",
             config=LlamaConfig(vocab_size=512, hidden=128, ffn=352, layers=4, heads=4, kv_heads=2),
             dtype=torch.float32, batch=2, seq=64, context=64,
             source="project-defined; shape follows LLaMA 3 (GQA 2:1, SwiGLU, RMSNorm, RoPE)"),
@@ -66,8 +66,8 @@ WORKLOADS: dict[str, Workload] = {
             source="Meta Llama 3 70B config (docs/references.md)"),
         Workload(
             name="tiny-deepseek",
-            description="3-layer DeepSeek-style decoder (MLA + NSA + MoE) for tests and demos; prefill and decode "
-                        "take well under a second on CPU",
+            description="3-layer DeepSeek-style decoder (MLA + NSA + MoE) for tests and demos; its prefill and decode "
+                        "steps are quick to run on CPU",
             # Project-defined, with DeepSeek's proportions scaled down: NSA blocks small enough that a 64-token
             # sequence has 4 selection blocks, so selection, window and compression all matter; drop-free
             # expert dispatch so a cached decode and a full re-run agree (deepseek_moe).
