@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# The shared modules beside this file (helpers, programs, runtime_checks, backend_checks, cli_checks) are imported
-# by name from every layer's folder (unit, models, cli, gpu).
+# The shared modules beside this file (helpers, programs, runtime_checks, backend_checks, cli_checks, output_checks,
+# hf_configs) are imported by name from every layer's folder (unit, models, cli, gpu).
 sys.path.insert(0, str(Path(__file__).parent))
 
 from hyperoffload.plans import plan_without_offload  # noqa: E402

@@ -1,13 +1,11 @@
 """The DeepSeek-style workload: MLA + NSA attention, MoE dispatch, cached greedy decode, capture."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
 
 from hyperoffload.capture import fake_build
-from hyperoffload.cli import main
 from hyperoffload.ir import ValueKind
 from hyperoffload.runtime import compare_with_eager
 from hyperoffload.workloads import (DeepSeek, DeepSeekConfig, Llama, capture_workload, get_workload, greedy_generate,
@@ -158,21 +156,6 @@ def test_decode_capture_takes_the_named_cache_as_input():
     # 41 tokens rounded up to 3 selection blocks of 16; compressed blocks of 8 every 4 tokens over 48 slots.
     assert caches[0].shape == (3, 48, cfg.kv_dim)
     assert caches[1].shape == (3, (48 - 8) // 4 + 1, cfg.kv_dim)
-
-
-def test_cli_inspect_decode_and_prefill(capsys):
-    for mode in ("decode", "prefill"):
-        assert main(["inspect", "--workload", "tiny-deepseek", "--mode", mode, "--json"]) == 0
-        figures = json.loads(capsys.readouterr().out)
-        assert figures["params_bytes"] > 0 and figures["flops"] > 0
-        assert (figures["kv_bytes"] > 0) == (mode == "decode")
-
-
-def test_cli_plan_decode_meets_the_budget(capsys):
-    assert main(["plan", "--workload", "tiny-deepseek", "--mode", "decode", "--hardware", "h200", "--budget", "75%",
-                 "--json"]) == 0
-    figures = json.loads(capsys.readouterr().out)
-    assert figures["peak_bytes"] <= figures["budget_bytes"]
 
 
 def test_config_errors_name_the_field():

@@ -19,8 +19,8 @@ from hyperoffload.policies import PlannerConfig, plan_hyperoffload  # noqa: E402
 from hyperoffload.runtime import EmulatedLink, compare_with_eager, run_plan  # noqa: E402
 from hyperoffload.runtime.measure import RunConfig, measure_run, replayed_random_numbers  # noqa: E402
 from helpers import assert_matches_eager  # noqa: E402
+from hf_configs import SEQ, TASK_ARCHITECTURES  # noqa: E402
 
-SEQ = 16
 _TOKENS = dict(vocab_size=256, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
 _DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **_TOKENS)
 # Each architecture's tiny config, as AutoConfig.for_model(model_type, **sizes) takes it. Their default
@@ -232,25 +232,6 @@ def test_architecture_decode_captures_on_fake_weights(tmp_path, arch: str) -> No
     assert program.mode == "decode" and any(program.values[v].kind.value == "kv_cache" for v in program.inputs)
 
 
-# One tiny config of each task beyond causal LMs, by model type: (sizes, the task capture_hf takes it as, the model
-# class that task builds). Dropout is kept at each config's default (BERT and T5 train with 0.1).
-TASK_ARCHITECTURES = {
-    "bert": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                  max_position_embeddings=64, vocab_size=128), "masked-lm", "BertForMaskedLM"),
-    "t5": (dict(d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2, vocab_size=128,
-                decoder_start_token_id=0), "seq2seq-lm", "T5ForConditionalGeneration"),
-    "bart": (dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                  decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-                  vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2), "seq2seq-lm",
-             "BartForConditionalGeneration"),
-    "vit": (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
-                 patch_size=8, num_labels=5), "image-classification", "ViTForImageClassification"),
-    "whisper": (dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
-                     max_source_positions=16, max_target_positions=32, vocab_size=128, decoder_start_token_id=1,
-                     pad_token_id=0, bos_token_id=1, eos_token_id=2), "speech-seq2seq",
-                "WhisperForConditionalGeneration"),
-}
 # The batch each task's capture feeds its model, by keyword, with its shape at batch=2, seq=SEQ.
 TASK_INPUTS = {
     "bert": {"input_ids": (2, SEQ)},
@@ -350,26 +331,3 @@ def test_the_task_follows_architectures_and_can_be_overridden(tmp_path) -> None:
         build_hf_model(path, task="image-classification")
     with pytest.raises(CaptureError, match="drop seq"):
         capture_hf(build_hf_model(_task_config_path(tmp_path / "vit", "vit")), "train", batch=1, seq=SEQ)
-
-
-@pytest.mark.parametrize("arch", ["t5", "vit", "whisper"])
-def test_cli_inspects_and_runs_a_task_config(tmp_path, capsys, arch: str) -> None:
-    """``--workload hf:PATH`` of a non-causal config: inspected with --verify (graph against eager, real weights),
-    and run planned at half its peak, bit-identical to the unplanned step."""
-    import json
-
-    from hyperoffload.cli import main
-
-    sizes, task, _ = TASK_ARCHITECTURES[arch]
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": arch, **sizes}))
-    step = ["--workload", f"hf:{tmp_path}", "--mode", "train", "--batch", "2"]
-    if arch != "vit":
-        step += ["--seq", str(SEQ)]
-    assert main(["inspect", *step, "--verify", "--json"]) == 0
-    figures = json.loads(capsys.readouterr().out)
-    assert figures["task"] == task and figures["model_type"] == arch
-    assert figures["verify"]["identical_to_eager"]
-    assert main(["run", *step, "--budget", "50%", "--link", "10GB/s", "--steps", "1", "--warmup", "0",
-                 "--json"]) == 0
-    ran = json.loads(capsys.readouterr().out)
-    assert ran["max_abs_diff"] == 0.0 and ran["feasible"]

@@ -1,4 +1,5 @@
-"""One rank's step of an FSDP2-sharded model, captured on a fake process group: shards, collectives and lifetimes."""
+"""One rank's step of an FSDP2-sharded model, captured on a fake process group: shards, collectives and lifetimes.
+The commands on such a step: tests/cli/test_sharded_capture_cli.py."""
 
 import json
 
@@ -6,11 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cli_checks import TINY, user_error
 from hyperoffload.analysis import memory_profile
 from hyperoffload.capture import CaptureError, capture_sharded_train_step, fake_build
 from hyperoffload.capture.sharded import fake_world
-from hyperoffload.cli import main
 from hyperoffload.ir import CollectiveKind, Phase, ValueKind, kind_bytes
 from hyperoffload.workloads import capture_workload, get_workload
 
@@ -111,26 +110,6 @@ def test_a_world_that_is_not_a_count_of_ranks_is_refused(world, message):
         capture_sharded_train_step(model, (tokens,), tokens, world=world)
 
 
-def test_inspect_world_reports_the_ranks_collectives(capsys):
-    assert main(["inspect", *TINY, "--world", "2", "--json"]) == 0
-    figures = json.loads(capsys.readouterr().out)
-    assert figures["world"] == 2
-    assert figures["collectives"]["all_gather"]["count"] == 1 + 2 * BLOCKS
-    assert figures["collectives"]["reduce_scatter"]["count"] == 1 + BLOCKS
-    assert main(["inspect", *TINY, "--world", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "rank 0 of 2" in out and "reduce-scatter" in out
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--workload", "tiny-llama", "--mode", "decode", "--world", "2"], "decode step cannot be captured sharded"),
-    ([*TINY, "--world", "2", "--verify"], "drop --verify or --world"),
-    ([*TINY, "--world", "2", "--master-weights"], "master weights"),
-])
-def test_inspect_world_refuses_what_it_cannot_shard(capsys, args, message):
-    assert message in user_error(capsys, ["inspect", *args])
-
-
 def test_a_collective_costs_its_time_on_the_interconnect(sharded):
     from hyperoffload.collectives import collective_s
     from hyperoffload.cost import op_time
@@ -141,16 +120,6 @@ def test_a_collective_costs_its_time_on_the_interconnect(sharded):
     for op in (op for op in program.ops if op.collective):
         network = collective_s(op.collective.kind, dgx, op.collective.full_bytes, world)
         assert network > 0 and op_time(op, program, dgx) == network + dgx.launch_s
-
-
-def test_plan_world_plans_the_ranks_step_on_a_multi_device_profile(capsys):
-    assert main(["plan", *TINY, "--world", "2", "--hardware", "dgx-h100", "--budget", "50%", "--json"]) == 0
-    figures = json.loads(capsys.readouterr().out)
-    assert figures["world"] == 2 and figures["feasible"]
-    assert figures["peak_bytes"] <= figures["budget_bytes"]
-    assert figures["h2d_bytes"] > 0 and figures["step_s"] >= figures["compute_s"]
-    error = user_error(capsys, ["simulate", *TINY, "--world", "2", "--hardware", "h100-sxm"])
-    assert "one device with no network" in error and "dgx-h100" in error
 
 
 def test_the_sharded_bench_plans_each_budget_within_it():
@@ -169,29 +138,3 @@ def test_the_sharded_bench_plans_each_budget_within_it():
         assert row["peak_bytes"] <= row["budget_bytes"] < result["unplanned_peak_bytes"]
         assert row["step / link_bound"] >= 1 - 1e-9 and row["step_s"] >= row["compute_s"] * (1 - 1e-9) > 0
     assert result["rows"][1]["h2d_bytes"] > result["rows"][0]["h2d_bytes"]
-
-
-def test_plan_json_says_the_remote_memory_of_a_rank_and_of_its_node(capsys):
-    assert main(["plan", *TINY, "--world", "4", "--hardware", "dgx-h100", "--budget", "50%", "--json"]) == 0
-    figures = json.loads(capsys.readouterr().out)
-    assert figures["remote_bytes"] >= figures["excess_bytes"] > 0
-    assert figures["ranks_per_node"] == 4 and figures["remote_bytes_per_node"] == 4 * figures["remote_bytes"]
-    assert figures["host_memory_bytes"] == 2 * 2**40
-
-
-def test_every_process_makes_the_same_plan_of_a_sharded_step():
-    """Ranks plan independently from identical inputs: two processes (with different hash seeds) give the same
-    digest, and another budget another one."""
-    import os
-    import subprocess
-    import sys
-
-    def digest(budget: str, seed: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "hyperoffload.cli", "plan", *TINY, "--world", "2", "--hardware",
-                               "dgx-h100", "--budget", budget, "--json"], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONHASHSEED": seed})
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)["plan_digest"]
-
-    first = digest("50%", "1")
-    assert first == digest("50%", "2") != digest("70%", "1")

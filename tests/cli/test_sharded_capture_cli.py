@@ -1,0 +1,69 @@
+"""The commands on one rank's step of an FSDP2-sharded tiny-llama: ``inspect --world`` reports the rank's
+collectives and refuses what it cannot shard, ``plan --world`` plans on a multi-device profile, the same plan in
+every process."""
+
+import json
+
+import pytest
+from cli_checks import TINY, user_error
+
+from hyperoffload.cli import main
+from hyperoffload.workloads import get_workload
+
+BLOCKS = get_workload("tiny-llama").config.layers
+
+
+def test_inspect_world_reports_the_ranks_collectives(capsys):
+    assert main(["inspect", *TINY, "--world", "2", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["world"] == 2
+    assert figures["collectives"]["all_gather"]["count"] == 1 + 2 * BLOCKS
+    assert figures["collectives"]["reduce_scatter"]["count"] == 1 + BLOCKS
+    assert main(["inspect", *TINY, "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 of 2" in out and "reduce-scatter" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "tiny-llama", "--mode", "decode", "--world", "2"], "decode step cannot be captured sharded"),
+    ([*TINY, "--world", "2", "--verify"], "drop --verify or --world"),
+    ([*TINY, "--world", "2", "--master-weights"], "master weights"),
+])
+def test_inspect_world_refuses_what_it_cannot_shard(capsys, args, message):
+    assert message in user_error(capsys, ["inspect", *args])
+
+
+def test_plan_world_plans_the_ranks_step_on_a_multi_device_profile(capsys):
+    assert main(["plan", *TINY, "--world", "2", "--hardware", "dgx-h100", "--budget", "50%", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["world"] == 2 and figures["feasible"]
+    assert figures["peak_bytes"] <= figures["budget_bytes"]
+    assert figures["h2d_bytes"] > 0 and figures["step_s"] >= figures["compute_s"]
+    error = user_error(capsys, ["simulate", *TINY, "--world", "2", "--hardware", "h100-sxm"])
+    assert "one device with no network" in error and "dgx-h100" in error
+
+
+def test_plan_json_says_the_remote_memory_of_a_rank_and_of_its_node(capsys):
+    assert main(["plan", *TINY, "--world", "4", "--hardware", "dgx-h100", "--budget", "50%", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["remote_bytes"] >= figures["excess_bytes"] > 0
+    assert figures["ranks_per_node"] == 4 and figures["remote_bytes_per_node"] == 4 * figures["remote_bytes"]
+    assert figures["host_memory_bytes"] == 2 * 2**40
+
+
+def test_every_process_makes_the_same_plan_of_a_sharded_step():
+    """Ranks plan independently from identical inputs: two processes (with different hash seeds) give the same
+    digest, and another budget another one."""
+    import os
+    import subprocess
+    import sys
+
+    def digest(budget: str, seed: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "hyperoffload.cli", "plan", *TINY, "--world", "2", "--hardware",
+                               "dgx-h100", "--budget", budget, "--json"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["plan_digest"]
+
+    first = digest("50%", "1")
+    assert first == digest("50%", "2") != digest("70%", "1")
