@@ -5,8 +5,9 @@ A decode step of a DeepSeek-style workload is captured with its KV cache on the 
 ``kv-naive`` and the other policies plan); ``workloads.build.capture_workload`` gives its Program a
 ``RemoteKvForms`` (``Program.remote_kv``): how to capture the same step with the latent cache in remote memory
 and a device block pool of a given size (``deepseek_remote.capture_remote_decode_step``), and the sizes a pool is
-chosen from. ``paged`` and ``hyperoffload`` plan that form when it serves the budget better. Captures are made on
-first use and kept with the step's Program.
+chosen from. ``paged`` and ``hyperoffload`` plan that form when it serves the budget better (``largest_pool_form``
+gives it with its pool size, a ``RemoteKvForm``). Captures are made on first use and kept with the step's Program
+(``CapturedForms``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,30 @@ from hyperoffload.ir import Program, ValueKind
 
 RemoteCapture = Callable[[int | None, bool], Any]
 """(pool_blocks, speculative) -> a ``capture.Captured`` of the step with its KV cache remote."""
+
+
+class CapturedForms:
+    """The remote-KV forms of one step captured so far, by (pool_blocks, speculative): a cache, filled on first use
+    of each form and kept as long as the step's Program (whose ``RemoteKvForms`` holds it), since a capture costs a
+    trace of the model."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[int | None, bool], Any] = {}
+
+    def get(self, key: tuple[int | None, bool], capture: RemoteCapture):
+        """The ``Captured`` form for ``key``, made by ``capture(*key)`` the first time it is asked for."""
+        if key not in self._by_key:
+            self._by_key[key] = capture(*key)
+        return self._by_key[key]
+
+    def find(self, variant: Program):
+        """The ``Captured`` that ``variant`` is the Program of, among the forms made so far, or None."""
+        for captured in self._by_key.values():
+            if captured.program is variant:
+                return captured
+        return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -37,24 +62,22 @@ class RemoteKvForms:
     """Blocks holding tokens up to the step's own, per sequence and layer: the largest useful pool (blocks)."""
     pool_block_bytes: int
     """Device bytes one more pool block per sequence costs over all layers, its block-table entry included."""
-    made: dict[tuple[int | None, bool], Any] = field(default_factory=dict, repr=False)
-    """(pool_blocks, speculative) -> the ``Captured`` made by ``capture``: each form is captured once, on first
-    use, and kept as long as the step is (the only part that changes)."""
+    captures: CapturedForms = field(default_factory=CapturedForms, repr=False)
+    """The forms ``capture`` made so far (the only part that changes)."""
 
     def captured(self, pool_blocks: int | None, speculative: bool = False):
         """The ``Captured`` form with ``pool_blocks`` blocks per sequence and layer (None: no pool), captured on
         first use."""
-        key = (pool_blocks, speculative)
-        if key not in self.made:
-            self.made[key] = self.capture(pool_blocks, speculative)
-        return self.made[key]
+        return self.captures.get((pool_blocks, speculative), self.capture)
 
-    def find(self, variant: Program):
-        """The ``Captured`` that ``variant`` is the Program of, among the forms made so far, or None."""
-        for captured in self.made.values():
-            if captured.program is variant:
-                return captured
-        return None
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteKvForm:
+    """A decode step's form with its KV cache in remote memory, and the block pool it was captured with."""
+
+    program: Program
+    pool_blocks: int | None
+    """Blocks per sequence and layer of its device block pool (None: no pool)."""
 
 
 def has_remote_kv(program: Program) -> bool:
@@ -94,10 +117,15 @@ def speculative_variant(program: Program) -> Program:
 def find_captured(variant: Program, step: Program):
     """The ``Captured`` that ``variant`` (a remote-KV form of ``step`` made here) came from, or None (``variant``
     is ``step`` itself, or ``step`` has no remote-KV form)."""
-    return None if step.remote_kv is None else step.remote_kv.find(variant)
+    return None if step.remote_kv is None else step.remote_kv.captures.find(variant)
 
 
-def largest_pool_variant(program: Program, budget_bytes: int) -> Program | None:
+def remote_kv_form(program: Program, pool_blocks: int | None) -> RemoteKvForm:
+    """``remote_kv_variant`` with its pool size."""
+    return RemoteKvForm(program=remote_kv_variant(program, pool_blocks), pool_blocks=pool_blocks)
+
+
+def largest_pool_form(program: Program, budget_bytes: int) -> RemoteKvForm | None:
     """The remote-KV form of ``program`` with the largest block pool whose unplanned peak fits
     ``budget_bytes``; the form without a pool if even the smallest pool (one step's selection) does not
     fit; None if that does not fit either (its peak, ``remote_kv_variant(program, None)``, is what the
@@ -109,15 +137,21 @@ def largest_pool_variant(program: Program, budget_bytes: int) -> Program | None:
     smallest = remote_kv_variant(program, top_n)
     peak = memory_profile(smallest).peak_bytes
     if peak > budget_bytes:
-        bare = remote_kv_variant(program, None)
-        return bare if memory_profile(bare).peak_bytes <= budget_bytes else None
+        bare = remote_kv_form(program, None)
+        return bare if memory_profile(bare.program).peak_bytes <= budget_bytes else None
     # The pool is a step input the size of its blocks: the peak grows by exactly that per block.
     pool = min(valid, top_n + (budget_bytes - peak) // per_block)
-    variant = remote_kv_variant(program, pool)
-    while memory_profile(variant).peak_bytes > budget_bytes and pool > top_n:
+    form = remote_kv_form(program, pool)
+    while memory_profile(form.program).peak_bytes > budget_bytes and pool > top_n:
         pool -= 1
-        variant = remote_kv_variant(program, pool)
-    return variant
+        form = remote_kv_form(program, pool)
+    return form
+
+
+def largest_pool_variant(program: Program, budget_bytes: int) -> Program | None:
+    """The Program of ``largest_pool_form``, or None."""
+    form = largest_pool_form(program, budget_bytes)
+    return None if form is None else form.program
 
 
 def kv_placement(program: Program) -> dict:

@@ -36,15 +36,15 @@ def test_static_layout_keeps_the_faster_of_early_and_just_in_time_prefetches(har
     (then early only into free slots of the arena), and keeps the faster. On tiny-llama the just-in-time plan
     is the faster at 40% on h100-sxm and 30% on a100-80g."""
     from hyperoffload.hardware import get_hardware
-    from hyperoffload.policies.hyperoffload import _plan_in_arena
+    from hyperoffload.policies.hyperoffload import plan_in_arena
     from hyperoffload.simulate import simulate
 
     prog = capture_workload(get_workload("tiny-llama"), "train").program
     budget = int(memory_profile(prog).peak_bytes * share)
     hardware = get_hardware(hardware_name)
     plans = {"kept": plan_hyperoffload(prog, hardware, budget, LAYOUT),
-             "early": _plan_in_arena(prog, hardware, budget, LAYOUT)[0],
-             "just in time": _plan_in_arena(prog, hardware, budget, replace(LAYOUT, early_prefetch=False))[0]}
+             "early": plan_in_arena(prog, hardware, budget, LAYOUT)[0],
+             "just in time": plan_in_arena(prog, hardware, budget, replace(LAYOUT, early_prefetch=False))[0]}
     step = {}
     for name, plan in plans.items():
         verify(plan, hardware)

@@ -15,13 +15,14 @@ from hyperoffload.hardware import get_hardware
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Kind, check_plan
 from hyperoffload.policies import InfeasibleBudget, PlannerConfig, minimum_budget, plan_hyperoffload
-from hyperoffload.policies.hyperoffload import SMALL_STORAGE_BYTES, STATE_FIRST_FROM, made_share
+from hyperoffload.policies.hyperoffload import made_share
 from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
 from programs import op, program, random_programs, simple_hardware, value
 
 TINY = get_workload("tiny-llama")
+DEFAULTS = PlannerConfig()
 H100 = get_hardware("h100-sxm")
 
 
@@ -42,7 +43,7 @@ def test_tiny_plans_meet_their_budget(tiny_train, share):
 
 
 def test_planned_step_at_half_the_peak_is_bit_identical_on_real_tensors(tiny_train):
-    """The issue's correctness check: tiny-llama training at 50% of its no-offload peak, run with
+    """The project's correctness check: tiny-llama training at 50% of its no-offload peak, run with
     synchronous copies, gives the unplanned step's loss, gradients and updated state bit for bit."""
     program = tiny_train.program
     budget = parse_budget("50%", program, H100)
@@ -87,15 +88,15 @@ def test_infeasible_budget_names_the_smallest_one(tiny_train):
 
 def test_a_large_step_moves_activation_sized_storages_where_its_budget_needs_them():
     """Candidates are storages from 1/10,000 of the peak up, and near the smallest budget those meet, in a second
-    set of starts, from ``SMALL_STORAGE_BYTES`` up: on a step peaking at hundreds of GiB (``llama3-70b``), a 20 MiB
-    activation is worth moving when nothing else would do."""
+    set of starts, from ``PlannerConfig.small_storage_bytes`` up: on a step peaking at hundreds of GiB
+    (``llama3-70b``), a 20 MiB activation is worth moving when nothing else would do."""
     x, y = 20 * 2**20, 100 * 2**20
     values = [value(0, 0, ValueKind.INPUT), value(1, x), value(2, 200), value(3, 300 * 2**30), value(4, 100),
               value(5, 100), value(6, y)]
     ops = [op(0, [0], [1, 6]), op(1, [0], [2]), op(2, [2], [3]), op(3, [3], [4]), op(4, [1, 4, 6], [5])]
     prog = program(values, ops, [0], [5])
     peak = memory_profile(prog).peak_bytes
-    assert y > peak // 10_000 > x > SMALL_STORAGE_BYTES
+    assert y > peak // 10_000 > x > DEFAULTS.small_storage_bytes
     hardware = simple_hardware(bw=1e10)
     least, _ = minimum_budget(prog)
     assert least == peak - x - y  # both leave while op2 and op3 run
@@ -296,7 +297,7 @@ def test_state_first_start_where_saved_activations_are_much_of_the_peak():
     state (cyclic spans) first where spans tie is 9% faster; the planner refines that start on its own and keeps
     the faster, so it is never slower than without it."""
     prog = capture_workload(get_workload("tiny-deepseek"), "train").program
-    assert made_share(prog) >= STATE_FIRST_FROM
+    assert made_share(prog) >= DEFAULTS.state_first_from
     hardware = H100.replace(h2d_bw=5e8, d2h_bw=5e8, duplex_share=0.8)
     peak = memory_profile(prog).peak_bytes
     for share in (0.8, 0.6, 0.4):
@@ -311,7 +312,7 @@ def test_state_first_start_where_saved_activations_are_much_of_the_peak():
 def test_no_state_first_start_where_the_state_is_most_of_the_peak(tiny_train):
     """tiny-llama training (its saved activations under 40% of the peak) is planned as without the start."""
     program = tiny_train.program
-    assert made_share(program) < STATE_FIRST_FROM
+    assert made_share(program) < DEFAULTS.state_first_from
     budget = memory_profile(program).peak_bytes // 2
     hardware = H100.replace(h2d_bw=5e8, d2h_bw=5e8, duplex_share=0.8)
     plans = [plan_hyperoffload(program, hardware, budget, PlannerConfig(state_first=on)) for on in (True, False)]

@@ -163,16 +163,17 @@ def test_tiny_llama_plans_with_reordering_stay_valid(share):
 
 def test_a_partly_hoisted_order_moves_only_the_first_small_updates_and_runs_bit_identically():
     """``hoist_updates(share=...)``: only updates whose gradients are final in the first share of the backward
-    pass move (with the shared scalars they need), never one reading a state tensor over ``BIG_STATE_SHARE``
-    of the step's input bytes (tiny-llama's embedding and output projection and their moments); the order is
-    valid and the step bit-identical; ``share`` 0 hoists no update, 1 every small one."""
-    from hyperoffload.policies.reorder import BIG_STATE_SHARE, early_updates
+    pass move (with the shared scalars they need), never one reading a state tensor over
+    ``PlannerConfig.big_state_share`` of the step's input bytes (tiny-llama's embedding and output projection and
+    their moments); the order is valid and the step bit-identical; ``share`` 0 hoists no update, 1 every small
+    one."""
+    from hyperoffload.policies.reorder import early_updates
 
     captured = capture_workload(get_workload("tiny-llama"), "train", fake=False)
     prog = captured.program
     optimizer = {o.id for o in prog.ops if o.phase is Phase.OPTIMIZER}
     inputs = set(prog.inputs)
-    big = sum(prog.values[v].alloc_bytes for v in inputs) * BIG_STATE_SHARE
+    big = sum(prog.values[v].alloc_bytes for v in inputs) * PlannerConfig().big_state_share
     reads_big = {o.id for o in prog.ops if o.id in optimizer and any(
         prog.values[v].storage in inputs and prog.values[prog.values[v].storage].alloc_bytes > big for v in o.inputs)}
     assert reads_big, "tiny-llama's large state goes unexercised"
@@ -195,8 +196,9 @@ def test_a_partly_hoisted_order_moves_only_the_first_small_updates_and_runs_bit_
 
 
 def test_each_partly_hoisted_order_gets_a_pass_from_its_least_budget_up(monkeypatch):
-    """``PARTLY_HOISTED``: near the peak both partly hoisted orders get a quick pass with the captured and refined
-    ones; below the first one's least share of the peak only the order hoisting every small update does."""
+    """``PlannerConfig.partly_hoisted``: near the peak both partly hoisted orders get a quick pass with the captured
+    and refined ones; below the first one's least share of the peak only the order hoisting every small update
+    does."""
     import hyperoffload.policies.hyperoffload as planner
     from hyperoffload.policies.hyperoffload import search
 
@@ -206,15 +208,15 @@ def test_each_partly_hoisted_order_gets_a_pass_from_its_least_budget_up(monkeypa
     names = [planner.order_name(prog, order) for order in planner.candidate_orders(prog)]
     assert names[:2] == ["captured", "refined"] and {"partly 15%", "partly 100%"} <= set(names)
     passed: list[str] = []
-    real = search._plan_in_order
+    real = search.plan_in_order
 
-    def recording(program, hw, budget, facts, times, config, seeds=(), **kwargs):
+    def recording(context, facts, seeds=()):
         if not seeds:  # a quick pass
-            passed.append(planner.order_name(program, facts.order))
-        return real(program, hw, budget, facts, times, config, seeds, **kwargs)
+            passed.append(planner.order_name(context.program, facts.order))
+        return real(context, facts, seeds)
 
-    monkeypatch.setattr(search, "_plan_in_order", recording)
-    (small, small_least), (every, every_least) = planner.PARTLY_HOISTED
+    monkeypatch.setattr(search, "plan_in_order", recording)
+    (small, small_least), (every, every_least) = PlannerConfig().partly_hoisted
     assert small < every == 1.0 and small_least > every_least
     for share in (small_least + 0.1, small_least - 0.2):
         passed.clear()

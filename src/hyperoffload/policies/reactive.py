@@ -43,6 +43,9 @@ class ReactiveConfig:
 
     lookahead: int = 0
     """How many ops after the current one have their missing inputs fetched ahead (0: on demand only)."""
+    steady_state_passes: int = 3
+    """How many more times the step is replayed from the residency the last replay ended with, until the two
+    agree (a count): what a runtime reaches after a few steps, which the plan then repeats every step."""
 
 
 def plan_reactive(program: Program, hardware: Hardware, budget_bytes: int,
@@ -54,16 +57,13 @@ def plan_reactive(program: Program, hardware: Hardware, budget_bytes: int,
     runtime.run()
     # Steady state: start from the residency the step ends with, until the two agree; whatever still
     # differs is put back at the end, so that step after step replays the same plan.
-    for _ in range(_STEADY_STATE_PASSES):
+    for _ in range(config.steady_state_passes):
         ends_with = runtime.resident_inputs()
         if ends_with == runtime.starts_with:
             break
         runtime = _Runtime(program, budget_bytes, config.lookahead, ends_with)
         runtime.run()
     return runtime.plan()
-
-
-_STEADY_STATE_PASSES = 3
 
 
 class _Runtime:

@@ -23,18 +23,32 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from hyperoffload.ir import Phase, Program
+from hyperoffload.policies.hyperoffload.config import PlannerConfig
 
 
-def hoist_updates(program: Program, *, anchored: bool = True, share: float | None = None) -> tuple[int, ...]:
+def hoist_updates(program: Program, *, anchored: bool = True, share: float | None = None,
+                  big_state_share: float = PlannerConfig().big_state_share) -> tuple[int, ...]:
     """An execution order (op ids) in which each optimizer-phase op runs as soon as the ops it depends
     on have run; other ops keep the captured order. With ``anchored``, an optimizer op that some later op
     depends on then moves down to just before the first of them, so that each update runs as one piece
     where its gradient is final (``_sink``); without, ops that need no gradient run at the
-    start of the step. With ``share``, only the updates ``early_updates`` picks move (see there). Equal to
-    the captured order when the step has no optimizer phase."""
-    deps = program.dependencies()
-    early = [op.phase is Phase.OPTIMIZER for op in program.ops] if share is None else early_updates(program, share)
-    waiting = [len(d) for d in deps]
+    start of the step. With ``share``, only the updates ``early_updates`` picks with ``big_state_share`` move (see
+    there). Equal to the captured order when the step has no optimizer phase."""
+    early = [op.phase is Phase.OPTIMIZER for op in program.ops] if share is None else early_updates(
+        program, share, big_state_share)
+    order = _early_ones_when_ready(program, early)
+    # Run as soon as its inputs are ready, an optimizer op that needs no gradient (AdamW's
+    # ``exp_avg_sq.mul_(beta2)``, the bias corrections) would run at the very start of the step, and the state
+    # it touches would then be needed on the device there as well as at its update: every second moment would
+    # cross the link twice per step. Sunk to its first dependent, it runs with the rest of its update, which
+    # the gradient anchors in the backward pass.
+    return _sink(order, early, program.dependents()) if anchored else tuple(order)
+
+
+def _early_ones_when_ready(program: Program, early: Sequence[bool]) -> list[int]:
+    """The captured order with each ``early`` op moved to run as soon as the ops it depends on have run (those ready
+    at once in captured order); the other ops keep their order."""
+    waiting = [len(d) for d in program.dependencies()]
     dependents = program.dependents()
     ready: list[int] = [op_id for op_id, e in enumerate(early) if e and waiting[op_id] == 0]
     heapq.heapify(ready)
@@ -49,7 +63,7 @@ def hoist_updates(program: Program, *, anchored: bool = True, share: float | Non
             if early[after] and waiting[after] == 0:
                 heapq.heappush(ready, after)
 
-    def drain() -> None:  # every update whose inputs are ready, in captured order
+    def drain() -> None:  # every early op whose inputs are ready, in captured order
         while ready:
             run(heapq.heappop(ready))
 
@@ -62,25 +76,16 @@ def hoist_updates(program: Program, *, anchored: bool = True, share: float | Non
         assert waiting[op_id] == 0, f"op {program.ops[op_id].name} reached before its dependencies"
         run(op_id)
         drain()
-    assert all(done), "an optimizer op never became ready"
-    # Run as soon as its inputs are ready, an optimizer op that needs no gradient (AdamW's
-    # ``exp_avg_sq.mul_(beta2)``, the bias corrections) would run at the very start of the step, and the state
-    # it touches would then be needed on the device there as well as at its update: every second moment would
-    # cross the link twice per step. Sunk to its first dependent, it runs with the rest of its update, which
-    # the gradient anchors in the backward pass.
-    return _sink(order, early, dependents) if anchored else tuple(order)
+    assert all(done), "an early op never became ready"
+    return order
 
 
-BIG_STATE_SHARE = 1 / 64
-"""An update whose state tensors include one of more than this share of the step's input bytes stays in the
-optimizer phase in a partly hoisted order (``early_updates``)."""
-
-
-def early_updates(program: Program, share: float) -> list[bool]:
+def early_updates(program: Program, share: float,
+                  big_state_share: float = PlannerConfig().big_state_share) -> list[bool]:
     """Which optimizer ops a partly hoisted order moves into the backward pass: the updates whose gradients
     are final within the first ``share`` of the backward pass's ops, and the shared scalars they need (the
     step count, bias corrections), but not an update whose state includes a tensor of more than
-    ``BIG_STATE_SHARE`` of the step's input bytes.
+    ``big_state_share`` of the step's input bytes (``PlannerConfig.big_state_share``).
 
     Why only some: hoisted, an update needs its parameter's moments on the device where its gradient is
     final. For the layers whose gradients come first, that is the start of the backward pass, right after
@@ -88,8 +93,8 @@ def early_updates(program: Program, share: float) -> list[bool]:
     then crowds the link where it is busiest. Hoisting the first few layers' updates fills the link's idle
     direction in the early backward pass with their offloads instead of the next step's forward pass; the
     large ones (an output projection's moments, gigabytes each) are what makes the peak, so they stay.
-    On ``llama3-8b`` at 80% of the peak, planned in this order with ``share`` 0.15 the step went from 1.065 to
-    1.017 x ``bound_s`` on ``h100-sxm`` and from 1.150 to 1.062 on ``a100-80g``."""
+    Near the peak, planned in this order the step is faster than in the captured one (``docs/design.md``,
+    "Tuning the planner")."""
     ops = program.ops
     backward = [op.id for op in ops if op.phase is Phase.BACKWARD]
     if not backward:
@@ -98,7 +103,7 @@ def early_updates(program: Program, share: float) -> list[bool]:
     cutoff = share * len(backward)
     values = program.values
     inputs = set(program.inputs)
-    big = sum(values[v].alloc_bytes for v in inputs) * BIG_STATE_SHARE
+    big = sum(values[v].alloc_bytes for v in inputs) * big_state_share
     deps = program.dependencies()
     ready: dict[int, float] = {}  # optimizer op -> position in the backward pass where its gradient is final
     large: dict[int, bool] = {}  # optimizer op -> whether its update touches a large state tensor
@@ -146,9 +151,9 @@ def sink_views(program: Program, order: Sequence[int] | None = None) -> tuple[in
     before the step began, and held the device from then on, instead of arriving just before its layer's
     forward matmul. Sunk, a storage's uses are where its data is read. A view allocates nothing, and it moves
     only to just before an op that touches the same storage, so the memory profile is unchanged. (An op that
-    costs nothing but owns its output, ``empty``, allocates: it stays.) On ``llama3-8b`` training on ``gh200``
-    at 20% of the peak the step went from 1.093 to 1.033 x ``bound_s``, and at the smallest budget from 1.421
-    to 1.274 (``bench/plan_tables.py``)."""
+    costs nothing but owns its output, ``empty``, allocates: it stays.) A parameter kept remote between steps
+    then comes back just before its layer, which makes the planned step faster at small budgets
+    (``docs/design.md``, "Tuning the planner")."""
     order = tuple(range(len(program.ops))) if order is None else tuple(order)
     values = program.values
     views = [op.is_view and not any(values[v].owns_storage for v in op.outputs) for op in program.ops]
@@ -158,14 +163,8 @@ def sink_views(program: Program, order: Sequence[int] | None = None) -> tuple[in
     return _sink(order, views, program.dependents(), lambda op, first: forward[op] == forward[first])
 
 
-LOOKAHEAD_OPS = 256
-"""How far ahead of the captured order (in ops) ``overlap_lane_ops`` may pull independent work to run
-while a fetch is in flight: enough for the rest of a transformer layer, not so far that ops of distant
-layers (and their memory) move."""
-
-
 def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
-                     lookahead: int = LOOKAHEAD_OPS) -> tuple[int, ...]:
+                     lookahead: int = PlannerConfig().lane_lookahead_ops) -> tuple[int, ...]:
     """``order`` (default: captured) with the step's lane ops given compute to hide behind.
 
     A lane op (``Op.lane``: an indexed fetch of KV blocks, a write to a remote cache) runs as soon as
@@ -175,58 +174,79 @@ def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
     every ready op up to ``lookahead`` positions further in ``order`` that does not (NSA's window branch
     and gates run while the selected blocks arrive). Otherwise ops keep their order;
     ``Program.dependencies()`` keeps the result valid. Equal to ``order`` for a step without lane ops.
+    The planner's lookahead is ``PlannerConfig.lane_lookahead_ops``.
     """
     order = tuple(range(len(program.ops))) if order is None else tuple(order)
-    ops = program.ops
     if not program.has_lane_ops():
         return order
-    deps = program.dependencies()
     position = {op_id: p for p, op_id in enumerate(order)}
-    fetched = {v for op in ops if op.lane == "h2d" for v in op.outputs}
-    values = program.values
-    fetched_storages = {values[v].storage for v in fetched}
-    deferred = [op.lane is None and any(values[v].storage in fetched_storages for v in op.inputs) for op in ops]
-    waiting = [len(d) for d in deps]
+    lanes = _LaneQueues(program, position)
+    deferred = _reads_a_fetch(program)
+    waiting = [len(d) for d in program.dependencies()]
     dependents = program.dependents()
-    # A lane's copies run in issue order, so a copy needed later must not be issued ahead of one needed
-    # sooner: each lane issues its ops in the order of their deadlines (first reader's position).
-    deadline = {i: min((position[d] for d in dependents[i]), default=len(order)) for i, op in enumerate(ops) if op.lane}
-    unissued: dict[str, list[tuple[int, int]]] = {}
-    for i in deadline:
-        unissued.setdefault(ops[i].lane, []).append((deadline[i], i))
-    for queue in unissued.values():
-        heapq.heapify(queue)
-    issued = [False] * len(ops)
-
-    def most_urgent(i: int) -> bool:
-        queue = unissued[ops[i].lane]
-        while queue and issued[queue[0][1]]:
-            heapq.heappop(queue)
-        return queue[0][1] == i
-
-    ready = [(position[i], i) for i in range(len(ops)) if waiting[i] == 0]
+    ready = [(position[i], i) for i in range(len(program.ops)) if waiting[i] == 0]
     heapq.heapify(ready)
     result: list[int] = []
     while ready:
-        frontier = ready[0][0]
-        near: list[tuple[int, int]] = []
-        while ready and ready[0][0] < frontier + lookahead:
-            near.append(heapq.heappop(ready))
-        # Within reach: the ready lane op its lane needs soonest (a copy issued early hides best), then the
-        # earliest op that does not wait for a fetch, then the earliest op.
-        chosen = next((item for item in near if ops[item[1]].lane is not None and most_urgent(item[1])), None) \
-            or next((item for item in near if not deferred[item[1]]), None) or near[0]
-        issued[chosen[1]] = True
-        for item in near:
-            if item is not chosen:
-                heapq.heappush(ready, item)
-        result.append(chosen[1])
-        for after in dependents[chosen[1]]:
+        chosen = _next_within(ready, lookahead, lanes, deferred)
+        result.append(chosen)
+        for after in dependents[chosen]:
             waiting[after] -= 1
             if waiting[after] == 0:
                 heapq.heappush(ready, (position[after], after))
-    assert len(result) == len(ops), "an op never became ready"
+    assert len(result) == len(program.ops), "an op never became ready"
     return tuple(result)
+
+
+class _LaneQueues:
+    """Each lane's ops not issued yet, by deadline (the position of their first reader in the order): a lane's
+    copies run in issue order, so a copy needed later must not be issued ahead of one needed sooner."""
+
+    def __init__(self, program: Program, position: dict[int, int]) -> None:
+        self.ops = program.ops
+        dependents = program.dependents()
+        self.unissued: dict[str, list[tuple[int, int]]] = {}
+        for i, op in enumerate(self.ops):
+            if op.lane:
+                deadline = min((position[d] for d in dependents[i]), default=len(position))
+                self.unissued.setdefault(op.lane, []).append((deadline, i))
+        for queue in self.unissued.values():
+            heapq.heapify(queue)
+        self.issued = [False] * len(self.ops)
+
+    def most_urgent(self, i: int) -> bool:
+        """Whether op i is the lane op its lane needs soonest among those not issued."""
+        queue = self.unissued[self.ops[i].lane]
+        while queue and self.issued[queue[0][1]]:
+            heapq.heappop(queue)
+        return queue[0][1] == i
+
+    def issue(self, i: int) -> None:
+        self.issued[i] = True
+
+
+def _reads_a_fetch(program: Program) -> list[bool]:
+    """Per op: whether it is compute that reads a storage a remote -> device lane op fills."""
+    ops, values = program.ops, program.values
+    fetched_storages = {values[v].storage for op in ops if op.lane == "h2d" for v in op.outputs}
+    return [op.lane is None and any(values[v].storage in fetched_storages for v in op.inputs) for op in ops]
+
+
+def _next_within(ready: list[tuple[int, int]], lookahead: int, lanes: _LaneQueues, deferred: list[bool]) -> int:
+    """The op to run next, taken off the heap ``ready`` ((position, op id)): of the ready ops within ``lookahead``
+    positions of the earliest, the lane op its lane needs soonest (a copy issued early hides best), then the
+    earliest op that does not wait for a fetch, then the earliest op."""
+    frontier = ready[0][0]
+    near: list[tuple[int, int]] = []
+    while ready and ready[0][0] < frontier + lookahead:
+        near.append(heapq.heappop(ready))
+    chosen = next((item for item in near if lanes.ops[item[1]].lane is not None and lanes.most_urgent(item[1])), None) \
+        or next((item for item in near if not deferred[item[1]]), None) or near[0]
+    lanes.issue(chosen[1])
+    for item in near:
+        if item is not chosen:
+            heapq.heappush(ready, item)
+    return chosen[1]
 
 
 def fetch_on_demand(program: Program, order: Sequence[int] | None = None) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ is returned without one, and its peak is what the policy needs.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hyperoffload.hardware import Hardware
@@ -58,53 +59,79 @@ _OFFLOADED = (ValueKind.PARAMETER, ValueKind.OPTIMIZER_STATE, ValueKind.GRADIENT
 def plan_zero_infinity(program: Program, hardware: Hardware, budget_bytes: int,
                        config: ZeroInfinityConfig = ZeroInfinityConfig()) -> Plan:
     """Parameters, optimizer state and gradients off the device between visits, fetched ahead by trace."""
-    values, n = program.values, len(program.ops)
+    values = program.values
     inputs = {values[v].storage for v in program.inputs} - {values[v].storage for v in program.constants}
     managed = {s for s in range(len(values)) if values[s].owns_storage and values[s].kind in _OFFLOADED
                and elements(values[s]) >= config.persistence_threshold
                and (s in inputs or values[s].kind is ValueKind.GRADIENT)}
-    uses = storage_uses(program, list(range(n)))
-    # Visits: runs of uses of a managed storage within one phase, [first, last] positions.
-    visits: dict[int, list[list[int]]] = {}
-    for s in managed:
-        runs: list[list[int]] = []
-        for p in uses.positions.get(s, ()):
-            if runs and program.ops[runs[-1][1]].phase is program.ops[p].phase:
-                runs[-1][1] = p
-            else:
-                runs.append([p, p])
-        visits[s] = runs
+    uses = storage_uses(program, list(range(len(program.ops))))
+    visits = {s: _visits(program, uses.positions.get(s, ())) for s in managed}
     kept = _kept_between_visits(program, visits, config)
-
     placed: list[Placed] = []
     # (first position of the visit, storage, elements, first position its device copy is gone), trace order
     fetches: list[tuple[int, int, int, int]] = []
     leaves: dict[int, list[int]] = {}  # position -> storages whose device copy goes there
     for s, runs in visits.items():
-        writes = uses.writes.get(s, [])
-        nelem = elements(values[s])
-        stale = s not in inputs  # a gradient is produced on the device; inputs start with a current remote copy
-        gone = 0
-        for k, (a, b) in enumerate(runs):
-            if (k == 0 and s in inputs) or (k > 0 and (s, k) not in kept):
-                fetches.append((a, s, nelem, gone))
-            gone = b + 1
-            stale = stale or written_between(writes, a, b)
-            last = k == len(runs) - 1
-            if last and s not in inputs:
-                leaves.setdefault(b + 1, []).append(s)  # freed after its last use
-                continue
-            if not last and (s, k + 1) in kept:
-                continue
-            if stale:
-                placed.append(Placed(b + 1, Kind.OFFLOAD, s))
-                stale = False
-            placed.append(Placed(b + 1, Kind.RELEASE, s))
-            leaves.setdefault(b + 1, []).append(s)
+        around = _around_visits(s, runs, kept, s in inputs, uses.writes.get(s, []), elements(values[s]))
+        placed += around.placed
+        fetches += around.fetches
+        for p in around.gone_at:
+            leaves.setdefault(p, []).append(s)
     fetches.sort()
-    placed += _schedule_fetches(fetches, leaves, n, config)
+    placed += _schedule_fetches(fetches, leaves, len(program.ops), config)
     remote = frozenset(s for s in managed if s in inputs)
     return emit_plan(program, placed, policy=POLICY, budget_bytes=budget_bytes, initial_remote=remote)
+
+
+def _visits(program: Program, positions: Sequence[int]) -> list[list[int]]:
+    """A storage's visits: runs of its uses (``positions``) within one phase, [first, last] positions."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and program.ops[runs[-1][1]].phase is program.ops[p].phase:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class _AroundVisits:
+    """What one managed storage's visits need: its fetches (first position of the visit, storage, elements, first
+    position its device copy is gone), its offloads and releases, and the positions its device copy goes."""
+
+    fetches: list[tuple[int, int, int, int]]
+    placed: list[Placed]
+    gone_at: list[int]
+
+
+def _around_visits(s: int, runs: list[list[int]], kept: set[tuple[int, int]], is_input: bool, writes: list[int],
+                   nelem: int) -> _AroundVisits:
+    """Storage ``s`` fetched before each visit not ``kept`` from the one before (a step input also before its first),
+    sent out after a visit that wrote it (a gradient is made on the device, an input starts with a current remote
+    copy) and released after each visit not followed by a kept one; a storage the step makes is freed after its last
+    use instead."""
+    fetches: list[tuple[int, int, int, int]] = []
+    placed: list[Placed] = []
+    gone_at: list[int] = []
+    stale = not is_input
+    gone = 0
+    for k, (a, b) in enumerate(runs):
+        if (k == 0 and is_input) or (k > 0 and (s, k) not in kept):
+            fetches.append((a, s, nelem, gone))
+        gone = b + 1
+        stale = stale or written_between(writes, a, b)
+        last = k == len(runs) - 1
+        if last and not is_input:
+            gone_at.append(b + 1)  # freed after its last use
+            continue
+        if not last and (s, k + 1) in kept:
+            continue
+        if stale:
+            placed.append(Placed(b + 1, Kind.OFFLOAD, s))
+            stale = False
+        placed.append(Placed(b + 1, Kind.RELEASE, s))
+        gone_at.append(b + 1)
+    return _AroundVisits(fetches, placed, gone_at)
 
 
 def _kept_between_visits(program: Program, visits: dict[int, list[list[int]]],

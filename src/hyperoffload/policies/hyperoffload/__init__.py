@@ -24,25 +24,17 @@ two of its uses; each such span is a candidate to spend in remote memory. The pl
    quick plan was fastest and in any within ``PlannerConfig.quick_tolerance`` of it.
 
 Its modules: ``config`` (``PlannerConfig``, ``PositionBudget``, ``InfeasibleBudget``), ``orders`` (the candidate
-execution orders), ``minimum`` (step 2), ``selection`` (steps 3-4 for one order, margin and start), ``passes`` (what
-follows the selection: reused remote copies, early prefetches, the emitted plan), ``search`` (steps 5-6) and
-``driver`` (``plan_hyperoffload``: the step's forms and, with a static layout, the arena that must fit).
+execution orders), ``minimum`` (step 2), ``context`` (what a selection pass plans from), ``selection`` (steps 3-4 for
+one order, margin and start), ``passes`` (what follows the selection: reused remote copies, early prefetches, the
+emitted plan), ``order_search`` (step 5 in one order), ``search`` (step 6) and ``driver`` (``plan_hyperoffload``: the
+step's forms and, with a static layout, the arena that must fit).
 """
 
 from hyperoffload.policies.hyperoffload.config import POLICY, InfeasibleBudget, PlannerConfig, PositionBudget
-from hyperoffload.policies.hyperoffload.driver import _plan_in_arena, plan_hyperoffload  # noqa: F401 (tests plan in it)
+from hyperoffload.policies.hyperoffload.driver import plan_hyperoffload, plan_in_arena
 from hyperoffload.policies.hyperoffload.minimum import minimum_budget
 from hyperoffload.policies.hyperoffload.orders import candidate_orders, made_share, order_name
 
-_DEFAULT = PlannerConfig()
-# The defaults of the tuning fields, by the names callers and benchmarks read them under (bytes, ratios, shares).
-SMALL_STORAGE_BYTES = _DEFAULT.small_storage_bytes
-SMALL_STORAGES_BELOW = _DEFAULT.small_storages_below
-STRETCHED_PARTLY_FROM = _DEFAULT.stretched_partly_from
-STATE_FIRST_TIE = _DEFAULT.state_first_tie
-STATE_FIRST_FROM = _DEFAULT.state_first_from
-PARTLY_HOISTED = _DEFAULT.partly_hoisted
 
-__all__ = ["POLICY", "InfeasibleBudget", "PlannerConfig", "PositionBudget", "plan_hyperoffload", "minimum_budget",
-           "candidate_orders", "order_name", "made_share", "SMALL_STORAGE_BYTES", "SMALL_STORAGES_BELOW",
-           "STRETCHED_PARTLY_FROM", "STATE_FIRST_TIE", "STATE_FIRST_FROM", "PARTLY_HOISTED"]
+__all__ = ["POLICY", "InfeasibleBudget", "PlannerConfig", "PositionBudget", "plan_hyperoffload", "plan_in_arena",
+           "minimum_budget", "candidate_orders", "order_name", "made_share"]

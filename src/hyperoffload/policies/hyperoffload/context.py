@@ -15,8 +15,9 @@ from hyperoffload.policies.spans import Span
 
 
 @dataclass(frozen=True, slots=True)
-class _Step:
-    """Per-position arrays of the order planned (seconds, bytes)."""
+class StepProfile:
+    """What a pass plans against, per position of the order planned: when each op starts and ends and how long it
+    takes (seconds), and the device bytes live there without offload (bytes)."""
 
     start: np.ndarray
     end: np.ndarray
@@ -24,14 +25,14 @@ class _Step:
     live: np.ndarray
 
 
-def _step_of(times: np.ndarray, live: np.ndarray) -> _Step:
+def back_to_back(times: np.ndarray, live: np.ndarray) -> StepProfile:
     """The step with each op right after the one before, taking ``times`` (seconds)."""
     end = np.cumsum(times)
-    return _Step(start=end - times, end=end, times=times, live=live)
+    return StepProfile(start=end - times, end=end, times=times, live=live)
 
 
 @dataclass(frozen=True, slots=True)
-class _Choice:
+class Choice:
     """Where a chosen span's instructions go (positions: before the op at that position; ``n`` is
     after the step's last op)."""
 
@@ -65,7 +66,7 @@ class PassContext:
     program: Program
     hardware: Hardware
     budget: PositionBudget
-    step: _Step
+    step: StepProfile
     """Op times (seconds) and no-offload live bytes the pass plans against, per position of ``order``."""
     spans: Sequence[Span]
     """The candidate spans; a choice is keyed by its index here."""

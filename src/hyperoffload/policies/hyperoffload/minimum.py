@@ -14,7 +14,7 @@ import numpy as np
 from hyperoffload.ir import Program
 from hyperoffload.memo import per_program
 from hyperoffload.plans import check_plan, plan_without_offload
-from hyperoffload.policies.hyperoffload.config import InfeasibleBudget, PlannerConfig
+from hyperoffload.policies.hyperoffload.config import InfeasibleBudget, PlannerConfig, PositionBudget
 from hyperoffload.policies.hyperoffload.orders import candidate_orders
 from hyperoffload.policies.spans import Span, Uses, idle_spans, storage_uses
 from hyperoffload.units import format_bytes
@@ -22,7 +22,7 @@ from hyperoffload.variants import has_remote_kv, remote_kv_variant, smallest_poo
 
 
 @dataclass(frozen=True, slots=True)
-class _OrderFacts:
+class OrderFacts:
     """What planning in one execution order starts from (positions in ``order``; bytes)."""
 
     order: list[int]
@@ -42,17 +42,17 @@ def _min_span_bytes(config: PlannerConfig, live: np.ndarray, *, small: bool) -> 
     return min(share, config.small_storage_bytes) if small else share
 
 
-def _order_facts(program: Program, order: Sequence[int], config: PlannerConfig, *,
-                 small: bool = True) -> _OrderFacts:
-    """With ``small``, the candidates are the most this planner takes (``PlannerConfig.small_storage_bytes``)."""
+def order_facts(program: Program, order: Sequence[int], config: PlannerConfig, *, small: bool = True) -> OrderFacts:
+    """What planning in ``order`` starts from. With ``small``, the candidates are the most this planner takes
+    (``PlannerConfig.small_storage_bytes``)."""
     order = list(order)
     live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
     min_span_bytes = _min_span_bytes(config, live, small=small)
     uses = storage_uses(program, order)
-    return _OrderFacts(order, live, uses, idle_spans(program, uses, min_bytes=min_span_bytes), min_span_bytes)
+    return OrderFacts(order, live, uses, idle_spans(program, uses, min_bytes=min_span_bytes), min_span_bytes)
 
 
-def _with_smaller_storages(program: Program, facts: _OrderFacts, config: PlannerConfig) -> _OrderFacts | None:
+def with_smaller_storages(program: Program, facts: OrderFacts, config: PlannerConfig) -> OrderFacts | None:
     """``facts`` with storages from ``PlannerConfig.small_storage_bytes`` up as candidates; None where that takes
     no more."""
     least = _min_span_bytes(config, facts.live, small=True)
@@ -70,7 +70,7 @@ def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),
     remote without a pool, with the smallest pool, and with speculative prefetch), which need far less than
     the step as captured once the cache is long: ``plan_hyperoffload`` meets every budget from this one up."""
     if order is not None:
-        return _minimum(program, _order_facts(program, order, config))
+        return smallest_budget(program, order_facts(program, order, config))
     return _least_over_forms(program, config)
 
 
@@ -100,8 +100,9 @@ def _small_budget_forms(program: Program) -> list[tuple[str, Program]]:
             ("with the KV cache in remote memory and speculative block prefetch", speculative_variant(program))]
 
 
-def _unavoidable(facts: _OrderFacts) -> np.ndarray:
-    """Bytes each position of ``facts.order`` holds on the device whatever this planner offloads."""
+def unavoidable_bytes(facts: OrderFacts) -> PositionBudget:
+    """Bytes each position of ``facts.order`` (at least one) holds on the device whatever this planner offloads:
+    the least budget it can meet there."""
     live = facts.live
     removable = np.zeros(live.size + 1, dtype=np.int64)
     for span in facts.spans:
@@ -110,26 +111,26 @@ def _unavoidable(facts: _OrderFacts) -> np.ndarray:
         if span.cyclic:  # the span wraps: it also covers the step from its start up to the first use
             removable[0] += span.nbytes
             removable[live.size] -= span.nbytes
-    return live - np.cumsum(removable)[:-1]
+    return PositionBudget.per_position(live - np.cumsum(removable)[:-1])
 
 
-def _minimum(program: Program, facts: _OrderFacts) -> tuple[int, str]:
+def smallest_budget(program: Program, facts: OrderFacts) -> tuple[int, str]:
     """The smallest budget (bytes) planning from ``facts`` meets, and what sets it."""
     if facts.live.size == 0:
         return 0, "the step has no ops"
-    unavoidable = _unavoidable(facts)
-    p = int(unavoidable.argmax())
+    unavoidable = unavoidable_bytes(facts)
+    p = int(unavoidable.at.argmax())
     op = program.ops[facts.order[p]]
     values = program.values
     working = {values[v].storage for v in (*op.inputs, *op.outputs)}
     own = sum(values[s].alloc_bytes for s in working)
     why = (f"op {op.name} ({op.target}) needs {format_bytes(own)} of its own inputs and outputs on the device, and "
-           f"{format_bytes(int(unavoidable[p]) - own)} more by storages used by the ops right before and after it "
+           f"{format_bytes(unavoidable.most - own)} more by storages used by the ops right before and after it "
            f"or smaller than {format_bytes(facts.min_span_bytes)}")
-    return int(unavoidable[p]), why
+    return unavoidable.most, why
 
 
-def _below_smallest(budget_bytes: int, least: int, why: str) -> InfeasibleBudget:
+def below_smallest(budget_bytes: int, least: int, why: str) -> InfeasibleBudget:
     """The refusal of a budget below the smallest, ``least`` (bytes), and ``why`` that is the smallest."""
     return InfeasibleBudget(f"a budget of {format_bytes(budget_bytes)} is below the smallest this planner can meet, "
                             f"{format_bytes(least)} ({least} bytes): {why}", least)

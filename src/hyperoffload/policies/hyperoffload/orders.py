@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.ir import Program
@@ -11,8 +12,34 @@ from hyperoffload.plans import state_storages
 from hyperoffload.policies.hyperoffload.config import PlannerConfig
 from hyperoffload.policies.reorder import hoist_updates, overlap_lane_ops, sink_views
 
+Order = tuple[int, ...]
+"""Op ids in the order they run."""
 
-def candidate_orders(program: Program, config: PlannerConfig = PlannerConfig()) -> list[tuple[int, ...]]:
+
+@dataclass(frozen=True, slots=True)
+class ExecutionOrders:
+    """The orders of ``candidate_orders`` by what they are (equal where they coincide)."""
+
+    captured: Order
+    anchored: Order
+    """Every optimizer update hoisted, in one piece, to where its gradient is final."""
+    eager: Order
+    """Every optimizer op hoisted as early as its inputs allow."""
+    partly: tuple[Order, ...]
+    """One per ``PlannerConfig.partly_hoisted`` share: the updates whose gradients are final in that share of the
+    backward pass hoisted, the large ones left in the optimizer phase."""
+
+    @property
+    def hoisting_small(self) -> Order:
+        """The last partly hoisted order (``partly_hoisted``'s share 1.0: every small update hoisted)."""
+        return self.all()[-1]
+
+    def all(self) -> tuple[Order, ...]:
+        """Captured, anchored, eager, then the partly hoisted ones."""
+        return self.captured, self.anchored, self.eager, *self.partly
+
+
+def candidate_orders(program: Program, config: PlannerConfig = PlannerConfig()) -> list[Order]:
     """Execution orders the planner starts from: the captured one, then the refined ones that differ
     from it (optimizer updates hoisted into the backward pass, see ``reorder``): each update in one piece
     where its gradient is final, and each op as early as its inputs allow. In all, the step's own lane
@@ -28,23 +55,28 @@ def candidate_orders(program: Program, config: PlannerConfig = PlannerConfig()) 
     backward pass (``reorder.early_updates``): the first layers' only, which on a PCIe-class link at a budget just
     under the peak fills the early backward pass's idle offload direction without crowding the link right after the
     peak, or all of them, which keeps the large states' traffic out of the backward pass at any budget."""
-    return list(dict.fromkeys(_orders(program, config)))
+    return list(dict.fromkeys(execution_orders(program, config).all()))
 
 
-def _orders(program: Program, config: PlannerConfig = PlannerConfig()) -> tuple[tuple[int, ...], ...]:
-    """The captured, anchored refined, eager refined and partly hoisted orders (one per
-    ``PlannerConfig.partly_hoisted``) of ``candidate_orders`` (equal where they coincide), computed once per program
-    and set of shares: every search and every smallest-budget question starts here."""
-    return _orders_for_shares(program, tuple(share for share, _ in config.partly_hoisted))
+def execution_orders(program: Program, config: PlannerConfig = PlannerConfig()) -> ExecutionOrders:
+    """The orders of ``candidate_orders`` by what they are, computed once per program and the config's fields that
+    shape them: every search and every smallest-budget question starts here."""
+    return _orders_for(program, tuple(share for share, _ in config.partly_hoisted), config.big_state_share,
+                       config.lane_lookahead_ops)
 
 
 @per_program
-def _orders_for_shares(program: Program, shares: tuple[float, ...]) -> tuple[tuple[int, ...], ...]:
-    return tuple(sink_views(program, overlap_lane_ops(program, order)) for order in (
-        None,
-        hoist_updates(program),
-        hoist_updates(program, anchored=False),
-        *(hoist_updates(program, share=share) for share in shares)))
+def _orders_for(program: Program, shares: tuple[float, ...], big_state_share: float,
+                lookahead: int) -> ExecutionOrders:
+    def finished(order: Order | None) -> Order:
+        return sink_views(program, overlap_lane_ops(program, order, lookahead))
+
+    return ExecutionOrders(
+        captured=finished(None),
+        anchored=finished(hoist_updates(program)),
+        eager=finished(hoist_updates(program, anchored=False)),
+        partly=tuple(finished(hoist_updates(program, share=share, big_state_share=big_state_share))
+                     for share in shares))
 
 
 def order_name(program: Program, order: Sequence[int], config: PlannerConfig = PlannerConfig()) -> str:
@@ -52,8 +84,8 @@ def order_name(program: Program, order: Sequence[int], config: PlannerConfig = P
     is final), "eager" (each op as early as its inputs allow), "partly 15%" (the partly hoisted order of that
     ``PlannerConfig.partly_hoisted`` share), or "other"; where orders coincide, the first of these names."""
     names = ("captured", "refined", "eager", *(f"partly {share:.0%}" for share, _ in config.partly_hoisted))
-    return next((name for name, candidate in zip(names, _orders(program, config)) if candidate == tuple(order)),
-                "other")
+    return next((name for name, candidate in zip(names, execution_orders(program, config).all())
+                 if candidate == tuple(order)), "other")
 
 
 @per_program

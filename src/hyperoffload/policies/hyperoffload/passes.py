@@ -1,7 +1,7 @@
 """What follows the choice of spans: widening a chosen span to its whole idle time where nothing else frees a
 position, dropping offloads whose remote copy is still current, moving prefetches early, and emitting the plan.
 
-Each pass takes the pass's context and the choices so far, and returns new choices (span index -> ``_Choice``, in
+Each pass takes the pass's context and the choices so far, and returns new choices (span index -> ``Choice``, in
 the order chosen: the emitted instructions follow it) without changing what it was given.
 """
 
@@ -15,14 +15,14 @@ import numpy as np
 
 from hyperoffload.plans import Instr, Kind, Plan, compute_instructions
 from hyperoffload.policies.hyperoffload.config import POLICY, InfeasibleBudget
-from hyperoffload.policies.hyperoffload.context import PassContext, _Choice
+from hyperoffload.policies.hyperoffload.context import Choice, PassContext
 from hyperoffload.policies.spans import Span
 
 _Copies = Mapping[int, list[tuple[int, float]]]
 """Storage -> (span first, offload landed, seconds) of the chosen spans that sent a copy of it out."""
 
 
-def _current_copy(out: list[tuple[int, float]] | tuple, span: Span, writes: Mapping[int, list[int]]) -> float | None:
+def current_copy(out: list[tuple[int, float]] | tuple, span: Span, writes: Mapping[int, list[int]]) -> float | None:
     """When the remote copy this span can reuse landed (an earlier chosen span's offload with no write
     of the storage since), or None if the span needs its own offload."""
     w = writes.get(span.storage, [])
@@ -34,15 +34,15 @@ def _current_copy(out: list[tuple[int, float]] | tuple, span: Span, writes: Mapp
     return None
 
 
-def _full_window(span: Span, writes: Mapping[int, list[int]], out_until: _Copies) -> _Choice:
+def full_window(span: Span, writes: Mapping[int, list[int]], out_until: _Copies) -> Choice:
     """Out right after the use before the span, back right before the use after it."""
     if span.cyclic:
-        return _Choice(span.first + 1 if writes.get(span.storage) else -1, span.first + 1, span.last, 0)
-    landed = _current_copy(out_until.get(span.storage, ()), span, writes)
-    return _Choice(span.first + 1 if landed is None else -1, span.first + 1, span.last)
+        return Choice(span.first + 1 if writes.get(span.storage) else -1, span.first + 1, span.last, 0)
+    landed = current_copy(out_until.get(span.storage, ()), span, writes)
+    return Choice(span.first + 1 if landed is None else -1, span.first + 1, span.last)
 
 
-def _widen(ctx: PassContext, p: int, choices: Mapping[int, _Choice]) -> int:
+def _widen(ctx: PassContext, p: int, choices: Mapping[int, Choice]) -> int:
     """A chosen span whose whole idle time covers ``p`` but whose window does not: the largest."""
     best = -1
     n = ctx.positions
@@ -57,23 +57,22 @@ def _widen(ctx: PassContext, p: int, choices: Mapping[int, _Choice]) -> int:
     return best
 
 
-def _widened(ctx: PassContext, p: int, choices: Mapping[int, _Choice], out_until: _Copies) -> tuple[int, _Choice]:
+def widened(ctx: PassContext, p: int, choices: Mapping[int, Choice], out_until: _Copies) -> tuple[int, Choice]:
     """The chosen span ``_widen`` stretches to free ``p``, and its choice over its whole idle time."""
     i = _widen(ctx, p, choices)
     span = ctx.spans[i]
-    choice = _full_window(span, ctx.writes, out_until)
+    choice = full_window(span, ctx.writes, out_until)
     if choices[i].offload >= 0:  # it copies itself out; the copy it would otherwise reuse is its own
         choice = replace(choice, offload=span.first + 1)
     return i, choice
 
 
-def _reuse_remote_copies(ctx: PassContext, choices: Mapping[int, _Choice]) -> dict[int, _Choice]:
+def reuse_remote_copies(ctx: PassContext, choices: Mapping[int, Choice]) -> dict[int, Choice]:
     """Drop each chosen span's offload where the storage already has a current copy in remote memory: one an
     earlier chosen span of the step sent out with no write since, or, for a storage kept there between steps
     (a chosen cyclic span), the one sent out after the last step's last write, up to the step's first write.
-    Selection reuses a copy made by a span chosen before (``_current_copy``); this catches the spans chosen
-    first of the two. Without it, on ``llama3-8b`` training on ``gh200`` at 10% of the peak, 135 parameters
-    went out twice a step, 12 GiB of needless offloads."""
+    Selection reuses a copy made by a span chosen before (``current_copy``); this catches the spans chosen
+    first of the two. Without it, at small budgets many parameters went out twice a step."""
     by_storage: dict[int, list[int]] = {}
     for i in choices:
         by_storage.setdefault(ctx.spans[i].storage, []).append(i)
@@ -84,16 +83,15 @@ def _reuse_remote_copies(ctx: PassContext, choices: Mapping[int, _Choice]) -> di
 
 
 def _reused_copies(ctx: PassContext, w: list[int], chosen: list[int],
-                   choices: Mapping[int, _Choice]) -> dict[int, _Choice]:
-    """The choices of one storage's chosen spans that drop their offload (``_reuse_remote_copies``); ``w``: the
+                   choices: Mapping[int, Choice]) -> dict[int, Choice]:
+    """The choices of one storage's chosen spans that drop their offload (``reuse_remote_copies``); ``w``: the
     positions that write the storage."""
     spans = ctx.spans
     # The use before the span whose offload made the remote copy (-1: the copy sent out after the previous
     # step's last write), or None while there is none. A span that drops its offload keeps its release:
-    # releasing it earlier, where the memory would be free, was slower (gh200 at 10% of the peak: 1.155
-    # against 1.143 x bound_s).
+    # releasing it earlier, where the memory would be free, made the step slower.
     copy_at = -1 if any(spans[i].cyclic for i in chosen) else None
-    reused: dict[int, _Choice] = {}
+    reused: dict[int, Choice] = {}
     for i in sorted(chosen, key=lambda i: (spans[i].cyclic, spans[i].first)):  # the cyclic span ends the step
         span, choice = spans[i], choices[i]
         if choice.offload < 0:
@@ -106,7 +104,7 @@ def _reused_copies(ctx: PassContext, w: list[int], chosen: list[int],
     return reused
 
 
-def _prefetch_early(ctx: PassContext, choices: Mapping[int, _Choice], excess: np.ndarray) -> dict[int, _Choice]:
+def prefetch_early(ctx: PassContext, choices: Mapping[int, Choice], excess: np.ndarray) -> dict[int, Choice]:
     """Move each prefetch earlier while the budget allows (``excess``, bytes over the budget at each position
     with ``choices``, stays <= 0), keeping prefetches in the order of their deadlines so the H2D lane serves them
     first-due first."""
@@ -123,7 +121,7 @@ def _prefetch_early(ctx: PassContext, choices: Mapping[int, _Choice], excess: np
     return moved
 
 
-def _earliest_prefetch(choice: _Choice, excess: np.ndarray, size: int, floor: int) -> int:
+def _earliest_prefetch(choice: Choice, excess: np.ndarray, size: int, floor: int) -> int:
     """The earliest position, from ``floor`` and after the storage leaves, from which on every position up to the
     choice's prefetch has room for ``size`` bytes more."""
     lowest = max(floor, choice.release + 1 if choice.prefetch >= choice.release else choice.resumes + 1)
@@ -134,7 +132,7 @@ def _earliest_prefetch(choice: _Choice, excess: np.ndarray, size: int, floor: in
     return p
 
 
-def _emit(ctx: PassContext, choices: Mapping[int, _Choice]) -> Plan:
+def plan_from_choices(ctx: PassContext, choices: Mapping[int, Choice]) -> Plan:
     """The plan: at each position, offloads, releases, prefetches (first due first) and waits, then the op
     (after the last op, offloads and releases only)."""
     spans, order, n = ctx.spans, ctx.order, ctx.positions
@@ -158,7 +156,7 @@ def _emit(ctx: PassContext, choices: Mapping[int, _Choice]) -> Plan:
                 budget_bytes=ctx.budget.most, initial_remote=initial_remote)
 
 
-def _by_position(ctx: PassContext, choices: Mapping[int, _Choice]) -> tuple[dict[int, list[int]], ...]:
+def _by_position(ctx: PassContext, choices: Mapping[int, Choice]) -> tuple[dict[int, list[int]], ...]:
     """The chosen spans at each position of their offload, release, prefetch and wait, in the order chosen."""
     offloads: dict[int, list[int]] = {}
     releases: dict[int, list[int]] = {}

@@ -15,27 +15,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyperoffload.plans import Plan
-from hyperoffload.policies.hyperoffload.context import PassContext, _Choice
-from hyperoffload.policies.hyperoffload.passes import (_current_copy, _emit, _full_window, _prefetch_early,
-                                                       _reuse_remote_copies, _widened)
+from hyperoffload.policies.hyperoffload.context import Choice, PassContext
+from hyperoffload.policies.hyperoffload.passes import (current_copy, full_window, plan_from_choices, prefetch_early,
+                                                       reuse_remote_copies, widened)
 from hyperoffload.policies.lanes import Lane
 from hyperoffload.policies.spans import positions_arrays
 
 
-def _plan_for_margin(ctx: PassContext) -> Plan:
+def plan_selection_pass(ctx: PassContext) -> Plan:
     """The plan of one selection pass: the spans chosen and scheduled, then the post-passes, then the emission."""
     choices, excess = _Selection(ctx).run()
-    choices = _reuse_remote_copies(ctx, choices)
+    choices = reuse_remote_copies(ctx, choices)
     if ctx.config.early_prefetch:
-        choices = _prefetch_early(ctx, choices, excess)
-    return _emit(ctx, choices)
+        choices = prefetch_early(ctx, choices, excess)
+    return plan_from_choices(ctx, choices)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _SpanTimes:
     """Per-span arrays of one pass (positions, bytes, seconds), and the same as lists for the per-span placement,
-    which runs some 20 times per selection step: Python lists and bisect give the same answers as the arrays and
-    np.searchsorted at a fraction of their cost per item."""
+    which runs for each of ``candidates_per_step`` spans at every selection step: Python lists and bisect give the
+    same answers as the arrays and np.searchsorted at a fraction of their cost per item."""
 
     first: np.ndarray
     last: np.ndarray
@@ -93,14 +93,14 @@ class _Selection:
         self.n = ctx.positions
         self.d2h = Lane(float(t.offload_s.min(initial=np.inf)))
         self.h2d = Lane(float(t.prefetch_s.min(initial=np.inf)))
-        self.choices: dict[int, _Choice] = {}
+        self.choices: dict[int, Choice] = {}
         self.free = np.ones(len(ctx.spans), dtype=bool)  # spans not chosen yet
         self.out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed)
         self.excess = (ctx.step.live - ctx.budget.at).astype(np.float64)
         self.over: np.ndarray | None = None
         """over[k]: compute time of the over-budget positions before k; kept while they stay the same."""
 
-    def run(self) -> tuple[dict[int, _Choice], np.ndarray]:
+    def run(self) -> tuple[dict[int, Choice], np.ndarray]:
         """The chosen spans (index -> choice, in the order chosen) and the bytes over budget at each position."""
         while True:
             p = int(self.excess.argmax())
@@ -117,10 +117,10 @@ class _Selection:
             else:
                 self._take(*best)
 
-    def _hidden(self, p: int, need: float) -> tuple[int, _Choice] | None:
+    def _hidden(self, p: int, need: float) -> tuple[int, Choice] | None:
         """The best-scoring lane-aware placement among the best-ranked spans that could free ``p``."""
         t, over = self.t, self.over
-        best: tuple[float, int, _Choice] | None = None
+        best: tuple[float, int, Choice] | None = None
         for i in self._ranked(p, need)[:self.ctx.config.candidates_per_step]:
             choice = self._window(int(i), p)
             if choice is None:
@@ -144,12 +144,12 @@ class _Selection:
             bound *= t.favour[candidates]
         return candidates[np.argsort(-bound, kind="stable")]
 
-    def _window(self, i: int, p: int) -> _Choice | None:
+    def _window(self, i: int, p: int) -> Choice | None:
         """Lane-aware placement of span i, if it frees position p."""
         span, t = self.ctx.spans[i], self.t
         if span.cyclic:
             return self._cyclic_window(i, p)
-        landed = _current_copy(self.out_until.get(span.storage, ()), span, self.ctx.writes)
+        landed = current_copy(self.out_until.get(span.storage, ()), span, self.ctx.writes)
         if landed is None:
             q = self.d2h.earliest(t.starts, span.first + 1, t.offload_l[i], p + 1)
             if q < 0:
@@ -163,9 +163,9 @@ class _Selection:
         q = self.h2d.latest(t.starts, span.last, t.prefetch_l[i], t.starts[span.last], p + 1)
         if q < 0:
             return None
-        return _Choice(offload, release, q)
+        return Choice(offload, release, q)
 
-    def _cyclic_window(self, i: int, p: int) -> _Choice | None:
+    def _cyclic_window(self, i: int, p: int) -> Choice | None:
         span, t, n = self.ctx.spans[i], self.t, self.n
         prefetch = self.h2d.latest(t.starts, span.last, t.prefetch_l[i], t.starts[span.last], 0)
         if prefetch < 0:
@@ -184,9 +184,9 @@ class _Selection:
             release, resumes = n, bisect.bisect_left(t.starts, landed - t.end_s)
         if not (release <= p or resumes <= p < prefetch):
             return None
-        return _Choice(offload, release, prefetch, resumes, begin)
+        return Choice(offload, release, prefetch, resumes, begin)
 
-    def _unhidden(self, p: int, need: float) -> tuple[int, _Choice] | None:
+    def _unhidden(self, p: int, need: float) -> tuple[int, Choice] | None:
         """The span whose whole idle time around ``p`` relieves the most over-budget time, placed without
         regard to the lanes: out right after its use, back right before its next (the compute stream may
         wait for the copies, but the budget holds)."""
@@ -201,17 +201,17 @@ class _Selection:
         hi = last[candidates]
         idle = np.where(cyclic[candidates], over[n] - over[np.minimum(lo, n)] + over[hi], over[hi] - over[lo])
         i = int(candidates[np.argmax(idle * np.minimum(t.size[candidates], need))])
-        return i, _full_window(self.ctx.spans[i], self.ctx.writes, self.out_until)
+        return i, full_window(self.ctx.spans[i], self.ctx.writes, self.out_until)
 
     def _widen(self, p: int) -> None:
-        """Stretch a chosen span to its whole idle time to free ``p`` (``passes._widened``)."""
-        i, choice = _widened(self.ctx, p, self.choices, self.out_until)
+        """Stretch a chosen span to its whole idle time to free ``p`` (``passes.widened``)."""
+        i, choice = widened(self.ctx, p, self.choices, self.out_until)
         self.over = None
         self._free(i, self.choices[i], -1)
         self.choices[i] = choice
         self._free(i, choice, 1)
 
-    def _free(self, i: int, choice: _Choice, sign: int) -> None:
+    def _free(self, i: int, choice: Choice, sign: int) -> None:
         """Take span i's bytes off (``sign`` 1) or back onto (-1) the excess where ``choice`` frees them."""
         size = self.t.size[i]
         for lo, hi in choice.freed(self.n):
@@ -220,7 +220,7 @@ class _Selection:
             else:
                 self.excess[lo:hi] += size
 
-    def _take(self, i: int, choice: _Choice) -> None:
+    def _take(self, i: int, choice: Choice) -> None:
         """Choose span i as placed by ``choice``: book its copies on the lanes and take its bytes off the excess."""
         t, span = self.t, self.ctx.spans[i]
         self.choices[i] = choice
