@@ -36,8 +36,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hyperoffload.instructions import COPIES_OUT
 from hyperoffload.layout import Residency, residencies
-from hyperoffload.plans import Kind, Plan
+from hyperoffload.plans import Plan
 from hyperoffload.simulate import COMPUTE, D2H, Timeline
 
 MIN_BLOCK = 512
@@ -213,9 +214,9 @@ def stream_ordered_frees(timeline: Timeline, found: Sequence[Residency]) -> list
     for i in range(n):
         now = at[i] = compute_start.get(i, now)
     at[n] = math.inf
-    offloads: dict[int, list[int]] = {}  # storage -> its offloads' instruction indices, in order
+    offloads: dict[int, list[int]] = {}  # storage -> its offloads' (``COPIES_OUT``) instruction indices, in order
     for i, ins in enumerate(plan.instructions):
-        if ins.kind is Kind.OFFLOAD and i in landed:
+        if ins.kind in COPIES_OUT and i in landed:
             offloads.setdefault(ins.target, []).append(i)
 
     def reusable(r: Residency) -> float:

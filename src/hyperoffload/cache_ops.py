@@ -12,15 +12,12 @@ operator                                MindSpore                   plan instruc
 ``hyperoffload::wait(x)``               stream/event sync           ``WAIT``: a transfer has finished
 ``hyperoffload::release(x)``            ``Free``                    ``RELEASE``: drop the device copy
 ``hyperoffload::offload.into(x, r)``    ``UpdateToRemote``          none: state sent home (``lower_plan``)
-``hyperoffload::prefetch_blocks``       indexed ``UpdateToDevice``  none: chosen at run time (NSA)
-``hyperoffload::fetch_blocks_pooled``   the same, via a block pool  none: chosen at run time (NSA)
-``hyperoffload::fetch_missing_blocks``  the same, after a guess     none: chosen at run time (NSA)
-``hyperoffload::store_rows``            ``UpdateToRemote`` of rows  none: a step's new KV rows
 ======================================  ==========================  ===================================
 
-The last four operators of the table are the NSA block operators, lane ops that a
-decode step calls itself; they live in ``hyperoffload.block_ops`` (with ``LANE_OPS`` and their byte-count
-rules, ``LANE_OP_RULES``) and are importable from here too.
+Which operator each instruction kind lowers to is stated by the kind's rule (``instructions.RULES``, its
+``operator``); ``KIND_OPERATORS`` resolves those names to the operators defined here. The NSA block operators
+(``prefetch_blocks`` and the other lane ops a decode step calls itself) share the namespace but live in
+``hyperoffload.block_ops``, with their byte-count rules; import them from there.
 
 ``release.live(x, live)`` is ``release(x)`` that also names ``live``, the values computed from ``x``
 before the release and read after it, so that a compiler computing values where they are read
@@ -67,10 +64,8 @@ import torch.fx
 
 from hyperoffload.runtime.host_buffers import HostBuffers
 
-# The NSA block operators (lane ops) live in ``block_ops``; their names are also importable from here.
-from hyperoffload.block_ops import (FETCH_BLOCKS_POOLED, FETCH_MISSING_BLOCKS, LANE_OP_RULES, LANE_OPS, NAMESPACE,
-                                    PREFETCH_BLOCKS, STORE_ROWS, fetch_blocks_pooled, fetch_missing_blocks,
-                                    prefetch_blocks, store_rows)
+from hyperoffload.block_ops import NAMESPACE
+from hyperoffload.instructions import RULES, Kind
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -416,6 +411,18 @@ WAIT = torch.ops.hyperoffload.wait.default
 RELEASE = torch.ops.hyperoffload.release.default
 RELEASE_LIVE = torch.ops.hyperoffload.release.live
 
-__all__ = ["AsyncCopies", "copies_on", "FETCH_BLOCKS_POOLED", "FETCH_MISSING_BLOCKS", "LANE_OP_RULES", "LANE_OPS", "NAMESPACE", "OFFLOAD", "OFFLOAD_INTO", "PREFETCH", "PREFETCH_BLOCKS", "RELEASE", "RELEASE_LIVE",
-           "STORE_ROWS", "WAIT", "fetch_blocks_pooled", "offload", "prefetch", "prefetch_blocks", "release",
-           "store_rows", "wait", "fetch_missing_blocks", "offload_into"]
+
+def _resolve(qualified: str) -> torch._ops.OpOverload:
+    """The operator named ``namespace::name[.overload]`` (``default`` when no overload is named)."""
+    namespace, _, name = qualified.partition("::")
+    name, _, overload = name.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+
+
+KIND_OPERATORS: dict[Kind, torch._ops.OpOverload] = {
+    kind: _resolve(rule.operator) for kind, rule in RULES.items() if rule.operator is not None}
+"""The cache operator each instruction kind lowers to, for the kinds whose rule names one (``instructions.RULES``'
+``operator``; a compute runs its op's own fx node)."""
+
+__all__ = ["AsyncCopies", "KIND_OPERATORS", "NAMESPACE", "OFFLOAD", "OFFLOAD_INTO", "PREFETCH", "RELEASE",
+           "RELEASE_LIVE", "WAIT", "copies_on", "offload", "offload_into", "prefetch", "release", "wait"]

@@ -1,12 +1,13 @@
-"""What each plan instruction kind does to device memory and to the streams, stated once.
+"""What each plan instruction kind does to device memory, to its target's copies and to the streams, stated once.
 
-A plan (``plans.Plan``) is a sequence of instructions of five kinds. ``RULES`` says, per kind, which
-storage it reads and writes, which device bytes it allocates or frees and when, which stream it
-occupies and what it waits on. The checker (``plans.check_plan``), the simulator (``simulate``), the
-static layout (``layout``), the executor's preparation (``runtime.prepared_plan``) and the timeline
-check (``verify``) read these facts from here rather than each deriving them anew, so a new kind is
-described in one place (its validity rules stay in the checker, its timing in the simulator, its
-effect on tensors in the executor and the lowering).
+A plan (``plans.Plan``) is a sequence of instructions of five kinds. ``RULES`` says, per kind, which copy of its
+target it reads and writes (``Tier``), which device bytes it allocates or frees and when, which stream it occupies,
+what it waits for (``WaitsOn``), the cache operator it lowers to and where a baseline emits it among the cache
+instructions before one op. The checker (``plans.check_plan``), the simulator (``simulate``), the static layout
+(``layout``), the lowering (``lower``), the compile backend, the baselines' emission (``policies.common``), the
+executor (``runtime``) and the timeline check (``verify``) read these facts from here rather than each deriving
+them anew, so a new kind is described in one place (its validity rules stay in the checker, its timing in the
+simulator, its effect on tensors in the executor and the lowering, each a method per kind).
 
 Streams: ``COMPUTE`` (the compute stream), ``H2D`` (remote -> device copy lane), ``D2H`` (device ->
 remote copy lane). A compute of a lane op (``Op.lane``) runs on that op's copy lane instead.
@@ -40,6 +41,30 @@ class Kind(str, Enum):
     __hash__ = str.__hash__
 
 
+class Tier(str, Enum):
+    """Where a copy of a storage lives: device memory, or remote memory (host DRAM)."""
+
+    DEVICE = "device"
+    REMOTE = "remote"
+
+    __hash__ = str.__hash__
+
+
+class WaitsOn(str, Enum):
+    """What an instruction waits for before it starts (``KindRule.waits_on``)."""
+
+    PREVIOUS = "previous"
+    """The instructions before it on its stream (a lane op's compute: the ops it depends on)."""
+    WRITER = "writer"
+    """The op that last wrote its target."""
+    FILLER = "filler"
+    """The transfer that fills the copy it reads (its ``reads`` tier's), if still in flight."""
+    TRANSFER = "transfer"
+    """The latest transfer of its target: the compute stream stops until it has landed."""
+    NOTHING = "nothing"
+    """Nothing (a release: its bytes come back once its target's copy and earlier readers have finished)."""
+
+
 OUTPUTS, TARGET = "outputs", "target"
 """What an instruction allocates or frees: the storages its op's outputs own, or its target storage."""
 
@@ -52,10 +77,10 @@ class KindRule:
     stream: str | None
     """The stream it occupies (``COMPUTE``, ``H2D``, ``D2H``; a lane op's compute: its ``Op.lane``), or None
     for one that occupies none (a release only gives memory back)."""
-    reads: str
-    """The storages it reads."""
-    writes: str
-    """The storages it writes."""
+    reads: Tier | None
+    """The tier whose copy it reads: of its target (a copy), of its op's inputs (a compute); None: none."""
+    writes: Tier | None
+    """The tier whose copy it writes: of its target (a copy), of its op's outputs and mutated inputs (a compute)."""
     allocates: str | None
     """Whose device bytes it allocates when the compute stream reaches it (``OUTPUTS``, ``TARGET``, None)."""
     ready_at_issue: bool
@@ -64,36 +89,52 @@ class KindRule:
     frees: str | None
     """Whose device bytes it gives back (``TARGET``, None); they come back once its target's latest copy and
     the ops issued before it that read the target have finished."""
-    copies: bool
-    """Whether it moves its target's ``alloc_bytes`` over its copy lane."""
-    on_device_after: bool | None
-    """Where its target is once it is issued: True on the device, False off it, None unchanged."""
-    waits_on: str
+    waits_on: WaitsOn
     """What it waits for before it starts."""
+    operator: str | None
+    """The ``torch.library`` operator it lowers to (``namespace::name[.overload]``, resolved by ``cache_ops``), or
+    None for a compute, which runs its op's own fx node."""
+    emit_rank: int | None
+    """Where a baseline emits it among the cache instructions placed before one op (smaller first); None for a
+    compute, which is the op itself."""
+
+    @property
+    def copies(self) -> bool:
+        """Whether it moves its target's ``alloc_bytes`` over its copy lane: it reads one tier's copy and writes
+        the other's."""
+        return self.reads is not None and self.writes is not None and self.reads is not self.writes
+
+    @property
+    def on_device_after(self) -> bool | None:
+        """Where its target is once it is issued: True on the device (it allocates it), False off it (it frees
+        it), None unchanged."""
+        return True if self.allocates == TARGET else False if self.frees == TARGET else None
 
 
 RULES: dict[Kind, KindRule] = {rule.kind: rule for rule in (
-    KindRule(kind=Kind.COMPUTE, stream=COMPUTE, reads="its op's input storages",
-             writes="the storages its op mutates, and those its outputs own", allocates=OUTPUTS, ready_at_issue=True,
-             frees=None, copies=False, on_device_after=None,
-             waits_on="the instructions before it on the compute stream; a lane op the ops it depends on"),
-    KindRule(kind=Kind.OFFLOAD, stream=D2H, reads="its target on the device", writes="its target's remote copy",
-             allocates=None, ready_at_issue=False, frees=None, copies=True, on_device_after=None,
-             waits_on="the op that last wrote its target"),
-    KindRule(kind=Kind.PREFETCH, stream=H2D, reads="its target's remote copy", writes="its target on the device",
-             allocates=TARGET, ready_at_issue=False, frees=None, copies=True, on_device_after=True,
-             waits_on="the offload that filled its target's remote copy, if still in flight"),
-    KindRule(kind=Kind.WAIT, stream=COMPUTE, reads="nothing", writes="nothing", allocates=None, ready_at_issue=False,
-             frees=None, copies=False, on_device_after=None,
-             waits_on="the latest transfer of its target (the compute stream stops until it has landed)"),
-    KindRule(kind=Kind.RELEASE, stream=None, reads="nothing", writes="nothing", allocates=None, ready_at_issue=False,
-             frees=TARGET, copies=False, on_device_after=False,
-             waits_on="nothing (its bytes come back once its target's copy and earlier readers have finished)"),
+    # Emit ranks: copies out first (they read what the previous op wrote), then releases (memory back before
+    # anything new is allocated), then prefetches, then the waits right before the op.
+    KindRule(kind=Kind.COMPUTE, stream=COMPUTE, reads=Tier.DEVICE, writes=Tier.DEVICE, allocates=OUTPUTS,
+             ready_at_issue=True, frees=None, waits_on=WaitsOn.PREVIOUS, operator=None, emit_rank=None),
+    KindRule(kind=Kind.OFFLOAD, stream=D2H, reads=Tier.DEVICE, writes=Tier.REMOTE, allocates=None,
+             ready_at_issue=False, frees=None, waits_on=WaitsOn.WRITER, operator="hyperoffload::offload", emit_rank=0),
+    KindRule(kind=Kind.PREFETCH, stream=H2D, reads=Tier.REMOTE, writes=Tier.DEVICE, allocates=TARGET,
+             ready_at_issue=False, frees=None, waits_on=WaitsOn.FILLER, operator="hyperoffload::prefetch",
+             emit_rank=2),
+    KindRule(kind=Kind.WAIT, stream=COMPUTE, reads=None, writes=None, allocates=None, ready_at_issue=False,
+             frees=None, waits_on=WaitsOn.TRANSFER, operator="hyperoffload::wait", emit_rank=3),
+    KindRule(kind=Kind.RELEASE, stream=None, reads=None, writes=None, allocates=None, ready_at_issue=False,
+             frees=TARGET, waits_on=WaitsOn.NOTHING, operator="hyperoffload::release", emit_rank=1),
 )}
 
+ALLOCATES_OUTPUTS = frozenset(k for k, rule in RULES.items() if rule.allocates == OUTPUTS)
 ALLOCATES_TARGET = frozenset(k for k, rule in RULES.items() if rule.allocates == TARGET)
 FREES_TARGET = frozenset(k for k, rule in RULES.items() if rule.frees == TARGET)
 COPIES = frozenset(k for k, rule in RULES.items() if rule.copies)
+COPIES_OUT = frozenset(k for k in COPIES if RULES[k].writes is Tier.REMOTE)
+"""Copies from the device to remote memory: they read the device copy, which stays until released."""
+COPIES_IN = frozenset(k for k in COPIES if RULES[k].writes is Tier.DEVICE)
+"""Copies from remote memory to the device: the device copy is readable once waited for."""
 MOVES_TIER = frozenset(k for k, rule in RULES.items() if rule.on_device_after is not None)
 
 
@@ -117,7 +158,7 @@ def alloc_bytes(program: Program, instructions: Sequence[Instr], op_alloc: Seque
     """Device bytes each instruction allocates (``op_alloc``: per op id, the bytes of the storages its outputs
     own), in the plan's instruction-order accounting."""
     values = program.values
-    return [op_alloc[t] if k is Kind.COMPUTE else values[t].alloc_bytes if k in ALLOCATES_TARGET else 0
+    return [op_alloc[t] if k in ALLOCATES_OUTPUTS else values[t].alloc_bytes if k in ALLOCATES_TARGET else 0
             for k, t in instructions]
 
 
@@ -142,6 +183,6 @@ def inputs_end_on_device(plan: Plan) -> dict[int, bool]:
     return on_device
 
 
-__all__ = ["ALLOCATES_TARGET", "COMPUTE", "COPIES", "D2H", "FREES_TARGET", "H2D", "Kind", "KindRule", "MOVES_TIER",
-           "OUTPUTS", "RULES", "STREAMS", "TARGET", "alloc_bytes", "allocated_storages", "copy_traffic",
-           "inputs_end_on_device", "stream_of"]
+__all__ = ["ALLOCATES_OUTPUTS", "ALLOCATES_TARGET", "COMPUTE", "COPIES", "COPIES_IN", "COPIES_OUT", "D2H",
+           "FREES_TARGET", "H2D", "Kind", "KindRule", "MOVES_TIER", "OUTPUTS", "RULES", "STREAMS", "TARGET", "Tier",
+           "WaitsOn", "alloc_bytes", "allocated_storages", "copy_traffic", "inputs_end_on_device", "stream_of"]

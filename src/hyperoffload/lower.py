@@ -3,7 +3,9 @@
 ``lower_plan`` builds a new GraphModule (the program's own graph is never touched) whose nodes
 run in the plan's order: each COMPUTE instruction copies its fx node (and the ``getitem`` nodes
 that unpack a multi-output op, right after it), and each cache instruction becomes a call of the
-matching operator of ``hyperoffload.cache_ops`` on the storage's tensor:
+operator its kind's rule names (``instructions.RULES``, resolved in ``cache_ops.KIND_OPERATORS``) on the
+storage's tensor, emitted by one method per kind (named as ``Kind``'s values and dispatched on it, as
+``torch.fx.Interpreter.run_node`` dispatches on a node's op):
 
 * ``OFFLOAD s``  -> ``offload_<s> = hyperoffload.offload(<a tensor of s>)``, a flat remote copy
   of the whole storage.
@@ -43,12 +45,14 @@ import contextlib
 import copy
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
 from hyperoffload import cache_ops
+from hyperoffload.instructions import COPIES_OUT, RULES
 from hyperoffload.plans import Instr, Kind, Plan, check_plan, op_storages
 
 
@@ -143,6 +147,7 @@ class _Lowering:
     remote: dict[int, torch.fx.Node] = field(default_factory=dict)
     """Latest remote buffer of each storage (an ``offload`` node until waited, then its ``wait``)."""
     in_flight: dict[int, tuple[Kind, torch.fx.Node]] = field(default_factory=dict)
+    """The transfer of each storage not waited for yet: its kind and its node."""
     chained: dict[int, torch.fx.Node] = field(default_factory=dict)
     """The offload of each storage that a prefetch read before it was waited for (the copy engine orders the two)."""
     dirty: set[int] = field(default_factory=set)
@@ -153,6 +158,11 @@ class _Lowering:
     """Storages sent back to the caller's tensor on the copy engines (``send_home``), by the instruction after which
     they are (their last write; nothing of the plan transfers them later)."""
     sent_home: set[int] = field(default_factory=set)
+    emitters: dict[Kind, Callable[[int, int], None]] = field(init=False, repr=False)
+    """The method that emits each kind's instructions (``emit``'s dispatch table)."""
+
+    def __post_init__(self) -> None:
+        self.emitters = {kind: getattr(self, kind.value) for kind in RULES}
 
     @classmethod
     def start(cls, plan: Plan, *, send_home: bool = False) -> _Lowering:
@@ -258,37 +268,15 @@ class _Lowering:
             self._bind(original, self._view_of(original, self.device_base[s], s))
         return self.env[original.name]
 
-    # --- instructions ---------------------------------------------------------------------------
+    # --- one method per instruction kind (``Kind``), named after its value and dispatched by ``emit`` -------
     def emit(self, index: int, instr: Instr) -> None:
-        if instr.kind is Kind.COMPUTE:
-            self._compute(instr.target)
-            for s in self.home_after.get(index, ()):
-                self._send_home(s)
-            return
-        s, name = instr.target, self._name(instr.target)
-        if instr.kind is Kind.OFFLOAD:
-            node = self._call(cache_ops.OFFLOAD, (self._device_tensor(s),), f"offload_{name}")
-            self.in_flight[s] = (Kind.OFFLOAD, node)
-            self.remote[s] = node
-        elif instr.kind is Kind.WAIT:
-            self._wait(s, name)
-        elif instr.kind is Kind.PREFETCH:
-            # A prefetch of an offload still in flight reads its buffer unwaited: the copy engines start the copy
-            # back once the offload has landed, as the plan says, and the graph does not stop for it.
-            if self.in_flight.get(s, (None,))[0] is Kind.OFFLOAD:
-                self.chained[s] = self.in_flight.pop(s)[1]
-            device = self._device_of(s)
-            args = (self.remote[s],) if device == cache_ops.REMOTE_DEVICE else (self.remote[s], device)
-            node = self._call(cache_ops.PREFETCH, args, f"prefetch_{name}")
-            self.in_flight[s] = (Kind.PREFETCH, node)
-            self.ready[s] = False
-        elif instr.kind is Kind.RELEASE:
-            self._call(cache_ops.RELEASE, (self._device_tensor(s),), f"release_{name}")
-            self.ready[s] = False
-        else:  # pragma: no cover - Kind is closed
-            raise LoweringError(f"instruction #{index}: unknown kind {instr.kind}")
+        self.emitters[instr.kind](index, instr.target)
 
-    def _compute(self, op_id: int) -> None:
+    def _cache_call(self, kind: Kind, s: int, args: tuple, name: str | None = None) -> torch.fx.Node:
+        """A call of ``kind``'s cache operator on ``args``, named ``<kind>_<storage>`` unless ``name`` is given."""
+        return self._call(cache_ops.KIND_OPERATORS[kind], args, name or f"{kind.value}_{self._name(s)}")
+
+    def compute(self, index: int, op_id: int) -> None:
         program = self.plan.program
         op = program.ops[op_id]
         original = self.nodes[op.name]
@@ -303,6 +291,31 @@ class _Lowering:
             s = program.values[v].storage
             if s in self.home and self.generation.get(s, 0):
                 self.dirty.add(s)
+        for s in self.home_after.get(index, ()):
+            self._send_home(s)
+
+    def offload(self, index: int, s: int) -> None:
+        node = self._cache_call(Kind.OFFLOAD, s, (self._device_tensor(s),))
+        self.in_flight[s] = (Kind.OFFLOAD, node)
+        self.remote[s] = node
+
+    def prefetch(self, index: int, s: int) -> None:
+        # A prefetch of a copy out still in flight reads its buffer unwaited: the copy engines start the copy back
+        # once it has landed (the prefetch waits on what fills its remote copy), and the graph does not stop for it.
+        if self.in_flight.get(s, (None,))[0] in COPIES_OUT:
+            self.chained[s] = self.in_flight.pop(s)[1]
+        device = self._device_of(s)
+        args = (self.remote[s],) if device == cache_ops.REMOTE_DEVICE else (self.remote[s], device)
+        node = self._cache_call(Kind.PREFETCH, s, args)
+        self.in_flight[s] = (Kind.PREFETCH, node)
+        self.ready[s] = False
+
+    def wait(self, index: int, s: int) -> None:
+        self._wait(s, self._name(s))
+
+    def release(self, index: int, s: int) -> None:
+        self._cache_call(Kind.RELEASE, s, (self._device_tensor(s),))
+        self.ready[s] = False
 
     def _send_home(self, s: int) -> None:
         """Start copying storage ``s``'s device copy back into the caller's tensor (its last write was just emitted)."""
@@ -313,9 +326,11 @@ class _Lowering:
         self.dirty.discard(s)
 
     def _wait(self, s: int, name: str) -> None:
+        """Wait for the transfer of ``s`` in flight: a copy out makes its remote buffer readable, a copy in gives
+        ``s`` a new device copy, readable now."""
         kind, transfer = self.in_flight.pop(s)
-        node = self._call(cache_ops.WAIT, (transfer,), f"wait_{kind.value}_{name}")
-        if kind is Kind.OFFLOAD:
+        node = self._cache_call(Kind.WAIT, s, (transfer,), f"wait_{kind.value}_{name}")
+        if kind in COPIES_OUT:
             self.remote[s] = node
         else:
             self.generation[s] = self.generation.get(s, 0) + 1
@@ -327,14 +342,14 @@ class _Lowering:
         # A plan that keeps state in remote memory lets its last offloads overlap the next step; a
         # step run on its own completes them before handing the state back.
         for s, (kind, _) in sorted(self.in_flight.items()):
-            if kind is Kind.OFFLOAD:
+            if kind in COPIES_OUT:
                 self._wait(s, self._name(s))
         for s, node in sorted(self.chained.items()):  # the step may read these remote buffers once it returns
             if self.remote.get(s) is node and not self.ready.get(s, False):
                 self.in_flight[s] = (Kind.OFFLOAD, node)
                 self._wait(s, self._name(s))
         for s in sorted(self.sent_home):  # the caller's tensors hold the step's result before it returns
-            waited = self._call(cache_ops.WAIT, (self.home[s],), f"wait_home_{self._name(s)}")
+            waited = self._cache_call(Kind.WAIT, s, (self.home[s],), f"wait_home_{self._name(s)}")
             self._rebase_on_home(s, waited)
         for s in sorted(self.dirty):
             if self.ready.get(s, False):
@@ -361,7 +376,7 @@ class _Lowering:
 
     def _remote_valid(self, s: int) -> bool:
         """Whether ``remote[s]`` holds ``s``'s data: it exists and no offload into it is still in flight."""
-        return s in self.remote and self.in_flight.get(s, (None,))[0] is not Kind.OFFLOAD
+        return s in self.remote and self.in_flight.get(s, (None,))[0] not in COPIES_OUT
 
     def _read_output(self, original: torch.fx.Node) -> torch.fx.Node:
         s = self._storage(original)

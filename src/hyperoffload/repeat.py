@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hyperoffload.instructions import ALLOCATES_TARGET, FREES_TARGET
 from hyperoffload.ir import Op, Program, Value
 from hyperoffload.memo import per_program
 from hyperoffload.plans import Instr, Kind, Plan, compute_instructions, op_storages
@@ -48,7 +49,9 @@ def repeat_plan(plan: Plan, times: int) -> tuple[Plan, tuple[int, ...]]:
 
 
 def _releases_after_last_use(plan: Plan, storages: set[int]) -> set[int]:
-    """Indices of releases of ``storages`` that no compute or prefetch of the same storage follows."""
+    """Indices of instructions freeing one of ``storages`` (``FREES_TARGET``: releases) that nothing putting the
+    same storage on the device again follows: no compute touching it, no instruction allocating it
+    (``ALLOCATES_TARGET``: prefetches)."""
     touched = op_storages(plan.program)[0]
     result: set[int] = set()
     used_later: set[int] = set()
@@ -56,9 +59,9 @@ def _releases_after_last_use(plan: Plan, storages: set[int]) -> set[int]:
         ins = plan.instructions[i]
         if ins.kind is Kind.COMPUTE:
             used_later.update(touched[ins.target])
-        elif ins.kind is Kind.PREFETCH:
+        elif ins.kind in ALLOCATES_TARGET:
             used_later.add(ins.target)
-        elif ins.kind is Kind.RELEASE and ins.target in storages and ins.target not in used_later:
+        elif ins.kind in FREES_TARGET and ins.target in storages and ins.target not in used_later:
             result.add(i)
     return result
 

@@ -4,7 +4,8 @@ Statically (``check_plan``): every op reads values that are on the device; a pre
 finished offload; nothing still needed is released without a remote copy; the budget holds in plan
 order. With a hardware profile, also on the simulated timeline, independently of how the simulator
 enforces them: every prefetch starts after the offload it reads from has landed, every op that reads
-a prefetched value starts after the prefetch landed, and device memory never exceeds the budget.
+a prefetched value starts after the prefetch landed, and device memory never exceeds the budget (which copy each
+kind reads and writes, and what it waits on, is read from ``instructions.RULES``).
 A plan with a static layout also has it checked: no two live storages share bytes, and the arena fits
 the budget. Errors name the policy that made the plan.
 """
@@ -12,9 +13,9 @@ the budget. Errors name the policy that made the plan.
 from __future__ import annotations
 
 from hyperoffload.hardware import Hardware
+from hyperoffload.instructions import RULES, Tier, WaitsOn, stream_of
 from hyperoffload.layout import LayoutError, check_layout, residencies
 from hyperoffload.plans import Kind, Plan, PlanCheck, PlanError, check_plan
-from hyperoffload.instructions import stream_of
 from hyperoffload.simulate import Timeline, simulate
 
 _TOLERANCE_S = 1e-12
@@ -64,19 +65,22 @@ def _check_timeline(plan: Plan, timeline: Timeline) -> None:
         raise VerificationError(f"plan from policy {plan.policy!r} reaches {timeline.figures.peak_bytes} bytes on "
                                 f"the device, over its budget of {budget}")
     by_instruction = {iv.instruction: iv for iv in timeline.intervals}
-    landed_out: dict[int, float] = {}
-    landed_in: dict[int, float] = {}
+    # (tier, storage) -> when the latest copy into that tier's copy of the storage landed, and the kind that made it
+    # (a copy, or a lane op's compute, whose outputs land on the device).
+    landed: dict[tuple[Tier, int], tuple[float, Kind]] = {}
     finished_op: dict[int, float] = {}  # op id -> when it finished (this step's copy of it, in steady state)
     for i, ins in enumerate(instrs):
         interval = by_instruction.get(i)
-        assert interval is None or interval.stream == stream_of(program, ins)  # instructions.RULES
-        if ins.kind is Kind.OFFLOAD and interval is not None:
-            landed_out[ins.target] = interval.end
-        elif ins.kind is Kind.PREFETCH and interval is not None:
-            if ins.target in landed_out and interval.start + _TOLERANCE_S < landed_out[ins.target]:
-                raise fail(i, "the prefetch starts before the offload it reads from has landed")
-            landed_in[ins.target] = interval.end
-        elif ins.kind is Kind.COMPUTE and interval is not None and program.ops[ins.target].lane is not None:
+        if interval is None:
+            continue
+        assert interval.stream == stream_of(program, ins)  # instructions.RULES
+        rule = RULES[ins.kind]
+        if rule.copies:
+            filled = landed.get((rule.reads, ins.target))
+            if rule.waits_on is WaitsOn.FILLER and filled is not None and interval.start + _TOLERANCE_S < filled[0]:
+                raise fail(i, f"the {ins.kind.value} starts before the {filled[1].value} it reads from has landed")
+            landed[(rule.writes, ins.target)] = (interval.end, ins.kind)
+        elif ins.kind is Kind.COMPUTE and program.ops[ins.target].lane is not None:
             op = program.ops[ins.target]
             for d in program.dependencies()[op.id]:
                 before = finished_op.get(d)
@@ -84,10 +88,11 @@ def _check_timeline(plan: Plan, timeline: Timeline) -> None:
                     raise fail(i, f"the lane op starts before {program.ops[d].name}, which it depends on, has finished")
             finished_op[op.id] = interval.end
             for v in op.outputs:
-                landed_in[program.values[v].storage] = interval.end
-        elif ins.kind is Kind.COMPUTE and interval is not None:
+                landed[(rule.writes, program.values[v].storage)] = (interval.end, ins.kind)
+        elif ins.kind is Kind.COMPUTE:
             op = program.ops[ins.target]
             finished_op[op.id] = interval.end
             for s in {program.values[v].storage for v in op.inputs}:
-                if s in landed_in and interval.start + _TOLERANCE_S < landed_in[s]:
+                filled = landed.get((rule.reads, s))
+                if filled is not None and interval.start + _TOLERANCE_S < filled[0]:
                     raise fail(i, f"starts before the prefetch of {program.values[s].name} has landed")

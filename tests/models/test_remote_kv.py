@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hyperoffload.cache_ops import PREFETCH_BLOCKS, prefetch_blocks
+from hyperoffload.block_ops import PREFETCH_BLOCKS, prefetch_blocks
 from hyperoffload.workloads import DeepSeek, get_workload, greedy_generate
 from hyperoffload.workloads.deepseek_remote import new_remote_cache
 

@@ -52,10 +52,11 @@ from hyperoffload.compile.joint import JointGraph, input_kinds, join_graphs
 from hyperoffload.compile.layouts import planned_layouts, with_planned_layouts
 from hyperoffload.compile.split import keep_backward_inputs_in_backward, split_lowered
 from hyperoffload.hardware import Hardware, get_hardware
+from hyperoffload.instructions import COPIES_OUT
 from hyperoffload.ir import Program, ValueKind
 from hyperoffload.lower import lower_plan
 from hyperoffload.planning import plan_checked
-from hyperoffload.plans import Kind, Plan, check_plan
+from hyperoffload.plans import Plan, check_plan
 from hyperoffload.policies import get_policy
 from hyperoffload.runtime.emulated_link import EmulatedLink
 from hyperoffload.runtime.native_link import HOST_LINKS, NativeLink, host_link
@@ -64,8 +65,9 @@ from hyperoffload.simulate import Figures, simulate
 COMPILERS = ("eager", "inductor")
 """How a backend runs its planned graphs: op by op, or compiled by Inductor."""
 
-CACHE_OPERATORS = {cache_ops.OFFLOAD: Kind.OFFLOAD, cache_ops.PREFETCH: Kind.PREFETCH, cache_ops.WAIT: Kind.WAIT,
-                   cache_ops.RELEASE: Kind.RELEASE}
+CACHE_OPERATORS = {op: kind for kind, op in cache_ops.KIND_OPERATORS.items()}
+"""The instruction kind each cache operator of a lowered graph stands for (the operators ``instructions.RULES``
+names)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,7 +121,7 @@ class CompiledGraph:
         """Names of the values the plan sends to remote memory (or keeps there at the start), in plan order."""
         values = self.program.values
         names = [values[s].name for s in sorted(self.plan.initial_remote)]
-        names += [values[i.target].name for i in self.plan.instructions if i.kind is Kind.OFFLOAD]
+        names += [values[i.target].name for i in self.plan.instructions if i.kind in COPIES_OUT]
         return list(dict.fromkeys(names))
 
 

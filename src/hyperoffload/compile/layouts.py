@@ -30,8 +30,9 @@ import torch
 import torch.fx
 
 from hyperoffload.capture.graph_to_program import CaptureError
+from hyperoffload.instructions import COPIES
 from hyperoffload.ir import Program
-from hyperoffload.plans import Kind, Plan
+from hyperoffload.plans import Plan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,8 +100,9 @@ def compact_tangents(gm: torch.fx.GraphModule, tangents: Sequence[str]) -> None:
 
 
 def moved_storages(plan: Plan) -> set[int]:
-    """Storages a plan transfers: the ones it offloads or prefetches, and those it keeps remote at the start."""
-    moved = {i.target for i in plan.instructions if i.kind in (Kind.OFFLOAD, Kind.PREFETCH)}
+    """Storages a plan transfers: the ones it copies (``instructions.COPIES``: offloads and prefetches), and those it
+    keeps remote at the start."""
+    moved = {i.target for i in plan.instructions if i.kind in COPIES}
     return moved | set(plan.initial_remote)
 
 

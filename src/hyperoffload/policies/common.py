@@ -15,12 +15,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from hyperoffload.instructions import RULES
 from hyperoffload.ir import Program, Value
 from hyperoffload.plans import Instr, Kind, Plan, check_plan
 
-# Within one position: copies out first (they read what the previous op wrote), then releases (memory
-# back before anything new is allocated), then prefetches, then the waits right before the op.
-_RANK = {Kind.OFFLOAD: 0, Kind.RELEASE: 1, Kind.PREFETCH: 2, Kind.WAIT: 3}
+_RANK = {kind: rule.emit_rank for kind, rule in RULES.items() if rule.emit_rank is not None}
+"""Order within one position, per cache kind (``KindRule.emit_rank``, smaller first)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperoffload.plans import Kind
+from hyperoffload.instructions import COPIES_OUT
 from hyperoffload.runtime.views import _ViewMeta
 
 
@@ -73,7 +73,7 @@ class _StepResults:
             self._await_lane(lane)
         returned = {self.storage_of[v] for v in program.outputs}
         for s, flight in sorted(self.in_flight.items()):
-            if (self.carry and flight.kind is Kind.OFFLOAD and flight.remote is self.remote_home.get(s)
+            if (self.carry and flight.kind in COPIES_OUT and flight.remote is self.remote_home.get(s)
                     and s not in returned):
                 self.carried[flight.remote.data_ptr()] = flight.handle
                 continue
@@ -86,7 +86,7 @@ class _StepResults:
             if flight.held:
                 self._block(flight.handle)
                 self._finished(flight)
-            elif flight.kind is Kind.OFFLOAD and not self.transfers.is_done(flight.handle):
+            elif flight.kind in COPIES_OUT and not self.transfers.is_done(flight.handle):
                 # Waited for only by later compute (a WAIT, or its slot reused; on CUDA an event wait of the
                 # compute stream): its remote buffer is host memory, which the results below and the caller may
                 # read on the host. A prefetch needs no such wait: only compute reads what it wrote.

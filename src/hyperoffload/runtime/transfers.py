@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hyperoffload.plans import Kind
+from hyperoffload.instructions import COPIES_IN, COPIES_OUT, Kind
 
 
 class TransferError(RuntimeError):
@@ -199,13 +199,14 @@ class _TransferTracking:
     def _track(self, flight: _InFlight) -> None:
         self.bytes.hold(flight.device)
         self.started.append(flight)
-        if flight.kind is Kind.OFFLOAD:
+        if flight.kind in COPIES_OUT:  # it reads the device storage, which counts until the copy has finished
             self.holding.append(flight)
         self.in_flight[flight.storage] = flight  # a prefetch after an offload replaces it: the lanes order them
 
     def _landed(self, flight: _InFlight) -> None:
-        """A waited transfer: a prefetched storage's views become readable; the transfer's hold ends."""
-        if flight.kind is Kind.PREFETCH:
+        """A waited transfer: a prefetched storage's views (a copy in, ``COPIES_IN``) become readable; the transfer's
+        hold ends."""
+        if flight.kind in COPIES_IN:
             for vid, meta in self.remembered.pop(flight.storage, {}).items():
                 self.put(vid, meta.view_into(flight.device))
         self._finished(flight)

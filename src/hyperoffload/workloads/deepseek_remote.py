@@ -17,7 +17,7 @@ Per layer it holds:
   eviction per sequence: a selected block already resident is read from the pool, not moved again.
 
 A decode step runs the compressed branch on the device keys, ``nsa_select`` picks the blocks, and
-the selected branch reads them through ``hyperoffload::prefetch_blocks`` (``cache_ops``): without a
+the selected branch reads them through ``hyperoffload::prefetch_blocks`` (``block_ops``): without a
 pool all ``nsa_top_n`` selected blocks are fetched every step; with one only the blocks that are
 not resident. The values read are the same as an on-device cache's, in the same order, so the
 logits are bit-for-bit those of the on-device decode. Copies here are synchronous CPU copies
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import register_pytree_node
 
-from hyperoffload.cache_ops import fetch_blocks_pooled, fetch_missing_blocks, prefetch_blocks, store_rows
+from hyperoffload.block_ops import fetch_blocks_pooled, fetch_missing_blocks, prefetch_blocks, store_rows
 from hyperoffload.capture.steps import capture_decode_step
 from hyperoffload.workloads.catalog import DEFAULT_RESELECTION
 from hyperoffload.workloads.deepseek_cache_shapes import cache_shapes
