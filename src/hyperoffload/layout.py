@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hyperoffload.instructions import FREES_TARGET, allocated_storages
-from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan, owned_outputs
+from hyperoffload.instructions import ALLOCATES_TARGET, FREES_TARGET, allocated_storages
+from hyperoffload.plans import Plan, PlanCheck, check_plan, owned_outputs
 
 ALIGNMENT = 256
 """Bytes every slot's offset is a multiple of: what ``cudaMalloc`` guarantees, so kernels that need
@@ -474,7 +474,7 @@ def prefetch_into_arena(plan: Plan, layout: Layout) -> tuple[Plan, Layout]:
     floor = 0
     for k in np.argsort(start, kind="stable"):
         r = found[k]
-        if r.start >= 0 and instrs[r.start].kind is Kind.PREFETCH:
+        if r.start >= 0 and instrs[r.start].kind in ALLOCATES_TARGET:  # a copy in, which may move earlier
             before = (start < r.start) & (offsets < top[k]) & (top > offsets[k])
             earliest = max(int(end[before].max(initial=0)), previous_end.get(r.storage, 0), floor)
             if earliest < r.start:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from hyperoffload.instructions import OUTPUTS, RULES, TARGET, Kind
+from hyperoffload.instructions import COPIES_OUT, OUTPUTS, RULES, TARGET, Kind
 from hyperoffload.ir import Program
 from hyperoffload.memo import per_program
 
@@ -197,7 +197,7 @@ def _last_uses(plan: Plan, touched: Sequence[frozenset[int]]) -> tuple[dict[int,
             if values[ins.target].remote:
                 raise PlanError(i, f"{ins.kind.value} of {values[ins.target].name}: it lives in remote memory for the "
                                    f"whole step; only the step's lane ops move its data")
-            if ins.kind is Kind.OFFLOAD:
+            if ins.kind in COPIES_OUT:
                 last_offload[ins.target] = i
     last_use = dict(last_compute)
     for s, i in last_offload.items():
@@ -377,7 +377,7 @@ def remote_bytes(plan: Plan) -> int:
     remote memory, counted once (a remote copy is kept to the end of the step, and its buffer is reused by the
     next), plus what the step holds in remote memory itself (a remote KV cache)."""
     values = plan.program.values
-    storages = set(plan.initial_remote) | {i.target for i in plan.instructions if i.kind is Kind.OFFLOAD}
+    storages = set(plan.initial_remote) | {i.target for i in plan.instructions if i.kind in COPIES_OUT}
     held = sum(v.nbytes for v in values if v.remote and v.owns_storage)
     return sum(values[s].alloc_bytes for s in storages) + held
 

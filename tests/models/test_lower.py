@@ -19,8 +19,7 @@ from hyperoffload.workloads import capture_workload, get_workload
 from helpers import random_valid_order
 from programs import op, program, value
 
-CACHE_KINDS = {cache_ops.OFFLOAD: Kind.OFFLOAD, cache_ops.PREFETCH: Kind.PREFETCH, cache_ops.WAIT: Kind.WAIT,
-               cache_ops.RELEASE: Kind.RELEASE}
+CACHE_KINDS = {operator: kind for kind, operator in cache_ops.KIND_OPERATORS.items()}
 
 
 # --- the operators ----------------------------------------------------------------------------------

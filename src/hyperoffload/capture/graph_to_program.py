@@ -89,16 +89,18 @@ class _Builder:
 
 def program_from_graph(gm: torch.fx.GraphModule, input_kinds: Sequence[ValueKind], *, name: str, mode: str,
                        input_names: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
-                       remote_inputs: Collection[int] = ()) -> Program:
+                       remote_inputs: Collection[int] = (), fetch_fraction: float = 1.0) -> Program:
     """Build a Program from ``gm``; ``input_kinds`` gives the kind of each placeholder in order and
     ``input_names`` readable names for them (default: the placeholder names).
 
     ``remote_inputs``: indices of placeholders that live in remote memory (``Value.remote``). Calls of the
     operators in ``block_ops.LANE_OPS`` become lane ops; a pooled block fetch, or the fetch completing a
-    speculative prefetch, moves its output's bytes times ``meta["pool_fetch_fraction"]`` (the stated share
-    of selected blocks not already in the pool or the speculation, default 1)."""
+    speculative prefetch, moves its output's bytes times ``fetch_fraction`` (the stated share of selected blocks
+    not already in the pool or the speculation; 1 when there is no pool)."""
     b = _Builder()
-    b.fetch_fraction = float((meta or {}).get("pool_fetch_fraction", 1.0))
+    if not 0.0 <= fetch_fraction <= 1.0:
+        raise ValueError(f"fetch_fraction is a share of the selected blocks, between 0 and 1; got {fetch_fraction}")
+    b.fetch_fraction = float(fetch_fraction)
     inputs: list[int] = []
     constants: list[int] = []
     ops: list[Op] = []

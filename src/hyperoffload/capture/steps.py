@@ -158,9 +158,11 @@ def _split_state(model: nn.Module):
 
 
 def trace_step(step: Callable, flat: Sequence[torch.Tensor], kinds: Sequence[ValueKind], input_names: Sequence[str], *,
-               name: str, mode: str, meta: dict, remote_inputs: Sequence[int] = ()) -> Captured:
+               name: str, mode: str, meta: dict, remote_inputs: Sequence[int] = (),
+               fetch_fraction: float = 1.0) -> Captured:
     """Trace ``step(*flat)`` into a Program: ``kinds`` and ``input_names`` per input, ``remote_inputs`` the
-    indices of inputs that live in remote memory (``program_from_graph``)."""
+    indices of inputs that live in remote memory, ``fetch_fraction`` the share of selected blocks a pooled
+    fetch moves (``program_from_graph``)."""
     start = time.perf_counter()
     flat = _own_storages(flat)
     try:
@@ -172,7 +174,7 @@ def trace_step(step: Callable, flat: Sequence[torch.Tensor], kinds: Sequence[Val
             f"tracing the {mode} step of {name} failed: {type(error).__name__}: {error}. The model must run "
             f"on the example inputs with static shapes and no data-dependent Python control flow") from error
     program = program_from_graph(gm, kinds, name=name, mode=mode, input_names=input_names, meta=meta,
-                                 remote_inputs=remote_inputs)
+                                 remote_inputs=remote_inputs, fetch_fraction=fetch_fraction)
     return Captured(program=program, inputs=tuple(flat), step=step, capture_s=time.perf_counter() - start)
 
 
@@ -314,12 +316,13 @@ def capture_prefill_step(model: nn.Module, args: Any, *, kwargs: dict | None = N
 
 def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *, name: str | None = None,
                         meta: dict | None = None, cache: Any = None, cache_names: Sequence[str] | None = None,
-                        remote: Sequence[int] = ()) -> Captured:
+                        remote: Sequence[int] = (), fetch_fraction: float = 1.0) -> Captured:
     """Capture one decode step: ``tokens`` (batch, 1) at position ``context`` of a KV cache that
     holds ``context`` earlier tokens. The cache (from ``model.new_cache(batch, context + 1)``, or ``cache``,
     any pytree of tensors the model takes) is an input of the step and is written in place. ``cache_names``
     name its tensors in flattening order (default: the model's ``cache_names()``, else numbers); ``remote``
-    gives the indices among them that live in remote memory (``Value.remote``)."""
+    gives the indices among them that live in remote memory (``Value.remote``); ``fetch_fraction`` the share of
+    selected blocks a pooled block fetch moves (``program_from_graph``)."""
     if not hasattr(model, "new_cache"):
         raise CaptureError(f"{type(model).__name__} does not provide new_cache(batch, context); decode capture "
                            f"needs a model that takes its KV cache as an input (the built-in workloads do)")
@@ -348,5 +351,5 @@ def capture_decode_step(model: nn.Module, tokens: torch.Tensor, context: int, *,
         cache_names = model.cache_names() if hasattr(model, "cache_names") else range(len(cache_flat))
     input_names = [*names, *(f"kv_cache.{n}" for n in cache_names), "tokens", "start"]
     return trace_step(step, flat, kinds, input_names, name=name or type(model).__name__, mode="decode",
-                      remote_inputs=[n_state + i for i in remote],
+                      remote_inputs=[n_state + i for i in remote], fetch_fraction=fetch_fraction,
                       meta={"mode": "decode", "context": context, **(meta or {})})

@@ -169,7 +169,7 @@ def realize_before_releases(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for n in gm.graph.nodes:  # node_copy shares each node's meta (its fake values) with ``gm``'s
         env[n] = graph.node_copy(n, env.__getitem__)
     position = {n: i for i, n in enumerate(graph.nodes)}
-    transfers = {cache_ops.OFFLOAD, cache_ops.PREFETCH, cache_ops.WAIT, cache_ops.RELEASE}
+    transfers = set(cache_ops.KIND_OPERATORS.values())
     stored: set[torch.fx.Node] = set()  # named by an earlier release: Inductor stores them, later readers read that
     for release in list(graph.find_nodes(op="call_function", target=cache_ops.RELEASE)):
         at = position[release]

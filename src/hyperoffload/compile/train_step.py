@@ -57,7 +57,8 @@ from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.lower import lower_plan
 from hyperoffload.planning import plan_checked
-from hyperoffload.plans import Kind, Plan, check_plan, plan_without_offload
+from hyperoffload.instructions import COPIES_OUT
+from hyperoffload.plans import Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, get_policy
 from hyperoffload.runtime.cuda_copies import CudaCopyStreams
 from hyperoffload.runtime.device_peak import cuda_peak, device_peak
@@ -225,7 +226,7 @@ class TrainStep:
     def remote(self) -> dict[str, list[str]]:
         """Names of the values the plan keeps in remote memory between steps or sends there, by kind."""
         values = self.program.values
-        storages = set(self.plan.initial_remote) | {i.target for i in self.plan.instructions if i.kind is Kind.OFFLOAD}
+        storages = set(self.plan.initial_remote) | {i.target for i in self.plan.instructions if i.kind in COPIES_OUT}
         by_kind: dict[str, list[str]] = {}
         for s in sorted(storages):
             by_kind.setdefault(values[s].kind.value, []).append(values[s].name)

@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from hyperoffload.instructions import COPIES_OUT
 from hyperoffload.layout import Layout
 from hyperoffload.plans import Kind, Plan
 from hyperoffload.runtime.arena import ArenaOverlap, with_arena
@@ -358,7 +359,7 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
                 raise ArenaOverlap(f"{self._where(i)}: the remote copy of {values[s].name} has "
                                    f"{source.nbytes()} bytes but its slot {storage.nbytes()}")
         previous = self.in_flight.get(s)
-        if previous is not None and previous.kind is Kind.OFFLOAD:
+        if previous is not None and previous.kind in COPIES_OUT:
             dependency = previous.handle  # the lanes order the prefetch after the offload that fills `source`
         else:
             dependency = self.carried.pop(source.data_ptr(), None) if self.carried else None

@@ -345,6 +345,7 @@ def capture_remote_decode_step(model, tokens: torch.Tensor, context: int, *, poo
         model, tokens, context, name=name, cache=cache,
         cache_names=[f"{i}.{part}" for i in range(len(cache.layers)) for part in parts],
         remote=[i * len(parts) for i in range(len(cache.layers))],  # each layer's tensors start with its remote one
+        fetch_fraction=fraction,
         meta={"kv": "remote", "pool_blocks": pool_blocks, "speculative": speculative, "reselection": reselection,
               "pool_fetch_fraction": fraction, **pool_facts(cfg, batch, context, cache.layers[0].remote.element_size()),
               **(meta or {})})
