@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from hypothesis import strategies as st
 from runtime_checks import assert_identical
 
 from hyperoffload.budgets import parse_budget
-from hyperoffload.cli import main
 from hyperoffload.hardware import get_hardware
 from hyperoffload.hardware.cpu import CpuCalibration, cpu_emulated
 from hyperoffload.layout import LayoutError, assign_offsets, check_layout
@@ -435,24 +433,6 @@ def test_a_plan_without_a_layout_runs_from_the_one_computed_for_it(captured, ref
     run = run_plan(plan, inputs, arena=True)
     assert_identical([*run.outputs, *inputs], [*reference[0], *reference[1]])
     assert run.arena_bytes == assign_offsets(plan).arena_bytes
-
-
-def test_run_command_with_static_layout_runs_from_the_arena(capsys):
-    code = main(["run", "--workload", "tiny-llama", "--mode", "train", "--budget", "50%", "--link", "2GB/s",
-                 "--steps", "1", "--warmup", "0", "--static-layout", "--json"])
-    result = json.loads(capsys.readouterr().out)
-    assert code == 0
-    assert result["static_layout"] is True
-    assert result["max_abs_diff"] == 0.0
-    assert 0 < result["measured_peak_bytes"] <= result["arena_bytes"] <= result["budget_bytes"]
-    assert 0 < result["arena_copied_bytes"] < result["arena_bytes"]  # most op results go straight into slots
-
-
-def test_run_command_refuses_static_layout_for_other_policies(capsys):
-    code = main(["run", "--workload", "tiny-llama", "--mode", "train", "--budget", "50%", "--policy", "reactive",
-                 "--static-layout"])
-    assert code != 0
-    assert "--static-layout" in capsys.readouterr().err
 
 
 def test_out_overloads_match_the_captured_ops_arguments():
