@@ -10,6 +10,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -23,6 +24,9 @@ from hyperoffload.plans import PlanError
 from hyperoffload.policies import InfeasibleBudget
 from hyperoffload.units import format_bytes, parse_bandwidth
 from hyperoffload.workloads import WORKLOADS, UnknownWorkload, capture_workload, get_workload, with_nsa_block
+
+if TYPE_CHECKING:
+    from hyperoffload.planning import Budget
 
 
 def cpu_cache_path() -> Path:
@@ -175,53 +179,36 @@ def _capture(args: argparse.Namespace, console: Console, *, fake: bool = True):
                                 reselection=getattr(args, "reselection", None), world=getattr(args, "world", 1))
 
 
-
 def _inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.report.inspect import inspect_step, inspect_tables
 
     if args.verify and args.world > 1:
         raise ValueError("--verify runs the step on this machine's CPU, and a step sharded over ranks (--world) has "
                          "collectives that need the other ranks: drop --verify or --world")
-    figures = inspect_step(_capture(args, err), top=args.top)
+    inspection = inspect_step(_capture(args, err), top=args.top)
     if args.verify:
-        figures["verify"] = _verify(args, figures["peak_bytes"], err)
+        inspection = inspection.verified(_verify(args, inspection.peak_bytes, err))
     if args.json:
-        print(json.dumps(figures))
+        print(json.dumps(inspection.as_dict()))
     else:
-        out.print(inspect_tables(figures))
-    check = figures.get("verify")
-    if check and not (check["identical_to_eager"] and check["live_bytes_agree"]):
-        why = [] if check["live_bytes_agree"] else ["the measured live bytes differ from the analysis"]
-        if not check["identical_to_eager"]:
-            # A difference at float rounding means the traced graph ran other kernels than eager for some ops (a
-            # Hugging Face decode with a batch above one: a batched matmul where eager folds the batch into one).
-            why.append(f"the results differ from eager by up to {check['max_abs_diff']:.3g}"
-                       + (" (the size of float rounding: the graph may run other kernels than eager for some ops)"
-                          if check["max_abs_diff"] < 1e-5 else ""))
-        err.print(f"[red]verification failed:[/red] {'; '.join(why)}", highlight=False, soft_wrap=True)
+        out.print(inspect_tables(inspection))
+    if inspection.verify_failure:
+        err.print(f"[red]verification failed:[/red] {inspection.verify_failure}", highlight=False, soft_wrap=True)
         return 1
     return 0
 
 
 def _verify(args: argparse.Namespace, peak_bytes: int, err: Console) -> dict:
-    import os
-
+    """The step executed with real weights against eager and the analysis (``report.inspect.verify_figures``),
+    once this machine has room for it."""
+    from hyperoffload.report.inspect import verify_figures
     from hyperoffload.runtime import compare_with_eager
-    from hyperoffload.units import format_bytes
 
     # The check holds the inputs three times (original, graph run, eager run) plus each run's peak.
-    needed = 3 * peak_bytes
-    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if needed > host // 2:
-        raise ValueError(f"--verify executes the step for real and would need about {format_bytes(needed)}, more "
-                         f"than half of this machine's {format_bytes(host)}; verify a smaller workload "
-                         f"(tiny-llama) or smaller --batch/--seq/--context")
+    _check_host_room(3 * peak_bytes, "--verify", "verify")
     captured = _capture(args, err, fake=False)
     with err.status("Executing the step with real weights and comparing..."):
-        result = compare_with_eager(captured)
-    return {"identical_to_eager": result.identical, "max_abs_diff": result.max_abs_diff,
-            "measured_peak_bytes": result.measured_peak_bytes, "analysed_peak_bytes": result.analysed_peak_bytes,
-            "live_bytes_agree": result.live_bytes_agree}
+        return verify_figures(compare_with_eager(captured))
 
 
 def _workloads(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -239,27 +226,19 @@ def _workloads(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.plans import plan_without_offload
-    from hyperoffload.report.figures import figures_table, step_fields, step_title
+    from hyperoffload.report.figures import no_offload_dict, no_offload_summary, step_title
     from hyperoffload.simulate import simulate
 
     hardware = hardware_from_args(args)
-    captured = _capture(args, err)
-    program = captured.program
+    program = _capture(args, err).program
     with err.status(f"Simulating {len(program.ops):,} ops on {hardware.name}..."):
         timeline = simulate(plan_without_offload(program), hardware)
-    figures = timeline.figures
     _write_outputs(args, timeline, title=f"{step_title(program)} on {hardware.name}, no offload",
                    limit_bytes=hardware.memory_bytes, err=err, limit_label=f"{hardware.name} memory")
     if args.json:
-        print(json.dumps({**step_fields(program), "hardware": hardware.name, "policy": "none", **figures.as_dict(),
-                          "device_memory_bytes": hardware.memory_bytes,
-                          "fits": figures.peak_bytes <= hardware.memory_bytes}))
-        return 0
-    out.print(figures_table(figures, title=f"{step_title(program)} on {hardware.name}, as captured "
-                                           f"(no offload)", hardware=hardware))
-    if figures.peak_bytes > hardware.memory_bytes:
-        out.print(f"[yellow]The step needs {format_bytes(figures.peak_bytes)} of device memory; {hardware.name} "
-                  f"has {format_bytes(hardware.memory_bytes)}. It does not fit without offloading.[/yellow]")
+        print(json.dumps(no_offload_dict(program, hardware, timeline.figures)))
+    else:
+        out.print(no_offload_summary(program, hardware, timeline.figures))
     return 0
 
 
@@ -275,123 +254,76 @@ def _note_policies(names, program, err: Console) -> None:
                   f"{'it plans' if len(idle) == 1 else 'they plan'} as none[/yellow]", highlight=False, soft_wrap=True)
 
 
-def _note_budget(text: str, budget: int, program, hardware, err: Console) -> None:
-    """Notes on stderr (so ``--json`` output stays one object) about the budget ``text`` came to: when "hideable"
-    is the smallest feasible budget instead, and when the budget is more than the device has."""
-    from hyperoffload.budgets import hideable_note
+def _resolved_budget(args: argparse.Namespace, program, hardware: Hardware, err: Console) -> Budget:
+    """``--budget`` resolved on the step and profile (a ``planning.Budget``), with notes on stderr (so ``--json``
+    output stays one object): when "hideable" is the smallest feasible budget instead, and when the budget is more
+    than the device has."""
+    from hyperoffload.planning import resolve_budget
 
-    note = hideable_note(program, hardware) if text.strip().lower() == "hideable" else None
-    if note:
-        err.print(f"[yellow]note: {note}[/yellow]", highlight=False, soft_wrap=True)
+    budget = resolve_budget(args.budget, program, hardware)
+    if budget.hideable_note:
+        err.print(f"[yellow]note: {budget.hideable_note}[/yellow]", highlight=False, soft_wrap=True)
     _note_over_device(budget, hardware, err)
+    return budget
 
 
-def _note_over_device(budget: int, hardware, err: Console) -> None:
-    """Say so when the budget is more than the device has: the figures are then a what-if (the tables of
-    budgets as shares of the no-offload peak go there on purpose)."""
-    if budget > hardware.memory_bytes:
-        err.print(f"[yellow]note: the budget, {format_bytes(budget)}, is more than {hardware.name}'s "
+def _note_over_device(budget: Budget, hardware: Hardware, err: Console) -> None:
+    """Say so when ``budget`` (a ``planning.Budget``) is more than the device has: the figures are then a what-if
+    (the tables of budgets as shares of the no-offload peak go there on purpose)."""
+    if budget.over_device:
+        err.print(f"[yellow]note: the budget, {format_bytes(budget.budget_bytes)}, is more than {hardware.name}'s "
                   f"{format_bytes(hardware.memory_bytes)} of device memory: a plan for it does not fit that device. "
                   f"Give at most {format_bytes(hardware.memory_bytes)}, or --device-memory for a larger "
                   f"device[/yellow]", highlight=False, soft_wrap=True)
 
 
 def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from hyperoffload.analysis import memory_profile
-    from hyperoffload.budgets import parse_budget
-    from hyperoffload.report.figures import figures_table
-    from hyperoffload.report.plan_report import plan_report
-    from hyperoffload.units import format_seconds
+    from hyperoffload.report.plan_report import plan_report, plan_summary
 
     hardware = hardware_from_args(args)
     config = _planner_config(args, "leaves addresses to the allocator (its arena and allocator figures are "
                                    "reported anyway)")
-    captured = _capture(args, err)
-    program = captured.program
-    budget = parse_budget(args.budget, program, hardware)
-    _note_budget(args.budget, budget, program, hardware, err)
+    program = _capture(args, err).program
+    budget = _resolved_budget(args, program, hardware, err)
     _note_policies([args.policy], program, err)
     with err.status("Planning...") as status:
-        report = plan_report(program, hardware, budget, policy=args.policy, config=config, stage=status.update)
-    plan, figures, memory = report.plan, report.figures, report.memory
-    window, free_budget, traffic = report.window_bound_s, report.free_budget_bytes, report.traffic_bound_s
-    any_order, plan_s, title = report.link_bound_s, report.plan_s, report.title
-    _write_outputs(args, report.timeline, title=title, limit_bytes=budget, err=err)
+        report = plan_report(program, hardware, budget.budget_bytes, policy=args.policy, config=config,
+                             stage=status.update)
+    _write_outputs(args, report.timeline, title=report.title, limit_bytes=budget.budget_bytes, err=err)
     if args.graph:
         from hyperoffload.lower import plan_code
 
         with _writing("--graph", args.graph):
-            Path(args.graph).write_text(plan_code(plan))
+            Path(args.graph).write_text(plan_code(report.plan))
         err.print(f"planned graph written to {args.graph}")
     if args.json:
         print(json.dumps(report.as_dict()))
-        return 0
-    out.print(figures_table(figures, title=title, hardware=hardware))
-    kv = report.kv
-    if kv.get("kv") == "remote":
-        pool = "no block pool" if kv["pool_blocks"] is None else f"a block pool of {kv['pool_blocks']} blocks per " \
-            f"sequence and layer"
-        if kv["speculative"]:
-            pool = "no block pool: each layer prefetches its previous selection before it selects"
-        out.print(f"KV cache: in remote memory, {pool}; a step fetches {kv['fetch_share']:.1%} of its selected blocks "
-                  f"(stated reselection {kv['reselection']}); step_s / dependency_bound_s = "
-                  f"{figures.step_s / figures.dependency_bound_s:.3f}", highlight=False)
-        # The figures are of the step as it runs, with the cache remote: its excess is measured from that form's
-        # peak, and the blocks it fetches are in bound_s as the step's own traffic. Say so, or "excess_bytes 0 B"
-        # reads as if nothing had to leave.
-        out.print(f"excess_bytes and bound_s are measured from this form's no-offload peak, "
-                  f"{format_bytes(memory_profile(plan.program).peak_bytes)}, with the selected blocks' traffic in "
-                  f"bound_s; with the KV cache on the device the step peaks at "
-                  f"{format_bytes(memory_profile(program).peak_bytes)}", highlight=False)
-    arena = "the plan's static arena" if plan.layout is not None else "a static arena would take"
-    over = ""
-    if memory["arena_bytes"] > budget:
-        over = f", [yellow]{format_bytes(memory['arena_bytes'] - budget)} over the budget"
-        over += (": --static-layout plans for one that fits[/yellow]" if args.policy == "hyperoffload"
-                 else "[/yellow]")
-    out.print(f"memory: {arena} {format_bytes(memory['arena_bytes'])} ({memory['arena_stalls']} stalls){over}; "
-              f"the caching allocator model reserves {format_bytes(memory['allocator_reserved_bytes'])} with "
-              f"{memory['allocator_stalls']} free-and-retry stalls and {memory['allocator_failures']} out-of-memory "
-              f"failures at this budget")
-    if not report.feasible:  # a policy may not meet the budget (``none`` never offloads): say so
-        out.print(f"[yellow]policy {args.policy} does not meet the budget: it needs "
-                  f"{format_bytes(figures.peak_bytes)}, the budget is {format_bytes(budget)}[/yellow]")
-    elif figures.bound_s is not None:
-        out.print(f"planned in {plan_s:.1f} s; step_s / bound_s = {figures.step_s / figures.bound_s:.3f}, "
-                  f"step_s / lower_bound_s = {figures.step_s / figures.lower_bound_s:.3f}, step_s / window_bound_s "
-                  f"= {figures.step_s / window:.3f} (no plan in this op order can beat window_bound_s "
-                  f"{format_seconds(window)}, nor traffic_bound_s {format_seconds(traffic)}, what has to cross the "
-                  f"link at all; step_s / traffic_bound_s = {figures.step_s / traffic:.3f}); below "
-                  f"{format_bytes(free_budget)} no plan in this order can "
-                  f"offload for free; {report.bound_scope} can beat link_bound_s {format_seconds(any_order)} "
-                  f"(step_s / link_bound_s = {figures.step_s / any_order:.3f})")
+    else:
+        out.print(plan_summary(report))
     return 0
 
 
 def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from hyperoffload.budgets import parse_budget
     from hyperoffload.compare import compare
     from hyperoffload.report.compare import compare_table, plot_compare, verdict
 
     hardware = hardware_from_args(args)
     names = _policy_names(args)
     program = _capture(args, err).program
-    budget = parse_budget(args.budget, program, hardware)
-    _note_budget(args.budget, budget, program, hardware, err)
+    budget = _resolved_budget(args, program, hardware, err)
     if names is not None:
         _note_policies(names, program, err)
-    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget)} on {hardware.name} with every "
-                    f"policy..."):
-        results = compare(program, hardware, budget, names)
-    title = (f"{program.name} {program.mode} on {hardware.name}, budget {format_bytes(budget)} "
+    with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget.budget_bytes)} on {hardware.name} "
+                    f"with every policy..."):
+        results = compare(program, hardware, budget.budget_bytes, names)
+    title = (f"{program.name} {program.mode} on {hardware.name}, budget {format_bytes(budget.budget_bytes)} "
              f"({args.budget})")
     if args.plot:
         with _writing("--plot", args.plot):
             plot_compare(results, args.plot, title=title)
         err.print(f"plot written to {args.plot}")
     if args.json:
-        print(json.dumps([{"workload": program.meta.get("workload", program.name), "mode": program.mode,
-                           "hardware": hardware.name, **r.as_dict()} for r in results]))
+        print(json.dumps([r.as_dict() for r in results]))
         return 0
     out.print(compare_table(results, title=title))
     out.print(verdict(results))
@@ -399,8 +331,8 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from hyperoffload.budgets import parse_budget
     from hyperoffload.compare import sweep
+    from hyperoffload.planning import resolve_budget
     from hyperoffload.report.compare import plot_sweep, sweep_table
 
     hardware = hardware_from_args(args)
@@ -413,7 +345,7 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.vary in ("h2d-bw", "d2h-bw") and args.budget is not None:
         # Only the device-memory note: the hideable budget changes with the bandwidth swept, and over NSA
         # block sizes the step itself changes.
-        _note_over_device(parse_budget(args.budget, program, hardware), hardware, err)
+        _note_over_device(resolve_budget(args.budget, program, hardware), hardware, err)
 
     def recapture(value: str):
         args.nsa_block = int(value)  # checked by _check_sweep_values
@@ -429,9 +361,7 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
             plot_sweep(points, args.plot, vary=args.vary, title=title)
         err.print(f"plot written to {args.plot}")
     if args.json:
-        print(json.dumps([{"workload": program.meta.get("workload", program.name), "mode": program.mode,
-                           "hardware": point.hardware.name, "vary": args.vary, "value": point.value, "x": point.x,
-                           **r.as_dict()} for point in points for r in point.results]))
+        print(json.dumps([row for point in points for row in point.rows()]))
         return 0
     out.print(sweep_table(points, vary=args.vary, title=title))
     return 0
@@ -488,7 +418,7 @@ def _write_outputs(args: argparse.Namespace, timeline, *, title: str, limit_byte
 
 def _hardware(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.hardware import list_hardware
-    from hyperoffload.report.hardware import hardware_detail, hardware_list
+    from hyperoffload.report.hardware import hardware_detail, hardware_list, profile_dict
 
     if args.name is None:
         profiles = list_hardware()
@@ -508,29 +438,13 @@ def _hardware(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
-def profile_dict(hardware: Hardware) -> dict:
-    fields = {f: getattr(hardware, f) for f in hardware.__slots__}
-    fields["peak_flops"] = dict(hardware.peak_flops)
-    fields["measured_op_s"] = dict(hardware.measured_op_s)
-    fields["sources"] = dict(hardware.sources)
-    return fields
-
-
 def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from hyperoffload.analysis import memory_profile
-    from hyperoffload.budgets import parse_budget
-    from hyperoffload.report.run_report import run_report
+    from hyperoffload.report.run_report import run_report, run_summary
     from hyperoffload.runtime import BudgetExceeded, TransferError
     from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor
 
-    cores = os.cpu_count() or 1
-    if args.threads is not None and args.threads > cores:
-        # More compute threads than cores only slows the step and starves the copy engines; millions would
-        # never start.
-        raise ValueError(f"--threads {args.threads} is more than this machine's {cores} cores; give at most {cores}")
-    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    threads = _run_threads(args)
     torch.set_num_threads(threads)
     config = _planner_config(args, "has no static layout to run from")
     run_config = RunConfig(steps=args.steps, warmup=args.warmup, arena=args.static_layout)
@@ -539,96 +453,64 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         hardware = get_hardware("cpu-emulated", cpu_cache=cache).replace(
             h2d_bw=args.link, d2h_bw=args.link, h2d_latency_s=args.copy_latency, d2h_latency_s=args.copy_latency)
     # Sized on fake tensors first: the inputs, the reference, checked and timed copies, and each run's peak.
-    needed = 6 * memory_profile(_capture(args, err).program).peak_bytes
-    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if needed > host // 2:
-        raise ValueError(f"run executes the step for real and would need about {format_bytes(needed)}, more than "
-                         f"half of this machine's {format_bytes(host)}; run a smaller workload (tiny-llama) or "
-                         f"smaller --batch/--seq/--context")
+    _check_host_room(6 * memory_profile(_capture(args, err).program).peak_bytes, "run", "run")
     captured = _capture(args, err, fake=False)
     program = captured.program
     with err.status("Measuring the executor's dispatch cost per op and per cache instruction..."):
         bare = hardware
         hardware = for_executor(bare, program, executor_dispatch_s(), executor_issue_s(), inputs=captured.inputs)
-    budget = parse_budget(args.budget, program, hardware)
-    _note_budget(args.budget, budget, program, hardware, err)
+    budget = _resolved_budget(args, program, hardware, err)
     _note_policies([args.policy], program, err)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err,
-                  transient=True) as progress:
-        tasks: dict[str, int] = {}
-
-        def steps_done(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(phase, total=total)
-            progress.update(tasks[phase], completed=done)
-
+    with _phase_bars(err) as (stage, progress):
         try:
-            report = run_report(captured, hardware, bare, budget, policy=args.policy, config=config,
-                                run_config=run_config, threads=threads, stage=progress.console.print,
-                                progress=steps_done)
+            report = run_report(captured, hardware, bare, budget.budget_bytes, policy=args.policy, config=config,
+                                run_config=run_config, threads=threads, stage=stage, progress=progress)
         except (BudgetExceeded, TransferError) as error:
             err.print(f"[red]run failed:[/red] {error}", highlight=False)
             return 1
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
-        _print_run(report, args, out)
+        out.print(run_summary(report, budget_text=args.budget))
     return 0 if report.exact else 1
 
 
-def _print_run(report, args: argparse.Namespace, out: Console) -> None:
-    """``run``'s table and summary of ``report`` (a ``RunReport``)."""
-    from rich.table import Table
+def _run_threads(args: argparse.Namespace) -> int:
+    """The compute threads ``run`` uses: ``--threads``, or all cores but one (which the copy engines use)."""
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cores:
+        # More compute threads than cores only slows the step and starves the copy engines; millions would
+        # never start.
+        raise ValueError(f"--threads {args.threads} is more than this machine's {cores} cores; give at most {cores}")
+    return args.threads or max(1, (os.cpu_count() or 2) - 1)
 
-    from hyperoffload.analysis import memory_profile
-    from hyperoffload.units import format_bandwidth, format_seconds
 
-    figures, plan, result, within = report.figures, report.plan, report.as_dict(), report.feasible
-    program, budget, run_config = report.captured.program, report.budget_bytes, report.run_config
-    form_differs = report.max_abs_diff_vs_device_kv is not None
-    table = Table(title=f"{program.name} {program.mode}, {args.policy}, budget {format_bytes(budget)} "
-                        f"({args.budget}), emulated link {format_bandwidth(args.link)} each way",
-                  title_justify="left")
-    for column in ("figure", "value", "note"):
-        table.add_column(column)
-    table.add_row("wall_s", format_seconds(figures.wall_s),
-                  f"median of {run_config.steps} steps; fastest {format_seconds(figures.wall_min_s)}")
-    table.add_row("unplanned_wall_s", format_seconds(figures.unplanned_wall_s), "the same step without offloading")
-    table.add_row("sim_step_s", format_seconds(figures.sim_step_s),
-                  f"simulated; compute alone {format_seconds(figures.sim_compute_s)}")
-    table.add_row("sim_error", f"{figures.sim_error:.3f}", f"{figures.sim_error_min:.3f} against the fastest step")
-    table.add_row("measured_peak_bytes", format_bytes(figures.measured_peak_bytes),
-                  f"budget {format_bytes(budget)}: within" if within else
-                  f"over the budget of {format_bytes(budget)}: policy {args.policy} does not meet it")
-    if args.static_layout:
-        table.add_row("arena_bytes", format_bytes(figures.arena_bytes),
-                      f"the one buffer the planned steps ran from ({format_bytes(plan.layout.live_peak_bytes)} "
-                      f"live at peak)")
-        table.add_row("arena_copied_bytes", format_bytes(figures.arena_copied_bytes),
-                      "op results made outside the arena and copied in (no out= form); the rest are written "
-                      "into their slots")
-    table.add_row("max_abs_diff", f"{figures.max_abs_diff:g}",
-                  "bit-identical to the unplanned step" if figures.max_abs_diff == 0.0
-                  else "DIFFERS from the unplanned step")
-    if form_differs:
-        kv = result["max_abs_diff_vs_device_kv"]
-        pool = "speculative prefetch" if result["speculative"] else "no pool" if result["pool_blocks"] is None \
-            else f"a pool of {result['pool_blocks']} blocks"
-        table.add_row("max_abs_diff_vs_device_kv", f"{kv:g}",
-                      f"KV cache in remote memory ({pool}): outputs "
-                      + ("bit-identical to the on-device cache's" if kv == 0.0 else "DIFFER from the on-device cache's"))
-    table.add_row("moved per step", f"{format_bytes(figures.h2d_bytes)} in, {format_bytes(figures.d2h_bytes)} out",
-                  f"waited {format_seconds(figures.copy_wait_s)} for copies, {format_seconds(figures.memory_wait_s)} "
-                  f"for memory")
-    out.print(table)
-    peak = memory_profile(program).peak_bytes
-    moved = f"{format_bytes(figures.h2d_bytes)} each way" if figures.h2d_bytes == figures.d2h_bytes else \
-        f"{format_bytes(figures.h2d_bytes)} in and {format_bytes(figures.d2h_bytes)} out"
-    out.print(f"Moving {moved} per step kept the step at "
-              f"{format_bytes(figures.measured_peak_bytes)} ({figures.measured_peak_bytes / peak:.0%} of its "
-              f"{format_bytes(peak)} peak), {figures.wall_s / figures.unplanned_wall_s:.2f}x the unplanned step's time; "
-              f"the simulator predicted {figures.sim_step_s / figures.sim_compute_s:.2f}x (its planned step over "
-              f"its unplanned one, which is the compute alone).", highlight=False)
+def _check_host_room(needed: int, flag: str, verb: str) -> None:
+    """Refuse to execute a step for real (``flag`` does) when it would need ``needed`` bytes, more than half of
+    this machine's memory; ``verb`` is what to do with a smaller step instead."""
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > host // 2:
+        raise ValueError(f"{flag} executes the step for real and would need about {format_bytes(needed)}, more than "
+                         f"half of this machine's {format_bytes(host)}; {verb} a smaller workload (tiny-llama) or "
+                         f"smaller --batch/--seq/--context")
+
+
+@contextlib.contextmanager
+def _phase_bars(console: Console):
+    """A bar per phase on ``console`` while a run goes: yields ``run_report``'s ``stage`` (a line above the bars)
+    and ``progress(phase, done, total)`` callbacks."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
+                  transient=True) as bars:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bars.add_task(phase, total=total)
+            bars.update(tasks[phase], completed=done)
+
+        yield bars.console.print, progress
 
 
 USER_ERRORS = (UnknownWorkload, CaptureError, HardwareError, PlanError, InfeasibleBudget, ValueError, OSError)

@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from hyperoffload.analysis import memory_profile, window_bound
-from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, check_plan
-from hyperoffload.planning import plan_checked
+from hyperoffload.planning import plan_checked, resolve_budget
 from hyperoffload.policies import InfeasibleBudget, policies_for
 from hyperoffload.simulate import Timeline, budget_bounds
 from hyperoffload.units import parse_bandwidth
@@ -30,6 +29,9 @@ from hyperoffload.units import parse_bandwidth
 class PolicyResult:
     """One policy's plan for the compared budget, verified and simulated."""
 
+    program: Program
+    """The step as given to ``compare`` (the plan may run another form of it: ``plan.program``)."""
+    hardware: Hardware
     policy: str
     budget_bytes: int
     """The compared budget (bytes); the plan itself may carry another (see ``feasible``)."""
@@ -50,9 +52,12 @@ class PolicyResult:
         return self.timeline.figures.step_s
 
     def as_dict(self) -> dict:
-        """The figures of ``docs/figures.md`` with ``policy``, ``feasible`` and ``budget_bytes``."""
+        """The row ``compare --json`` prints: the step (``workload``, ``mode``) and profile (``hardware``), then the
+        figures of ``docs/figures.md`` with ``policy``, ``feasible`` and ``budget_bytes``."""
         figures = self.timeline.figures.as_dict()
-        return {"policy": self.policy, "feasible": self.feasible, **figures, "budget_bytes": self.budget_bytes,
+        return {"workload": self.program.meta.get("workload", self.program.name), "mode": self.program.mode,
+                "hardware": self.hardware.name, "policy": self.policy, "feasible": self.feasible, **figures,
+                "budget_bytes": self.budget_bytes,
                 "plan_s": self.plan_s, "instructions": len(self.plan.instructions), "note": self.note,
                 "window_bound_s": self.window_bound_s}
 
@@ -90,8 +95,9 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     window = None
     if feasible:
         window = window_bound(plan.program, hardware, budget_bytes, plan.compute_order()).seconds
-    return PolicyResult(policy=policy, budget_bytes=budget_bytes, feasible=feasible, plan_s=plan_s, plan=plan,
-                        timeline=timeline, note=note, window_bound_s=window)
+    return PolicyResult(program=program, hardware=hardware, policy=policy, budget_bytes=budget_bytes,
+                        feasible=feasible, plan_s=plan_s, plan=plan, timeline=timeline, note=note,
+                        window_bound_s=window)
 
 
 def _with_budget_figures(timeline: Timeline, plan: Plan, program: Program, hardware: Hardware, budget: int,
@@ -114,7 +120,7 @@ def compare(program: Program, hardware: Hardware | str, budget: int | str,
     step has none) for the same budget, in that order. ``hardware`` is a profile or its name; ``budget`` is
     bytes, or text as ``plan`` takes it (``"40GiB"``, ``"50%"``, ``"hideable"``)."""
     hardware = as_hardware(hardware)
-    budget_bytes = parse_budget(budget, program, hardware) if isinstance(budget, str) else budget
+    budget_bytes = resolve_budget(budget, program, hardware).budget_bytes
     names = policies_for(program) if policies is None else list(policies)
     peak = memory_profile(program).peak_bytes
     return [run_policy(program, hardware, budget_bytes, name, peak) for name in names]
@@ -128,22 +134,22 @@ Setting = Callable[[Program, Hardware, str, str], tuple[Hardware, int, float]]
 
 def _vary_h2d(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
     varied = hardware.replace(h2d_bw=parse_bandwidth(value))
-    return varied, parse_budget(budget, program, varied), varied.h2d_bw
+    return varied, resolve_budget(budget, program, varied).budget_bytes, varied.h2d_bw
 
 
 def _vary_d2h(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
     varied = hardware.replace(d2h_bw=parse_bandwidth(value))
-    return varied, parse_budget(budget, program, varied), varied.d2h_bw
+    return varied, resolve_budget(budget, program, varied).budget_bytes, varied.d2h_bw
 
 
 def _vary_budget(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
-    budget_bytes = parse_budget(value, program, hardware)
+    budget_bytes = resolve_budget(value, program, hardware).budget_bytes
     return hardware, budget_bytes, float(budget_bytes)
 
 
 def _vary_nsa_block(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
     # ``program`` is already the step captured at this block size (``sweep``'s ``recapture``).
-    return hardware, parse_budget(budget, program, hardware), float(value)
+    return hardware, resolve_budget(budget, program, hardware).budget_bytes, float(value)
 
 
 VARIES: dict[str, tuple[Setting, str]] = {
@@ -161,12 +167,20 @@ RECAPTURED = frozenset({"nsa-block"})
 class SweepPoint:
     """The comparison at one value of the varied quantity."""
 
+    vary: str
+    """What the sweep varies (a key of ``VARIES``)."""
     value: str
     """The value as given (``"16GB/s"``, ``"60%"``)."""
     x: float
     """The value in base units (bytes/s or bytes)."""
     hardware: Hardware
     results: tuple[PolicyResult, ...]
+
+    def rows(self) -> list[dict]:
+        """The rows ``sweep --json`` prints for this value, one per policy: ``PolicyResult.as_dict`` with what is
+        varied, its value as given and ``x``."""
+        return [{"workload": row["workload"], "mode": row["mode"], "hardware": self.hardware.name, "vary": self.vary,
+                 "value": self.value, "x": self.x, **row} for row in (r.as_dict() for r in self.results)]
 
 
 def sweep(program: Program, hardware: Hardware | str, *, vary: str, values: Sequence[str], budget: str | None,
@@ -190,7 +204,7 @@ def sweep(program: Program, hardware: Hardware | str, *, vary: str, values: Sequ
     for value in values:
         step = recapture(value.strip()) if vary in RECAPTURED else program
         varied, budget_bytes, x = setting(step, hardware, budget or "", value.strip())
-        points.append(SweepPoint(value=value.strip(), x=x, hardware=varied,
+        points.append(SweepPoint(vary=vary, value=value.strip(), x=x, hardware=varied,
                                  results=tuple(compare(step, varied, budget_bytes, policies))))
     return points
 

@@ -2,7 +2,9 @@
 
 ``hyperoffload.plan`` returns the plan; ``plan_checked`` also returns what planning measured (the budget in
 bytes, the planning time, the simulated timeline). The ``torch.compile`` backend, ``train_step``, ``compare``
-and the CLI all plan through ``plan_checked``.
+and the CLI all plan through ``plan_checked``. ``resolve_budget`` is the one way a budget as written becomes the
+bytes a plan is made for: ``plan_checked`` resolves through it, and so does a caller that needs the bytes before
+planning (``compare``, which plans every policy for the same bytes; the CLI, which tells the user about them).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hyperoffload.budgets import parse_budget
+from hyperoffload.budgets import hideable_note, parse_budget
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan
@@ -36,6 +38,45 @@ class Planned:
     """The plan simulated on the hardware (and checked against the simulation); None when not asked for."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Budget:
+    """A device-memory budget as written, resolved on one step and hardware profile."""
+
+    text: str
+    """The budget as written (``"40GiB"``, ``"50%"``, ``"hideable"``), stripped; for bytes given as an int, the
+    number."""
+    budget_bytes: int
+    """What it comes to on this step and profile (bytes): what ``plan_checked`` plans for."""
+    device_memory_bytes: int
+    """The profile's device memory (bytes)."""
+    hideable_note: str | None = None
+    """For ``"hideable"``: why it came to the smallest budget the planner can meet rather than the one the link
+    sets (``budgets.hideable_note``); None otherwise."""
+
+    @property
+    def over_device(self) -> bool:
+        """Whether the budget is more than the device has: a plan for it is then a what-if that does not fit."""
+        return self.budget_bytes > self.device_memory_bytes
+
+    def as_dict(self) -> dict:
+        """The budget as written and resolved, with ``over_device``."""
+        return {"budget": self.text, "budget_bytes": self.budget_bytes,
+                "device_memory_bytes": self.device_memory_bytes, "over_device": self.over_device,
+                "hideable_note": self.hideable_note}
+
+
+def resolve_budget(budget: int | str, program: Program, hardware: Hardware | str) -> Budget:
+    """``budget`` (bytes, or text: ``"40GiB"``, ``"50%"`` of ``program``'s no-offload peak, ``"hideable"`` on
+    ``hardware``, a profile or its name) resolved on this step and profile; a ``ValueError`` names a budget that
+    does not read as one or is out of range (``budgets.parse_budget``)."""
+    hardware = as_hardware(hardware)
+    budget_bytes = parse_budget(budget, program, hardware)
+    text = budget.strip() if isinstance(budget, str) else str(budget)
+    note = hideable_note(program, hardware) if text.lower() == "hideable" else None
+    return Budget(text=text, budget_bytes=budget_bytes, device_memory_bytes=hardware.memory_bytes,
+                  hideable_note=note)
+
+
 def plan_checked(program: Program, hardware: Hardware | str, budget: int | str, *, policy: str = "hyperoffload",
                  config: PlannerConfig | None = None, passes: Sequence[PlanPass] = (),
                  simulate: bool = True) -> Planned:
@@ -49,7 +90,7 @@ def plan_checked(program: Program, hardware: Hardware | str, budget: int | str, 
         if policy != "hyperoffload":
             raise ValueError(f"a PlannerConfig tunes the hyperoffload planner; policy {policy!r} takes none")
         planner = _configured(config)
-    budget_bytes = parse_budget(budget, program, hardware)
+    budget_bytes = resolve_budget(budget, program, hardware).budget_bytes
     start = time.perf_counter()
     plan = planner(program, hardware, budget_bytes)
     for plan_pass in passes:
@@ -73,4 +114,4 @@ def _configured(config: PlannerConfig) -> Callable[[Program, Hardware, int], Pla
     return planner
 
 
-__all__ = ["PlanPass", "Planned", "plan", "plan_checked"]
+__all__ = ["Budget", "PlanPass", "Planned", "plan", "plan_checked", "resolve_budget"]

@@ -1,8 +1,12 @@
-"""Simulated figures as a table for people (JSON output uses ``Figures.as_dict``)."""
+"""Simulated figures as a table for people (JSON output uses ``Figures.as_dict``), and the step as captured,
+simulated without offloading: what ``hyperoffload simulate`` prints."""
 
 from __future__ import annotations
 
+from rich.console import Group
+from rich.highlighter import ReprHighlighter
 from rich.table import Table
+from rich.text import Text
 
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
@@ -21,6 +25,17 @@ def step_title(program: Program) -> str:
     """``"<name> <mode>"``, with the rank it is where the step is sharded over ranks."""
     world = program.meta.get("world", 1)
     return f"{program.name} {program.mode}" + (f" (rank 0 of {world}, FSDP2)" if world > 1 else "")
+
+
+def console_text(markup: str, *, highlight: bool = True) -> Text:
+    """``markup`` as ``Console.print`` shows a string: rich markup read and, with ``highlight``, numbers and the
+    like coloured. Reports return such lines (in a ``Group``, after their tables) rather than print them."""
+    text = Text.from_markup(markup)
+    if not highlight:
+        return text
+    highlighted = ReprHighlighter()(str(text))
+    highlighted.copy_styles(text)
+    return highlighted
 
 
 def figures_table(figures: Figures, *, title: str, hardware: Hardware) -> Table:
@@ -52,3 +67,22 @@ def figures_table(figures: Figures, *, title: str, hardware: Hardware) -> Table:
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def no_offload_dict(program: Program, hardware: Hardware, figures: Figures) -> dict:
+    """The object ``simulate --json`` prints: the step, the profile, ``figures`` of the step without offloading
+    and whether its peak ``fits`` the device."""
+    return {**step_fields(program), "hardware": hardware.name, "policy": "none", **figures.as_dict(),
+            "device_memory_bytes": hardware.memory_bytes, "fits": figures.peak_bytes <= hardware.memory_bytes}
+
+
+def no_offload_summary(program: Program, hardware: Hardware, figures: Figures) -> Group:
+    """``figures`` of the step without offloading as ``simulate`` prints them: the table, and a warning when the
+    step does not fit the device."""
+    parts = [figures_table(figures, title=f"{step_title(program)} on {hardware.name}, as captured (no offload)",
+                           hardware=hardware)]
+    if figures.peak_bytes > hardware.memory_bytes:
+        parts.append(console_text(f"[yellow]The step needs {format_bytes(figures.peak_bytes)} of device memory; "
+                                  f"{hardware.name} has {format_bytes(hardware.memory_bytes)}. It does not fit without "
+                                  f"offloading.[/yellow]"))
+    return Group(*parts)

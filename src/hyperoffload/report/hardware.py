@@ -1,4 +1,4 @@
-"""Hardware profiles as tables."""
+"""Hardware profiles as tables, and as the objects ``hardware --json`` prints."""
 
 from __future__ import annotations
 
@@ -7,6 +7,16 @@ from rich.table import Table
 from hyperoffload.hardware import Hardware
 from hyperoffload.hardware.profile import FILE_KEYS
 from hyperoffload.units import format_bandwidth, format_bytes, format_seconds
+
+
+def profile_dict(hardware: Hardware) -> dict:
+    """Every field of ``hardware`` (bytes, bytes/s, seconds, FLOP/s), its mappings as plain dicts: the object
+    ``hardware --json`` prints."""
+    fields = {f: getattr(hardware, f) for f in hardware.__slots__}
+    fields["peak_flops"] = dict(hardware.peak_flops)
+    fields["measured_op_s"] = dict(hardware.measured_op_s)
+    fields["sources"] = dict(hardware.sources)
+    return fields
 
 
 def hardware_list(profiles: list[Hardware]) -> Table:

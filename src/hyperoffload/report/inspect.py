@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.table import Table
@@ -13,37 +15,116 @@ from hyperoffload.capture import Captured
 from hyperoffload.ir import Program, ValueKind, kind_bytes
 from hyperoffload.units import format_bytes, format_count
 
+if TYPE_CHECKING:
+    from hyperoffload.runtime.reference import EagerComparison
 
-def inspect_step(captured: Captured, *, top: int = 10) -> dict[str, Any]:
-    """Figures of a captured step, as a JSON-ready dict (bytes, FLOPs, seconds)."""
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepInspection:
+    """Figures of a captured step (bytes, FLOPs, seconds): what ``hyperoffload inspect`` shows."""
+
+    meta: Mapping[str, Any]
+    """What the capture recorded about the step (``Program.meta``: batch, seq, dtype...)."""
+    workload: str
+    mode: str
+    num_ops: int
+    num_values: int
+    flops: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    kv_bytes: int
+    input_bytes: int
+    peak_bytes: int
+    """The no-offload peak of device memory."""
+    peak_op: dict[str, Any] | None
+    """Where the peak is reached: the op's position in the order, name, target and phase; None for a step of no ops."""
+    peak_by_kind: dict[str, int]
+    """Bytes live at the peak by value kind, largest first."""
+    peak_values: list[dict[str, Any]]
+    """The largest values live at the peak (name, kind, shape, dtype, bytes), largest first."""
+    capture_s: float
+    world: int
+    """Ranks the step is sharded over (1: one device)."""
+    collectives: dict[str, dict[str, int]]
+    """``collectives(program)``."""
+    verify: dict[str, Any] | None = None
+    """The step executed with real weights against eager and the analysis (``inspect --verify``;
+    ``verify_figures``); None unless run."""
+
+    def verified(self, check: Mapping[str, Any]) -> StepInspection:
+        """These figures with the executed step's ``check`` (``verify_figures``)."""
+        return replace(self, verify=dict(check))
+
+    @property
+    def verify_failure(self) -> str | None:
+        """Why the executed step disagrees with eager or with the analysis, in words; None when it agrees or was
+        not executed."""
+        check = self.verify
+        if check is None or (check["identical_to_eager"] and check["live_bytes_agree"]):
+            return None
+        why = [] if check["live_bytes_agree"] else ["the measured live bytes differ from the analysis"]
+        if not check["identical_to_eager"]:
+            # A difference at float rounding means the traced graph ran other kernels than eager for some ops (a
+            # Hugging Face decode with a batch above one: a batched matmul where eager folds the batch into one).
+            why.append(f"the results differ from eager by up to {check['max_abs_diff']:.3g}"
+                       + (" (the size of float rounding: the graph may run other kernels than eager for some ops)"
+                          if check["max_abs_diff"] < 1e-5 else ""))
+        return "; ".join(why)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The object ``inspect --json`` prints: the capture's meta, then the figures (``verify`` when run)."""
+        figures = {**self.meta, "workload": self.workload, "mode": self.mode, "num_ops": self.num_ops,
+                   "num_values": self.num_values, "flops": self.flops, "params_bytes": self.params_bytes,
+                   "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
+                   "activation_bytes": self.activation_bytes, "kv_bytes": self.kv_bytes,
+                   "input_bytes": self.input_bytes, "peak_bytes": self.peak_bytes, "peak_op": self.peak_op,
+                   "peak_by_kind": self.peak_by_kind, "peak_values": self.peak_values, "capture_s": self.capture_s,
+                   "world": self.world, "collectives": self.collectives}
+        if self.verify is not None:
+            figures["verify"] = self.verify
+        return figures
+
+
+def verify_figures(comparison: EagerComparison) -> dict[str, Any]:
+    """A step executed with real weights against eager and the analysis (``runtime.compare_with_eager``), as
+    ``inspect --json`` prints it under ``verify``."""
+    return {"identical_to_eager": comparison.identical, "max_abs_diff": comparison.max_abs_diff,
+            "measured_peak_bytes": comparison.measured_peak_bytes,
+            "analysed_peak_bytes": comparison.analysed_peak_bytes, "live_bytes_agree": comparison.live_bytes_agree}
+
+
+def inspect_step(captured: Captured, *, top: int = 10) -> StepInspection:
+    """Figures of a captured step; ``top``: how many of the largest values live at the peak to list."""
     program = captured.program
     profile = memory_profile(program)
     peak_by_kind: Counter[str] = Counter()
     for s in profile.peak_storages:
         peak_by_kind[program.values[s].kind.value] += program.values[s].alloc_bytes
     peak_op = program.ops[profile.order[profile.peak_position]] if profile.peak_position >= 0 else None
-    return {
-        **{k: v for k, v in program.meta.items()},
-        "workload": program.meta.get("workload", program.name),
-        "mode": program.mode,
-        "num_ops": len(program.ops),
-        "num_values": len(program.values),
-        "flops": sum(op.flops for op in program.ops),
-        "params_bytes": kind_bytes(program, [ValueKind.PARAMETER]),
-        "grads_bytes": kind_bytes(program, [ValueKind.GRADIENT]),
-        "optimizer_bytes": kind_bytes(program, [ValueKind.OPTIMIZER_STATE]),
-        "activation_bytes": kind_bytes(program, [ValueKind.ACTIVATION]),
-        "kv_bytes": kind_bytes(program, [ValueKind.KV_CACHE]),
-        "input_bytes": kind_bytes(program, [ValueKind.INPUT]),
-        "peak_bytes": profile.peak_bytes,
-        "peak_op": None if peak_op is None else {"position": profile.peak_position, "name": peak_op.name,
-                                                  "target": peak_op.target, "phase": peak_op.phase.value},
-        "peak_by_kind": dict(peak_by_kind.most_common()),
-        "peak_values": [_describe(program, s) for s in profile.peak_storages[:top]],
-        "capture_s": round(captured.capture_s, 3),
-        "world": program.meta.get("world", 1),
-        "collectives": collectives(program),
-    }
+    return StepInspection(
+        meta=dict(program.meta),
+        workload=program.meta.get("workload", program.name),
+        mode=program.mode,
+        num_ops=len(program.ops),
+        num_values=len(program.values),
+        flops=sum(op.flops for op in program.ops),
+        params_bytes=kind_bytes(program, [ValueKind.PARAMETER]),
+        grads_bytes=kind_bytes(program, [ValueKind.GRADIENT]),
+        optimizer_bytes=kind_bytes(program, [ValueKind.OPTIMIZER_STATE]),
+        activation_bytes=kind_bytes(program, [ValueKind.ACTIVATION]),
+        kv_bytes=kind_bytes(program, [ValueKind.KV_CACHE]),
+        input_bytes=kind_bytes(program, [ValueKind.INPUT]),
+        peak_bytes=profile.peak_bytes,
+        peak_op=None if peak_op is None else {"position": profile.peak_position, "name": peak_op.name,
+                                              "target": peak_op.target, "phase": peak_op.phase.value},
+        peak_by_kind=dict(peak_by_kind.most_common()),
+        peak_values=[_describe(program, s) for s in profile.peak_storages[:top]],
+        capture_s=round(captured.capture_s, 3),
+        world=program.meta.get("world", 1),
+        collectives=collectives(program),
+    )
 
 
 def collectives(program: Program) -> dict[str, dict[str, int]]:
@@ -63,8 +144,9 @@ def _describe(program: Program, vid: int) -> dict[str, Any]:
     return {"name": v.name, "kind": v.kind.value, "shape": list(v.shape), "dtype": v.dtype, "bytes": v.alloc_bytes}
 
 
-def inspect_tables(figures: dict[str, Any]) -> Group:
+def inspect_tables(inspection: StepInspection) -> Group:
     """The figures of ``inspect_step`` as tables for a terminal."""
+    figures = inspection.as_dict()
     title = f"{figures['workload']} {figures['mode']}"
     if figures.get("world", 1) > 1:
         title += f", rank 0 of {figures['world']} (FSDP2)"

@@ -2,7 +2,7 @@
 
 ``plan_report`` plans a step (``planning.plan_checked``), then measures the plan against the bounds no plan can
 beat and replays its memory through the static arena and the caching allocator model. ``PlanReport.as_dict()``
-is the object ``plan --json`` prints; the CLI prints the same report as tables.
+is the object ``plan --json`` prints; ``plan_summary`` is the same report as ``plan`` prints it for people.
 """
 
 from __future__ import annotations
@@ -11,18 +11,22 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rich.console import Group
+from rich.text import Text
+
 from hyperoffload.allocator_model import fragmentation_figures
+from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.link_bound import link_bound
 from hyperoffload.analysis.traffic_bound import traffic_bound
 from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.planning import plan_checked
-from hyperoffload.report.figures import step_fields, step_title
+from hyperoffload.report.figures import console_text, figures_table, step_fields, step_title
 from hyperoffload.plans import Plan, plan_digest, remote_bytes
 from hyperoffload.policies import PlannerConfig
 from hyperoffload.simulate import Figures, Timeline
-from hyperoffload.units import format_bytes
+from hyperoffload.units import format_bytes, format_seconds
 from hyperoffload.variants import has_remote_kv, kv_placement
 
 
@@ -131,4 +135,69 @@ def plan_report(program: Program, hardware: Hardware, budget: int | str, *, poli
                       link_bound_s=any_order, traffic_bound_s=traffic if math.isfinite(traffic) else None)
 
 
-__all__ = ["PlanReport", "plan_report"]
+def plan_summary(report: PlanReport) -> Group:
+    """``report`` for people: the figures table, then where the KV cache is (a step that keeps it remote), the
+    plan's memory in an arena and under the caching allocator, and the simulated step against the bounds (or the
+    budget the policy does not meet)."""
+    lines = [*_kv_lines(report), _memory_line(report)]
+    if not report.feasible:  # a policy may not meet the budget (``none`` never offloads): say so
+        lines.append(console_text(f"[yellow]policy {report.policy} does not meet the budget: it needs "
+                                  f"{format_bytes(report.figures.peak_bytes)}, the budget is "
+                                  f"{format_bytes(report.budget_bytes)}[/yellow]"))
+    elif report.figures.bound_s is not None:
+        lines.append(_bounds_line(report))
+    return Group(figures_table(report.figures, title=report.title, hardware=report.hardware), *lines)
+
+
+def _kv_lines(report: PlanReport) -> list[Text]:
+    """Where a plan that keeps the KV cache remote keeps it, and which peak its figures are measured from."""
+    kv, figures = report.kv, report.figures
+    if kv.get("kv") != "remote":
+        return []
+    pool = "no block pool" if kv["pool_blocks"] is None else f"a block pool of {kv['pool_blocks']} blocks per " \
+        f"sequence and layer"
+    if kv["speculative"]:
+        pool = "no block pool: each layer prefetches its previous selection before it selects"
+    # The figures are of the step as it runs, with the cache remote: its excess is measured from that form's
+    # peak, and the blocks it fetches are in bound_s as the step's own traffic. Say so, or "excess_bytes 0 B"
+    # reads as if nothing had to leave.
+    return [console_text(f"KV cache: in remote memory, {pool}; a step fetches {kv['fetch_share']:.1%} of its selected "
+                         f"blocks (stated reselection {kv['reselection']}); step_s / dependency_bound_s = "
+                         f"{figures.step_s / figures.dependency_bound_s:.3f}", highlight=False),
+            console_text(f"excess_bytes and bound_s are measured from this form's no-offload peak, "
+                         f"{format_bytes(memory_profile(report.plan.program).peak_bytes)}, with the selected blocks' "
+                         f"traffic in bound_s; with the KV cache on the device the step peaks at "
+                         f"{format_bytes(memory_profile(report.program).peak_bytes)}", highlight=False)]
+
+
+def _memory_line(report: PlanReport) -> Text:
+    """The plan's memory in one static arena and under the caching allocator model, at the budget."""
+    memory, budget = report.memory, report.budget_bytes
+    arena = "the plan's static arena" if report.plan.layout is not None else "a static arena would take"
+    over = ""
+    if memory["arena_bytes"] > budget:
+        over = f", [yellow]{format_bytes(memory['arena_bytes'] - budget)} over the budget"
+        over += (": --static-layout plans for one that fits[/yellow]" if report.policy == "hyperoffload"
+                 else "[/yellow]")
+    return console_text(f"memory: {arena} {format_bytes(memory['arena_bytes'])} ({memory['arena_stalls']} stalls)"
+                        f"{over}; the caching allocator model reserves "
+                        f"{format_bytes(memory['allocator_reserved_bytes'])} with {memory['allocator_stalls']} "
+                        f"free-and-retry stalls and {memory['allocator_failures']} out-of-memory failures at this "
+                        f"budget")
+
+
+def _bounds_line(report: PlanReport) -> Text:
+    """The simulated step over each bound no plan can beat, and the budget below which no plan offloads for free."""
+    step_s, figures = report.figures.step_s, report.figures
+    window, traffic, any_order = report.window_bound_s, report.traffic_bound_s, report.link_bound_s
+    return console_text(
+        f"planned in {report.plan_s:.1f} s; step_s / bound_s = {step_s / figures.bound_s:.3f}, step_s / "
+        f"lower_bound_s = {step_s / figures.lower_bound_s:.3f}, step_s / window_bound_s = {step_s / window:.3f} (no "
+        f"plan in this op order can beat window_bound_s {format_seconds(window)}, nor traffic_bound_s "
+        f"{format_seconds(traffic)}, what has to cross the link at all; step_s / traffic_bound_s = "
+        f"{step_s / traffic:.3f}); below {format_bytes(report.free_budget_bytes)} no plan in this order can offload "
+        f"for free; {report.bound_scope} can beat link_bound_s {format_seconds(any_order)} (step_s / link_bound_s = "
+        f"{step_s / any_order:.3f})")
+
+
+__all__ = ["PlanReport", "plan_report", "plan_summary"]
