@@ -38,43 +38,11 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
     ``world`` > 1 captures rank 0's step of the model sharded with FSDP2 over that many ranks
     (``capture.sharded``), train or prefill.
     """
-    if mode not in MODES:
-        raise CaptureError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    if remote_kv and mode != "decode":
-        raise CaptureError(f"a remote KV cache is captured for decode only, not {mode}")
-    # A size the step would not use is refused, not ignored: seq= on a decode step would otherwise leave the
-    # context at the preset's and say nothing.
-    if mode == "decode" and seq is not None:
-        raise CaptureError(f"seq (--seq) sizes train and prefill steps; a decode step feeds one token per sequence "
-                           f"after context (--context) cached tokens: give context={seq} instead")
-    if mode != "decode" and context is not None:
-        raise CaptureError(f"context (--context) sizes decode steps; a {mode} step takes seq (--seq) tokens per "
-                           f"sequence: give seq={context} instead")
-    check_world(world)
-    if world > 1 and (mode == "decode" or master_weights):
-        what = "a decode step" if mode == "decode" else "master weights (--master-weights)"
-        raise CaptureError(f"{what} cannot be captured sharded over ranks (--world {world}) yet; FSDP2 shards train "
-                           f"and prefill steps: give --mode train or prefill without --master-weights, or --world 1")
-    if master_weights and mode != "train":
-        raise CaptureError(f"master_weights (--master-weights) adds an fp32 copy of the weights to a training step's "
-                           f"optimizer; a {mode} step has no optimizer: drop it")
-    batch = workload.batch if batch is None else batch
-    seq = workload.seq if seq is None else seq
-    context = workload.context if context is None else context
-    # Named as both the Python argument and the CLI flag say them (``batch`` / ``--batch``).
-    for label, size, least in (("batch", batch, 1), ("seq", seq, 1), ("context", context, 0)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < least:
-            unit = "sequences" if label == "batch" else "tokens"
-            raise CaptureError(f"{label} (--{label}) must be a whole number of {unit}, at least {least}; got {size!r}")
-    check_step_tokens(batch, context + 1 if mode == "decode" else seq, "context" if mode == "decode" else "seq")
+    _refuse_what_the_mode_does_not_take(mode, remote_kv=remote_kv, seq=seq, context=context, world=world,
+                                        master_weights=master_weights)
+    batch, seq, context = _sizes(workload, mode, batch=batch, seq=seq, context=context)
     meta = {"workload": workload.name, "batch": batch, "dtype": str(workload.dtype).removeprefix("torch.")}
-    vocab = workload.config.vocab_size
-    if not fake:
-        torch.manual_seed(seed)
-    with fake_build(workload.dtype) if fake else default_dtype(workload.dtype):
-        model = workload.model(workload.config)
-        tokens = torch.randint(0, vocab, (batch, 1 if mode == "decode" else seq))
-        targets = torch.randint(0, vocab, (batch, seq))
+    model, tokens, targets = _built(workload, mode, batch=batch, seq=seq, fake=fake, seed=seed)
     if world > 1 and mode == "train":
         return capture_sharded_train_step(model, (tokens,), targets, world=world, name=workload.name,
                                           meta={**meta, "seq": seq})
@@ -95,6 +63,67 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
             reselection=DEFAULT_RESELECTION if reselection is None else reselection)
     if not isinstance(workload.config, DeepSeekConfig):
         return capture_decode_step(model, tokens, context, name=workload.name, meta=meta)
+    return _decode_with_remote_kv_forms(workload, model, tokens, meta, batch=batch, context=context, fake=fake,
+                                        seed=seed, reselection=reselection)
+
+
+def _refuse_what_the_mode_does_not_take(mode: str, *, remote_kv: bool, seq: int | None, context: int | None,
+                                        world: int, master_weights: bool) -> None:
+    """A ``CaptureError`` for an option the mode does not use: a size or setting the step would not use is
+    refused, not ignored (seq= on a decode step would otherwise leave the context at the preset's and say
+    nothing)."""
+    if mode not in MODES:
+        raise CaptureError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if remote_kv and mode != "decode":
+        raise CaptureError(f"a remote KV cache is captured for decode only, not {mode}")
+    if mode == "decode" and seq is not None:
+        raise CaptureError(f"seq (--seq) sizes train and prefill steps; a decode step feeds one token per sequence "
+                           f"after context (--context) cached tokens: give context={seq} instead")
+    if mode != "decode" and context is not None:
+        raise CaptureError(f"context (--context) sizes decode steps; a {mode} step takes seq (--seq) tokens per "
+                           f"sequence: give seq={context} instead")
+    check_world(world)
+    if world > 1 and (mode == "decode" or master_weights):
+        what = "a decode step" if mode == "decode" else "master weights (--master-weights)"
+        raise CaptureError(f"{what} cannot be captured sharded over ranks (--world {world}) yet; FSDP2 shards train "
+                           f"and prefill steps: give --mode train or prefill without --master-weights, or --world 1")
+    if master_weights and mode != "train":
+        raise CaptureError(f"master_weights (--master-weights) adds an fp32 copy of the weights to a training step's "
+                           f"optimizer; a {mode} step has no optimizer: drop it")
+
+
+def _sizes(workload: Workload, mode: str, *, batch: int | None, seq: int | None,
+           context: int | None) -> tuple[int, int, int]:
+    """``(batch, seq, context)``: the given sizes, the preset's where None, each checked."""
+    batch = workload.batch if batch is None else batch
+    seq = workload.seq if seq is None else seq
+    context = workload.context if context is None else context
+    # Named as both the Python argument and the CLI flag say them (``batch`` / ``--batch``).
+    for label, size, least in (("batch", batch, 1), ("seq", seq, 1), ("context", context, 0)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < least:
+            unit = "sequences" if label == "batch" else "tokens"
+            raise CaptureError(f"{label} (--{label}) must be a whole number of {unit}, at least {least}; got {size!r}")
+    check_step_tokens(batch, context + 1 if mode == "decode" else seq, "context" if mode == "decode" else "seq")
+    return batch, seq, context
+
+
+def _built(workload: Workload, mode: str, *, batch: int, seq: int, fake: bool, seed: int):
+    """The workload's model, its input tokens (one per sequence for decode) and targets: fake tensors, or real
+    random ones seeded by ``seed``."""
+    vocab = workload.config.vocab_size
+    if not fake:
+        torch.manual_seed(seed)
+    with fake_build(workload.dtype) if fake else default_dtype(workload.dtype):
+        model = workload.model(workload.config)
+        tokens = torch.randint(0, vocab, (batch, 1 if mode == "decode" else seq))
+        targets = torch.randint(0, vocab, (batch, seq))
+    return model, tokens, targets
+
+
+def _decode_with_remote_kv_forms(workload: Workload, model, tokens, meta: dict, *, batch: int, context: int,
+                                 fake: bool, seed: int, reselection: float | None) -> Captured:
+    """A DeepSeek-style decode step with its cache on the device, whose Program says how to capture its forms with
+    the cache in remote memory (``Program.remote_kv``)."""
     facts = pool_facts(workload.config, batch, context, workload.dtype.itemsize)
     captured = capture_decode_step(model, tokens, context, name=workload.name, meta={**meta, **facts})
 
