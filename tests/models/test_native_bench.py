@@ -50,7 +50,7 @@ def test_times_are_positive_and_the_link_hides_the_simulated_copies(quick):
     record = quick["models"]["tiny-llama"]
     assert all(positive(record[key]) for key in TIMES), {key: record[key] for key in TIMES}
     assert positive(record["link_bw"]) and 0 <= record["exposed_50_s"] <= record["sim_50_s"]
-    assert 0 <= record["stall_copy_50_s"] <= record["exposed_50_s"]
+    assert 0 <= record["stall_copy_50_s"] <= record["exposed_50_s"] * (1 + 1e-9)  # the same sum, rounded apart
     assert all(isinstance(n, (int, float)) and n >= 0 for n in record["page_faults"].values())
     assert sorted(record["blocked_50_s"]) == ["releases", "waits"]
     assert all(0 <= s < record["train_step_50_s"] for s in record["blocked_50_s"].values())
