@@ -254,9 +254,9 @@ def calibrated_profile(base: Hardware, full: TrainStep, extern_costs: dict[str, 
     them, far more than they take beside the matrix products, and place the plan's transfers against the wrong
     stretches of compute."""
     program = full.plan.program
-    times = op_times(program, base)
-    extern = sum(extern_costs.get(op_signature(op, program), 0.0) for op in program.ops)
-    rest = sum(t for op, t in zip(program.ops, times) if op_signature(op, program) not in extern_costs)
+    signatures = [op_signature(op, program) for op in program.ops]
+    extern = sum(extern_costs.get(sig, 0.0) for sig in signatures)
+    rest = sum(t for sig, t in zip(signatures, op_times(program, base)) if sig not in extern_costs)
     scale = max(full_s - extern, 0.1 * full_s) / rest
     return with_measured_op_costs(scaled_compute(base, scale), extern_costs), scale
 
@@ -306,9 +306,19 @@ def calibrated_in_rounds(full: TrainStep, planned: TrainStep, others: dict[str, 
     copies.client.drain()
     after = moved()
     full_s = statistics.median(walls["full"])
-    cache = sum(1 for i in planned.plan.instructions if i.kind is not Kind.COMPUTE)
-    return InStep(full_s=full_s, issue_s=max(0.0, statistics.median(walls["no_copies"]) - full_s) / max(cache, 1),
+    return InStep(full_s=full_s, issue_s=per_cache_instruction(statistics.median(walls["no_copies"]), full_s, planned),
                   copy_rate=(after[0] - before[0]) / max(after[1] - before[1], 1e-9))
+
+
+def cache_instructions(step: TrainStep) -> int:
+    """The cache instructions (every kind but compute) of ``step``'s plan."""
+    return sum(1 for i in step.plan.instructions if i.kind is not Kind.COMPUTE)
+
+
+def per_cache_instruction(no_copies_s: float, full_s: float, planned: TrainStep) -> float:
+    """Seconds ``planned``'s graph with copies that move nothing takes over the unplanned step's ``full_s``, per
+    cache instruction of its plan (0 when the rounds find it no slower)."""
+    return max(0.0, no_copies_s - full_s) / max(cache_instructions(planned), 1)
 
 
 def cache_op_issue_s(calls: int = 200, repeats: int = 5) -> float:
@@ -619,10 +629,9 @@ def in_step_issue(half: TrainStep, hardware: Hardware, median: dict[str, float],
     that move nothing above the unplanned step's, per cache instruction (``in_step_issue_s``), and the plan
     simulated with that ``issue_s`` instead of the isolated one (``sim_50_in_step_issue_s``): how far the
     simulator's transfers are from the measured step once the calls are priced as they run."""
-    cache = sum(1 for i in half.plan.instructions if i.kind is not Kind.COMPUTE)
-    per = max(0.0, detail["same_plan_no_copies"] - detail["train_step_100"]) / max(cache, 1)
+    per = per_cache_instruction(detail["same_plan_no_copies"], detail["train_step_100"], half)
     sim = simulate(half.plan, hardware.replace(issue_s=per), release_waits=True).figures.step_s
-    return {"cache_instructions": cache, "in_step_issue_s": per, "sim_50_in_step_issue_s": sim,
+    return {"cache_instructions": cache_instructions(half), "in_step_issue_s": per, "sim_50_in_step_issue_s": sim,
             "sim_error_in_step_issue": abs(sim - median["train_step_50"]) / median["train_step_50"]}
 
 

@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from hyperoffload.analysis import memory_profile, window_bound
+from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, check_plan
-from hyperoffload.planning import plan_checked, resolve_budget
+from hyperoffload.planning import plan_checked
 from hyperoffload.policies import InfeasibleBudget, policies_for
 from hyperoffload.simulate import Timeline, budget_bounds
 from hyperoffload.units import parse_bandwidth
@@ -120,7 +121,7 @@ def compare(program: Program, hardware: Hardware | str, budget: int | str,
     step has none) for the same budget, in that order. ``hardware`` is a profile or its name; ``budget`` is
     bytes, or text as ``plan`` takes it (``"40GiB"``, ``"50%"``, ``"hideable"``)."""
     hardware = as_hardware(hardware)
-    budget_bytes = resolve_budget(budget, program, hardware).budget_bytes
+    budget_bytes = parse_budget(budget, program, hardware)
     names = policies_for(program) if policies is None else list(policies)
     peak = memory_profile(program).peak_bytes
     return [run_policy(program, hardware, budget_bytes, name, peak) for name in names]
@@ -134,22 +135,22 @@ Setting = Callable[[Program, Hardware, str, str], tuple[Hardware, int, float]]
 
 def _vary_h2d(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
     varied = hardware.replace(h2d_bw=parse_bandwidth(value))
-    return varied, resolve_budget(budget, program, varied).budget_bytes, varied.h2d_bw
+    return varied, parse_budget(budget, program, varied), varied.h2d_bw
 
 
 def _vary_d2h(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
     varied = hardware.replace(d2h_bw=parse_bandwidth(value))
-    return varied, resolve_budget(budget, program, varied).budget_bytes, varied.d2h_bw
+    return varied, parse_budget(budget, program, varied), varied.d2h_bw
 
 
 def _vary_budget(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
-    budget_bytes = resolve_budget(value, program, hardware).budget_bytes
+    budget_bytes = parse_budget(value, program, hardware)
     return hardware, budget_bytes, float(budget_bytes)
 
 
 def _vary_nsa_block(program: Program, hardware: Hardware, budget: str, value: str) -> tuple[Hardware, int, float]:
     # ``program`` is already the step captured at this block size (``sweep``'s ``recapture``).
-    return hardware, resolve_budget(budget, program, hardware).budget_bytes, float(value)
+    return hardware, parse_budget(budget, program, hardware), float(value)
 
 
 VARIES: dict[str, tuple[Setting, str]] = {
@@ -179,7 +180,7 @@ class SweepPoint:
     def rows(self) -> list[dict]:
         """The rows ``sweep --json`` prints for this value, one per policy: ``PolicyResult.as_dict`` with what is
         varied, its value as given and ``x``."""
-        return [{"workload": row["workload"], "mode": row["mode"], "hardware": self.hardware.name, "vary": self.vary,
+        return [{"workload": row["workload"], "mode": row["mode"], "hardware": row["hardware"], "vary": self.vary,
                  "value": self.value, "x": self.x, **row} for row in (r.as_dict() for r in self.results)]
 
 

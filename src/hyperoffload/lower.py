@@ -34,7 +34,10 @@ final contents back into the caller's tensor (``copy_back_<s> = aten.copy_(flat_
 from the device copy, or from the remote buffer if the storage ends the step there) just before
 returning, for every input storage written after its first prefetch. The caller therefore sees
 exactly the unplanned step's in-place semantics; outputs aliasing such an input are returned as
-views of the caller's tensor, as before. Constants (fx ``get_attr`` tensors) get the same rule.
+views of the caller's tensor, as before. Constants (fx ``get_attr`` tensors) get the same rule. With
+``send_home=True``, an input that starts the step in remote memory and is written on the device is instead sent
+back into the caller's tensor on the copy engines right after its last write (``send_home_<s> =
+offload.into(device copy, flat_<s>)``), and waited for at the end (``wait_home_<s>``): no ``copy_back`` for it.
 
 Copied nodes keep their fx names and ``meta``, so names still map to ``Program.node_values``.
 """
@@ -311,7 +314,7 @@ class _Lowering:
         self.ready[s] = False
 
     def wait(self, index: int, s: int) -> None:
-        self._wait(s, self._name(s))
+        self._wait(s)
 
     def release(self, index: int, s: int) -> None:
         self._cache_call(Kind.RELEASE, s, (self._device_tensor(s),))
@@ -325,11 +328,11 @@ class _Lowering:
         self.sent_home.add(s)
         self.dirty.discard(s)
 
-    def _wait(self, s: int, name: str) -> None:
+    def _wait(self, s: int) -> None:
         """Wait for the transfer of ``s`` in flight: a copy out makes its remote buffer readable, a copy in gives
         ``s`` a new device copy, readable now."""
         kind, transfer = self.in_flight.pop(s)
-        node = self._cache_call(Kind.WAIT, s, (transfer,), f"wait_{kind.value}_{name}")
+        node = self._cache_call(Kind.WAIT, s, (transfer,), f"wait_{kind.value}_{self._name(s)}")
         if kind in COPIES_OUT:
             self.remote[s] = node
         else:
@@ -343,11 +346,11 @@ class _Lowering:
         # step run on its own completes them before handing the state back.
         for s, (kind, _) in sorted(self.in_flight.items()):
             if kind in COPIES_OUT:
-                self._wait(s, self._name(s))
+                self._wait(s)
         for s, node in sorted(self.chained.items()):  # the step may read these remote buffers once it returns
             if self.remote.get(s) is node and not self.ready.get(s, False):
                 self.in_flight[s] = (Kind.OFFLOAD, node)
-                self._wait(s, self._name(s))
+                self._wait(s)
         for s in sorted(self.sent_home):  # the caller's tensors hold the step's result before it returns
             waited = self._cache_call(Kind.WAIT, s, (self.home[s],), f"wait_home_{self._name(s)}")
             self._rebase_on_home(s, waited)
@@ -402,10 +405,10 @@ def _sent_home_after(plan: Plan) -> dict[int, list[int]]:
                     last_write[s] = i
         else:
             last_transfer[ins.target] = i
-    whole = {s for s in last_write if program.values[s].alloc_bytes % _dtype(program.values[s].dtype).itemsize == 0}
     after: dict[int, list[int]] = {}
     for s, i in last_write.items():
-        if s in whole and last_transfer.get(s, -1) < i:
+        value = program.values[s]
+        if last_transfer.get(s, -1) < i and value.alloc_bytes % _dtype(value.dtype).itemsize == 0:  # whole elements
             after.setdefault(i, []).append(s)
     return after
 

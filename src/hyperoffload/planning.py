@@ -2,9 +2,10 @@
 
 ``hyperoffload.plan`` returns the plan; ``plan_checked`` also returns what planning measured (the budget in
 bytes, the planning time, the simulated timeline). The ``torch.compile`` backend, ``train_step``, ``compare``
-and the CLI all plan through ``plan_checked``. ``resolve_budget`` is the one way a budget as written becomes the
-bytes a plan is made for: ``plan_checked`` resolves through it, and so does a caller that needs the bytes before
-planning (``compare``, which plans every policy for the same bytes; the CLI, which tells the user about them).
+and the CLI all plan through ``plan_checked``. A budget as written becomes the bytes a plan is made for through
+``budgets.parse_budget`` (``plan_checked`` and a caller that needs the bytes before planning: ``compare``, which
+plans every policy for the same bytes); ``resolve_budget`` adds what a report says about them (the hideable
+budget's note, whether the device holds it), for the CLI.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def plan_checked(program: Program, hardware: Hardware | str, budget: int | str, 
         if policy != "hyperoffload":
             raise ValueError(f"a PlannerConfig tunes the hyperoffload planner; policy {policy!r} takes none")
         planner = _configured(config)
-    budget_bytes = resolve_budget(budget, program, hardware).budget_bytes
+    budget_bytes = parse_budget(budget, program, hardware)
     start = time.perf_counter()
     plan = planner(program, hardware, budget_bytes)
     for plan_pass in passes:

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from hf_configs import LLAMA  # noqa: E402
-from hf_configs import remote_code_folder as _remote_code_folder  # noqa: E402
+from hf_configs import remote_code_folder  # noqa: E402
 
 from hyperoffload.capture import CaptureError  # noqa: E402
 from hyperoffload.capture.hf import build_hf_model  # noqa: E402
@@ -35,7 +35,7 @@ def _cli(tmp_path: Path, args: list[str], stdin) -> subprocess.CompletedProcess:
 # A pipe that answers transformers' "Do you wish to run the custom code? [y/N]" prompt, and no stdin at all.
 @pytest.mark.parametrize("stdin", [{"input": "y\ny\n"}, {"stdin": subprocess.DEVNULL}], ids=["answered", "closed"])
 def test_a_model_folders_code_never_runs_without_the_flag(tmp_path, stdin) -> None:
-    folder = _remote_code_folder(tmp_path)
+    folder = remote_code_folder(tmp_path)
     run = _cli(tmp_path, ["inspect", "--workload", f"hf:{folder}", "--mode", "prefill", "--seq", "8"], stdin)
     assert run.returncode == 2, run.stderr
     err = run.stderr.strip()
@@ -46,7 +46,7 @@ def test_a_model_folders_code_never_runs_without_the_flag(tmp_path, stdin) -> No
 
 
 def test_a_model_folders_code_runs_with_the_flag(tmp_path) -> None:
-    folder = _remote_code_folder(tmp_path)
+    folder = remote_code_folder(tmp_path)
     run = _cli(tmp_path, ["inspect", "--workload", f"hf:{folder}", "--mode", "prefill", "--seq", "8", "--json",
                           "--trust-remote-code"], {"stdin": subprocess.DEVNULL})
     assert run.returncode == 0, run.stderr

@@ -13,14 +13,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_configs import LLAMA  # noqa: E402
-from hf_configs import remote_code_folder as _remote_code_folder  # noqa: E402
+from hf_configs import remote_code_folder  # noqa: E402
 
 from hyperoffload.capture import CaptureError  # noqa: E402
 from hyperoffload.capture.hf import build_hf_model, capture_hf  # noqa: E402
 
 
 def test_the_api_refuses_a_model_folders_code_by_default(tmp_path) -> None:
-    folder = _remote_code_folder(tmp_path)
+    folder = remote_code_folder(tmp_path)
     with pytest.raises(CaptureError, match=r"auto_map \(AutoModelForCausalLM\) .*modeling_evil\.py.*"
                                            r"trust_remote_code=True"):
         build_hf_model(str(folder))

@@ -69,9 +69,9 @@ def test_the_profile_is_fitted_to_the_compiled_step(quick):
     # tiny-llama's step has matrix products of several shapes and attention forward and backward, each measured
     assert record["extern_op_signatures"] >= 3
     assert positive(record["compute_scale"]) and positive(record["isolated_issue_s"])
-    assert record["issue_s"] >= record["isolated_issue_s"]  # a call in a step costs at least the call alone
     assert quick["config"]["in_step_issue"] is True
     assert positive(record["link_latency_s"]) and positive(record["breakdown_train_step_100_s"])
+    # the measured in-step copy rate is positive, and the link was set from it (not from the profile's calibration)
     assert positive(record["copy_rate_in_step"]) and record["link_bw"] == record["copy_rate_in_step"] / 2
 
 

@@ -4,8 +4,7 @@ device's memory far above the curve and near it."""
 from __future__ import annotations
 
 import pytest
-from output_checks import (check_png as _check_png, check_trace as _check_trace, drawn_levels as _drawn_levels,
-                           memory_axes as _memory_axes)
+from output_checks import check_png, check_trace, drawn_levels, memory_axes
 
 from hyperoffload.hardware import get_hardware
 from hyperoffload.plans import plan_without_offload
@@ -34,7 +33,7 @@ def llama_timeline(h100) -> Timeline:
 
 def test_llama_trace(llama_timeline):
     assert llama_timeline.intervals
-    _check_trace(llama_timeline, timeline_to_trace(llama_timeline, name="tiny-llama train"), None)
+    check_trace(llama_timeline, timeline_to_trace(llama_timeline, name="tiny-llama train"), None)
 
 
 def test_adjacent_slices_share_boundaries(llama_timeline):
@@ -49,23 +48,23 @@ def test_adjacent_slices_share_boundaries(llama_timeline):
 def test_plot_llama(llama_timeline, tmp_path):
     path = tmp_path / "llama.png"
     plot_timeline(llama_timeline, path, title="tiny-llama train, no offload, h100-sxm")
-    _check_png(path)
+    check_png(path)
 
 
 def test_device_memory_far_above_the_curve_is_named_not_drawn(llama_timeline, h100):
     """simulate's plot: a 16 MiB step under an 80 GiB device must not be squashed flat by the device line."""
     peak = llama_timeline.figures.peak_bytes
     assert h100.memory_bytes > 4 * peak and llama_timeline.figures.budget_bytes is None
-    ax = _memory_axes(llama_timeline, budget_bytes=h100.memory_bytes, budget_label="h100-sxm memory")
+    ax = memory_axes(llama_timeline, budget_bytes=h100.memory_bytes, budget_label="h100-sxm memory")
     assert ax.get_ylabel() == "device memory (MiB)"
     bottom, top = ax.get_ylim()
     assert bottom == 0 and peak / MIB < top < 1.5 * peak / MIB
-    assert not _drawn_levels(ax)
+    assert not drawn_levels(ax)
     assert any(t.startswith("h100-sxm memory 80.00 GiB") and "above this axis" in t for t in _legend_texts(ax))
 
 
 def test_device_memory_near_the_curve_is_drawn(llama_timeline):
     limit = 2 * llama_timeline.figures.peak_bytes
-    ax = _memory_axes(llama_timeline, budget_bytes=limit, budget_label="device memory")
-    assert _drawn_levels(ax) == {limit / MIB}
+    ax = memory_axes(llama_timeline, budget_bytes=limit, budget_label="device memory")
+    assert drawn_levels(ax) == {limit / MIB}
     assert ax.get_ylim()[1] > limit / MIB

@@ -8,7 +8,7 @@ from dataclasses import replace
 from hyperoffload.compile.gathered_waits import gathered_waits
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, check_plan
-from tests.programs import op, program, value
+from programs import op, program, value
 
 C, P, W = Kind.COMPUTE, Kind.PREFETCH, Kind.WAIT
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hyperoffload.compile.held_inputs import start_released_inputs_remote, without_current_offloads
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, check_plan
-from tests.programs import op, program, value
+from programs import op, program, value
 
 W = 0  # a parameter: read by op0 and op2, updated in place by op3
 

@@ -12,8 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from output_checks import (check_png as _check_png, check_trace as _check_trace, drawn_levels as _drawn_levels,
-                           memory_axes as _memory_axes)
+from output_checks import check_png, check_trace, drawn_levels, memory_axes
 from programs import op, program, value
 
 from hyperoffload.compare import sweep
@@ -62,7 +61,7 @@ def test_chain_plan_uses_both_copy_lanes_and_stalls(chain_timeline):
 
 def test_chain_trace_with_budget(chain_timeline):
     budget = chain_timeline.figures.budget_bytes
-    _check_trace(chain_timeline, timeline_to_trace(chain_timeline, name="chain", budget_bytes=budget), budget)
+    check_trace(chain_timeline, timeline_to_trace(chain_timeline, name="chain", budget_bytes=budget), budget)
 
 
 def test_write_trace_is_compact_json(chain_timeline, tmp_path):
@@ -75,7 +74,7 @@ def test_write_trace_is_compact_json(chain_timeline, tmp_path):
 def test_plot_chain_with_budget(chain_timeline, tmp_path):
     path = tmp_path / "chain.png"
     plot_timeline(chain_timeline, path, title="offload chain", budget_bytes=chain_timeline.figures.budget_bytes)
-    _check_png(path)
+    check_png(path)
 
 
 def test_plot_leaves_pyplot_alone(tmp_path):
@@ -94,7 +93,7 @@ def test_plot_leaves_pyplot_alone(tmp_path):
     env.pop("MPLBACKEND")
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "t.png"), *map(str, TEST_FOLDERS)],
                    check=True, env=env)
-    _check_png(tmp_path / "t.png")
+    check_png(tmp_path / "t.png")
 
 
 def view_only_timeline(h100) -> Timeline:
@@ -109,11 +108,11 @@ def test_empty_timelines(h100, chain_timeline, tmp_path):
     assert not views.intervals and not views.stalls
     bare = dataclasses.replace(chain_timeline, intervals=(), stalls=(), memory=())
     for budget in (None, 8 * MIB):
-        _check_trace(views, timeline_to_trace(views, name="views", budget_bytes=budget), budget)
+        check_trace(views, timeline_to_trace(views, name="views", budget_bytes=budget), budget)
         for i, timeline in enumerate((views, bare)):
             path = tmp_path / f"empty{i}-{budget}.png"
             plot_timeline(timeline, path, title="nothing runs", budget_bytes=budget)
-            _check_png(path)
+            check_png(path)
     bare_trace = json.loads(json.dumps(timeline_to_trace(bare, name="bare")))
     assert {e["ph"] for e in bare_trace["traceEvents"]} == {"M"}
 
@@ -122,9 +121,9 @@ def test_a_plans_budget_is_drawn_however_far_above_the_curve(h100):
     budget = 100 * 4 * 64 * MIB
     timeline = simulate(offload_chain_plan(budget_bytes=budget), h100)
     assert budget > 4 * timeline.figures.peak_bytes
-    ax = _memory_axes(timeline, budget_bytes=budget)
+    ax = memory_axes(timeline, budget_bytes=budget)
     assert ax.get_ylabel() == "device memory (GiB)"
-    assert _drawn_levels(ax) == {budget / 2**30}
+    assert drawn_levels(ax) == {budget / 2**30}
     assert ax.get_ylim()[1] > budget / 2**30
 
 

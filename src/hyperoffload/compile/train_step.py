@@ -40,6 +40,7 @@ from torch import nn
 
 from hyperoffload import cache_ops
 from hyperoffload.analysis import memory_profile
+from hyperoffload.budgets import parse_budget
 from hyperoffload.capture.graph_to_program import CaptureError, program_from_graph
 from hyperoffload.capture.steps import _own_storages
 from hyperoffload.compile.backend import check_budget_text
@@ -55,7 +56,7 @@ from hyperoffload.compile.whole_step import (StepInputs, describe_inputs, flatte
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.lower import lower_plan
-from hyperoffload.planning import plan_checked, resolve_budget
+from hyperoffload.planning import plan_checked
 from hyperoffload.instructions import COPIES_OUT
 from hyperoffload.plans import Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, get_policy
@@ -405,7 +406,7 @@ class TrainStep:
 
         def plan_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             program = self._program(graph, inputs)
-            budget = resolve_budget(self.budget, program, self.hardware).budget_bytes
+            budget = parse_budget(self.budget, program, self.hardware)
             if self.offload and budget - slack < 1:
                 raise InfeasibleBudget(f"a budget of {budget - slack} bytes leaves no room",
                                        memory_profile(program).peak_bytes)

@@ -317,9 +317,7 @@ def write_back_early(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     compute node) comes right after both ``new`` is computed and the last reader of ``input``'s storage (a view
     of it included); nothing else moves."""
     nodes = list(gm.graph.nodes)
-    placeholders = {n for n in nodes if n.op == "placeholder"}
-    write_backs = [n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
-                   and n.args[0] in placeholders and not n.users]
+    write_backs = _write_backs(nodes)
     moving = set(write_backs)
     position = {n: i for i, n in enumerate(nodes)}
     readers: dict[StorageWeakRef, int] = {}
@@ -355,23 +353,30 @@ def read_written_back(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     would have to be stored apart from it; and Inductor, which never stores ``new`` apart when it fuses the
     write-back with those readers, holds what the plan counts. Only a ``new`` of the input's size, stride and
     dtype is replaced, and only while no later write-back writes the input again."""
-    graph, env = _copied(gm, list(gm.graph.nodes))
+    graph, _ = _copied(gm, list(gm.graph.nodes))
     nodes = list(graph.nodes)
-    placeholders = {n for n in nodes if n.op == "placeholder"}
-    for w in [n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
-              and n.args[0] in placeholders and not n.users]:
+    position = {n: i for i, n in enumerate(nodes)}  # replacing inputs moves no node
+    write_backs = _write_backs(nodes)
+    written_at: dict[torch.fx.Node, list[int]] = {}
+    for w in write_backs:
+        written_at.setdefault(w.args[0], []).append(position[w])
+    for w in write_backs:
         dst, src = w.args[0], w.args[1]
         if not isinstance(src, torch.fx.Node) or not _same_layout(dst, src):
             continue
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        rewrites = [n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
-                    and n.args[0] is dst and position[n] > position[w]]
-        until = min((position[n] for n in rewrites), default=len(position))
+        until = min((at for at in written_at[dst] if at > position[w]), default=len(nodes))
         for user in list(src.users):
             if position[w] < position[user] < until:
                 user.replace_input_with(src, dst)
     graph.lint()
     return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def _write_backs(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The write-backs among ``nodes``: ``copy_(input, new)`` of a placeholder whose result nothing reads."""
+    placeholders = {n for n in nodes if n.op == "placeholder"}
+    return [n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+            and n.args[0] in placeholders and not n.users]
 
 
 def _same_layout(a: torch.fx.Node, b: torch.fx.Node) -> bool:

@@ -20,7 +20,9 @@ from hyperoffload.ir import Program, Value
 from hyperoffload.plans import Instr, Kind, Plan, check_plan
 
 _RANK = {kind: rule.emit_rank for kind, rule in RULES.items() if rule.emit_rank is not None}
-"""Order within one position, per cache kind (``KindRule.emit_rank``, smaller first)."""
+"""Order within one position, per instruction kind (``KindRule.emit_rank``, smaller first): copies out first (they
+read what the previous op wrote), then releases (memory back before anything new is allocated), then prefetches,
+then the waits right before the op."""
 
 
 @dataclass(frozen=True, slots=True)

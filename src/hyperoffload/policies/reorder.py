@@ -23,11 +23,16 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from hyperoffload.ir import Phase, Program
-from hyperoffload.policies.hyperoffload.config import PlannerConfig
+
+BIG_STATE_SHARE = 1 / 64
+"""Default of ``PlannerConfig.big_state_share`` (a share of the step's input bytes), which documents it."""
+
+LOOKAHEAD_OPS = 256
+"""Default of ``PlannerConfig.lane_lookahead_ops`` (ops), which documents it."""
 
 
 def hoist_updates(program: Program, *, anchored: bool = True, share: float | None = None,
-                  big_state_share: float = PlannerConfig().big_state_share) -> tuple[int, ...]:
+                  big_state_share: float = BIG_STATE_SHARE) -> tuple[int, ...]:
     """An execution order (op ids) in which each optimizer-phase op runs as soon as the ops it depends
     on have run; other ops keep the captured order. With ``anchored``, an optimizer op that some later op
     depends on then moves down to just before the first of them, so that each update runs as one piece
@@ -81,7 +86,7 @@ def _early_ones_when_ready(program: Program, early: Sequence[bool]) -> list[int]
 
 
 def early_updates(program: Program, share: float,
-                  big_state_share: float = PlannerConfig().big_state_share) -> list[bool]:
+                  big_state_share: float = BIG_STATE_SHARE) -> list[bool]:
     """Which optimizer ops a partly hoisted order moves into the backward pass: the updates whose gradients
     are final within the first ``share`` of the backward pass's ops, and the shared scalars they need (the
     step count, bias corrections), but not an update whose state includes a tensor of more than
@@ -164,7 +169,7 @@ def sink_views(program: Program, order: Sequence[int] | None = None) -> tuple[in
 
 
 def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
-                     lookahead: int = PlannerConfig().lane_lookahead_ops) -> tuple[int, ...]:
+                     lookahead: int = LOOKAHEAD_OPS) -> tuple[int, ...]:
     """``order`` (default: captured) with the step's lane ops given compute to hide behind.
 
     A lane op (``Op.lane``: an indexed fetch of KV blocks, a write to a remote cache) runs as soon as

@@ -15,6 +15,10 @@ import numpy as np
 from hyperoffload.analysis.uses import Uses, storage_uses
 from hyperoffload.ir import Program
 
+MIN_SPAN_PARTS = 10_000
+"""Default of ``PlannerConfig.min_span_parts`` and ``XlaHiddenConfig.min_span_parts`` (a count), which document it:
+both policies choose among the same spans."""
+
 @dataclass(frozen=True, slots=True)
 class Span:
     """Storage ``storage`` is not used on the device strictly between positions ``first`` and ``last``.

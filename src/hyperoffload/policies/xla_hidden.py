@@ -29,8 +29,7 @@ from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Kind, Plan, check_plan, plan_without_offload
 from hyperoffload.policies.common import Placed, emit_plan, written_between
-from hyperoffload.policies.hyperoffload.config import PlannerConfig
-from hyperoffload.policies.spans import Span, Uses, idle_spans, positions_arrays, storage_uses
+from hyperoffload.policies.spans import MIN_SPAN_PARTS, Span, Uses, idle_spans, positions_arrays, storage_uses
 
 POLICY = "xla-hidden"
 
@@ -42,7 +41,7 @@ class XlaHiddenConfig:
     min_bytes: int | None = None
     """Storages smaller than this (bytes) are not candidates; None: the no-offload peak divided by
     ``min_span_parts``."""
-    min_span_parts: int = PlannerConfig().min_span_parts
+    min_span_parts: int = MIN_SPAN_PARTS
     """Without ``min_bytes``, the candidates are the storages from the no-offload peak divided by this many parts up
     (a count): the HyperOffload planner's default (``PlannerConfig.min_span_parts``), so both choose among the same
     spans."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
@@ -75,13 +75,8 @@ class StepInspection:
 
     def as_dict(self) -> dict[str, Any]:
         """The object ``inspect --json`` prints: the capture's meta, then the figures (``verify`` when run)."""
-        figures = {**self.meta, "workload": self.workload, "mode": self.mode, "num_ops": self.num_ops,
-                   "num_values": self.num_values, "flops": self.flops, "params_bytes": self.params_bytes,
-                   "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
-                   "activation_bytes": self.activation_bytes, "kv_bytes": self.kv_bytes,
-                   "input_bytes": self.input_bytes, "peak_bytes": self.peak_bytes, "peak_op": self.peak_op,
-                   "peak_by_kind": self.peak_by_kind, "peak_values": self.peak_values, "capture_s": self.capture_s,
-                   "world": self.world, "collectives": self.collectives}
+        figures = {**self.meta,
+                   **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("meta", "verify")}}
         if self.verify is not None:
             figures["verify"] = self.verify
         return figures

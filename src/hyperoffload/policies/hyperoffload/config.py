@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hyperoffload.policies.reorder import BIG_STATE_SHARE, LOOKAHEAD_OPS
+from hyperoffload.policies.spans import MIN_SPAN_PARTS
+
 POLICY = "hyperoffload"
 
 
@@ -18,7 +21,7 @@ class PlannerConfig:
     """Storages smaller than this (bytes) stay on the device, where a copy's latency would dominate and
     the choice would not matter; None: 1/``min_span_parts`` of the step's no-offload peak, and at budgets near the
     smallest those take, also ``small_storage_bytes`` (``small_storages_below``)."""
-    min_span_parts: int = 10_000
+    min_span_parts: int = MIN_SPAN_PARTS
     """Without ``min_span_bytes``, the usual candidates are the storages from the step's no-offload peak divided by
     this many parts up (a count): a share of the peak keeps the selection's ranking short on large steps, where
     storages that small would not change the plan."""
@@ -81,7 +84,7 @@ class PlannerConfig:
     reorder: bool = True
     """Also try the refined execution orders (optimizer updates hoisted into the backward pass, see
     ``reorder``) and keep the fastest plan."""
-    lane_lookahead_ops: int = 256
+    lane_lookahead_ops: int = LOOKAHEAD_OPS
     """In every order, how far ahead of it (in ops) a lane op (a decode step's block fetch) may be issued and
     independent work pulled forward to run while a fetch is in flight (``reorder.overlap_lane_ops``): enough
     for the rest of a transformer layer, not so far that ops of distant layers (and their memory) move."""
@@ -97,7 +100,7 @@ class PlannerConfig:
     the peak on slower links, at almost every smaller budget on PCIe-class links, and at the smallest budget,
     where the fully refined order does not fit. Shares in between were now a little better than both, now much
     worse: no share is best everywhere, so both ends are planned and the simulator keeps the faster."""
-    big_state_share: float = 1 / 64
+    big_state_share: float = BIG_STATE_SHARE
     """In a partly hoisted order (``partly_hoisted``), an update whose state tensors include one of more than this
     share of the step's input bytes stays in the optimizer phase (a ratio; ``reorder.early_updates``): those
     (an output projection's moments, an embedding's) are what makes the peak, and hoisted, their update would need

@@ -31,7 +31,8 @@ class ExecutionOrders:
 
     @property
     def hoisting_small(self) -> Order:
-        """The last partly hoisted order (``partly_hoisted``'s share 1.0: every small update hoisted)."""
+        """The last of ``all()``: the last partly hoisted order (``partly_hoisted``'s share 1.0: every small update
+        hoisted), or ``eager`` where ``partly_hoisted`` is empty."""
         return self.all()[-1]
 
     def all(self) -> tuple[Order, ...]:
