@@ -303,7 +303,7 @@ def calibrated_in_rounds(full: TrainStep, planned: TrainStep, others: dict[str, 
 
     before = moved()
     walls, _ = run_rounds(variants, batches, BenchConfig(steps=calls, warmup=warmup, threads=1), [])
-    copies.client.drain()
+    copies.drain()
     after = moved()
     full_s = statistics.median(walls["full"])
     return InStep(full_s=full_s, issue_s=per_cache_instruction(statistics.median(walls["no_copies"]), full_s, planned),

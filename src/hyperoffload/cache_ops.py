@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,9 +115,44 @@ class AsyncCopies:
     """Where the offloads of a step on the CPU get their remote buffers: reused across steps, so that a copy does
     not fault in new pages each time (a GPU's page-locked buffers come from PyTorch's caching host allocator)."""
 
+    native_kernels: bool = True
+    """Whether copies on a ``NativeLink`` go through the operators' C++ kernels (``hyperoffload.runtime.native_kernels``),
+    which keep this bookkeeping on the C++ side (``native``) and cost a step about a microsecond per operator; where
+    they cannot be built, a warning says why and the Python kernels run. ``release_waits`` is read when the object is
+    made."""
+    native: Any = field(default=None, init=False)
+    """The ``NativeState`` the C++ kernels keep this object's copies in, or None (the Python kernels keep them in
+    ``pending``, ``reading`` and ``remote_buffers``). Its counters are copied into this object's fields each time a
+    ``copies_on`` block ends."""
+
     _prune_at: int = 64
     """Entries of ``pending`` and ``reading`` together past which ``started`` forgets completed copies (then twice
     what is left): amortized, so that a call does not scan every copy in flight."""
+
+    def __post_init__(self) -> None:
+        if not self.native_kernels:
+            return
+        from hyperoffload.runtime import native_kernels
+        from hyperoffload.runtime.native_link import NativeClient
+
+        if isinstance(self.client, NativeClient):
+            try:
+                self.native = native_kernels.NativeState(self.client.link, release_waits=self.release_waits)
+            except native_kernels.NativeKernelsUnavailable as error:
+                _warn_python_kernels(error)
+
+    def drain(self) -> None:
+        """Block until every copy started here has moved its bytes (the client's ``drain``, and the C++ kernels')."""
+        if self.native is not None:
+            self.native.drain()
+        self.client.drain()
+
+    def _pull_native(self) -> None:
+        """Copy the C++ kernels' counters into this object's fields."""
+        stats = self.native.stats()
+        for name in ("waits", "overlapped_waits", "h2d_bytes", "d2h_bytes", "release_stalls", "release_wait_s",
+                     "wait_s"):
+            setattr(self, name, getattr(stats, name))
 
     def offload(self, x: torch.Tensor) -> torch.Tensor:
         """Start copying ``x``'s whole storage into a new remote buffer; return the buffer (``hyperoffload::offload``).
@@ -225,11 +261,57 @@ _ACTIVE: contextvars.ContextVar[AsyncCopies | None] = contextvars.ContextVar("hy
 @contextlib.contextmanager
 def copies_on(copies: AsyncCopies | None) -> Iterator[None]:
     """Run the cache operators called inside this block on ``copies`` (synchronously when None)."""
+    native = None if copies is None else copies.native
+    previous = None
+    if native is not None:
+        previous = native.activate()
+    elif _KERNELS.native:  # the C++ kernels run Python's for this block
+        from hyperoffload.runtime import native_kernels
+        previous = native_kernels.deactivate()
     token = _ACTIVE.set(copies)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        if previous is not None:
+            from hyperoffload.runtime import native_kernels
+            native_kernels.reactivate(previous)
+        if native is not None:
+            copies._pull_native()
+
+
+@dataclass(slots=True)
+class _Kernels:
+    """Which kernels the operators have on the CPU."""
+
+    native: bool = False
+    """Whether the C++ kernels have been loaded (``hand_cpu_kernels_over``): then they are the CPU kernels, and call
+    the Python ones (the ``_python_*`` operators) unless a ``NativeState`` is active."""
+    python_cpu: torch.library.Library = field(default_factory=lambda: torch.library.Library(NAMESPACE, "IMPL"))
+    """The registrations of the Python kernels of ``offload``, ``offload.into`` and ``prefetch`` for the CPU (``wait``
+    and ``release`` have theirs for every device, which a CPU kernel of their own takes over from)."""
+
+
+_KERNELS = _Kernels()
+
+
+def hand_cpu_kernels_over() -> None:
+    """Withdraw the Python CPU kernels that the C++ kernels (``hyperoffload.runtime.native_kernels.load``) replace;
+    called just before that library is loaded."""
+    if not _KERNELS.native:
+        _KERNELS.python_cpu._destroy()
+        _KERNELS.native = True
+
+
+_WARNED: list[str] = []
+
+
+def _warn_python_kernels(error: Exception) -> None:
+    """Say once per process why a step on a ``NativeLink`` runs the cache operators' Python kernels."""
+    if not _WARNED:
+        _WARNED.append(str(error))
+        warnings.warn(f"{error}\nthe cache operators run their Python kernels: each costs a compiled step several "
+                      f"microseconds more", stacklevel=4)
 
 
 def _copy_now(src: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -271,8 +353,8 @@ def offload(x: torch.Tensor) -> torch.Tensor:
     return _copy_now(x, REMOTE_DEVICE) if copies is None else copies.offload(x)
 
 
-for _key in ("CPU", "CUDA"):
-    torch.library.impl(f"{NAMESPACE}::offload", _key)(offload)
+_KERNELS.python_cpu.impl("offload", offload, "CPU")
+torch.library.impl(f"{NAMESPACE}::offload", "CUDA")(offload)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::offload")
@@ -300,8 +382,8 @@ def offload_into(x: torch.Tensor, remote: torch.Tensor) -> None:
         copies.offload_into(storage, into)
 
 
-for _key in ("CPU", "CUDA"):
-    torch.library.impl(f"{NAMESPACE}::offload.into", _key)(offload_into)
+_KERNELS.python_cpu.impl("offload.into", offload_into, "CPU")
+torch.library.impl(f"{NAMESPACE}::offload.into", "CUDA")(offload_into)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::offload.into")
@@ -325,9 +407,8 @@ def prefetch(remote: torch.Tensor, device: torch.device | None = None) -> torch.
     return _copy_now(remote, device) if copies is None else copies.prefetch(remote, device)
 
 
-for _key in ("CPU", "CUDA"):
-    torch.library.impl(f"{NAMESPACE}::prefetch", _key)(prefetch)
-del _key
+_KERNELS.python_cpu.impl("prefetch", prefetch, "CPU")
+torch.library.impl(f"{NAMESPACE}::prefetch", "CUDA")(prefetch)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::prefetch")
@@ -342,7 +423,6 @@ def _prefetch_fake(remote: torch.Tensor, device: torch.device | None = None) -> 
 torch.library.define(f"{NAMESPACE}::wait", "(Tensor(a) x) -> Tensor(a)")
 
 
-@torch.library.impl(f"{NAMESPACE}::wait", "CompositeExplicitAutograd")
 def wait(x: torch.Tensor) -> torch.Tensor:
     """Complete the transfer that produced ``x`` (an ``offload`` or ``prefetch`` result).
 
@@ -362,7 +442,6 @@ def wait(x: torch.Tensor) -> torch.Tensor:
 torch.library.define(f"{NAMESPACE}::release", "(Tensor x) -> ()")
 
 
-@torch.library.impl(f"{NAMESPACE}::release", "CompositeExplicitAutograd")
 def release(x: torch.Tensor) -> None:
     """Mark the point where the device copy of ``x``'s storage is dropped.
 
@@ -375,6 +454,10 @@ def release(x: torch.Tensor) -> None:
     returns (it waits for that copy).
     """
     _released(x)
+
+
+torch.library.impl(f"{NAMESPACE}::wait", "CompositeExplicitAutograd")(wait)
+torch.library.impl(f"{NAMESPACE}::release", "CompositeExplicitAutograd")(release)
 
 
 def _released(x: torch.Tensor) -> None:
@@ -390,11 +473,12 @@ def _released(x: torch.Tensor) -> None:
 torch.library.define(f"{NAMESPACE}::release.live", "(Tensor x, Tensor[] live) -> ()")
 
 
-@torch.library.impl(f"{NAMESPACE}::release.live", "CompositeExplicitAutograd")
 def release_live(x: torch.Tensor, live: list[torch.Tensor]) -> None:
     """``release(x)``, after every tensor of ``live`` (values computed before the release) has been computed."""
     _released(x)
 
+
+torch.library.impl(f"{NAMESPACE}::release.live", "CompositeExplicitAutograd")(release_live)
 
 for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.offload.into,
             torch.ops.hyperoffload.prefetch.default,
@@ -403,6 +487,16 @@ for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.offlo
     # Transfers and frees are the point of the schedule even when nothing reads their result.
     torch.fx.node.has_side_effect(_op)
 del _op
+
+# The Python kernels under names of their own, for the C++ kernels to call when no ``NativeState`` is active.
+for _name, _schema, _kernel in (("_python_offload", "(Tensor x) -> Tensor", offload),
+                                ("_python_offload_into", "(Tensor x, Tensor(a!) remote) -> ()", offload_into),
+                                ("_python_prefetch", "(Tensor remote, Device? device=None) -> Tensor", prefetch),
+                                ("_python_wait", "(Tensor(a) x) -> Tensor(a)", wait),
+                                ("_python_release", "(Tensor x) -> ()", release)):
+    torch.library.define(f"{NAMESPACE}::{_name}", _schema)
+    torch.library.impl(f"{NAMESPACE}::{_name}", "CPU")(_kernel)
+del _name, _schema, _kernel
 
 OFFLOAD = torch.ops.hyperoffload.offload.default
 OFFLOAD_INTO = torch.ops.hyperoffload.offload.into

@@ -160,9 +160,24 @@ def test_a_forked_child_refuses_the_parents_link_and_the_parent_goes_on():
         assert bytes(dst) == bytes(src)
 
 
-def test_the_cache_operators_copy_on_it_and_reuse_remote_buffers_across_steps():
+def pool_bytes(copies: cache_ops.AsyncCopies) -> int:
+    """Bytes of the remote buffers ``copies`` keeps for reuse, in whichever kernels keep them."""
+    return copies.remote_buffers.nbytes if copies.native is None else copies.native.stats().pool_bytes
+
+
+def offloads_reading(copies: cache_ops.AsyncCopies) -> int:
+    """Offloads whose device storage ``copies`` still holds (``reading``), in whichever kernels keep them."""
+    return len(copies.reading) if copies.native is None else copies.native.stats().reading
+
+
+KERNELS = pytest.mark.parametrize("native_kernels", [True, False], ids=["cpp-kernels", "python-kernels"])
+
+
+@KERNELS
+def test_the_cache_operators_copy_on_it_and_reuse_remote_buffers_across_steps(native_kernels):
     with NativeLink(h2d_bw=1e9, d2h_bw=1e9) as link:
-        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True)
+        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True, native_kernels=native_kernels)
+        assert (copies.native is not None) == native_kernels
         x = torch.arange(4096.0)
         addresses = set()
         with cache_ops.copies_on(copies):
@@ -173,24 +188,27 @@ def test_the_cache_operators_copy_on_it_and_reuse_remote_buffers_across_steps():
                 assert torch.equal(back, x)
                 addresses.add(remote.data_ptr())
                 del remote, back
-        assert len(addresses) == 1 and copies.remote_buffers.nbytes == x.untyped_storage().nbytes()
+        assert len(addresses) == 1 and pool_bytes(copies) == x.untyped_storage().nbytes()
         assert copies.waits == 6 and copies.d2h_bytes == copies.h2d_bytes == 3 * x.untyped_storage().nbytes()
 
 
-def test_a_storage_whose_offload_is_its_last_use_is_let_go_of_once_the_copy_completes():
+@KERNELS
+def test_a_storage_whose_offload_is_its_last_use_is_let_go_of_once_the_copy_completes(native_kernels):
     """No release follows such an offload: the copy's record is what holds the storage, and the next cache operator
     lets go of it once the copy has completed (not at some later clean-up, which made the measured peak vary)."""
     with NativeLink(h2d_bw=1e12, d2h_bw=1e12) as link:
-        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True)
+        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True, native_kernels=native_kernels)
         x, y = torch.arange(1024.0), torch.arange(8.0)
         with cache_ops.copies_on(copies):
             remote = torch.ops.hyperoffload.offload(x)
-            assert x.untyped_storage().data_ptr() in copies.reading
+            assert offloads_reading(copies) == 1
             torch.ops.hyperoffload.wait(remote)  # completed: this wait already lets go of it
-            assert x.untyped_storage().data_ptr() not in copies.reading
+            assert offloads_reading(copies) == 0
             torch.ops.hyperoffload.wait(torch.ops.hyperoffload.offload(y))
             torch.ops.hyperoffload.offload(x)
-            assert list(copies.reading) == [x.untyped_storage().data_ptr()]  # y's went with this offload
+            assert offloads_reading(copies) == 1  # y's went with this offload
+            if not native_kernels:
+                assert list(copies.reading) == [x.untyped_storage().data_ptr()]
 
 
 def test_a_host_buffer_is_handed_out_again_only_once_nothing_refers_to_it():

@@ -275,7 +275,7 @@ class TrainStep:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the call's wall time covers its kernels and copies
         except BaseException as error:
-            copies.client.drain()  # no copy touches the state any more
+            copies.drain()  # no copy touches the state any more
             if snapshot is not None:
                 snapshot.restore()
                 error.add_note("train_step: the step failed; the model and optimizer hold the state of the last "
@@ -373,7 +373,7 @@ class TrainStep:
             try:
                 _, peak = self._run(compiled, trial, measure=True)
             finally:
-                self.copies.client.drain()
+                self.copies.drain()
                 snapshot.restore()
             compiled = dataclasses.replace(compiled, trials=(*compiled.trials, peak))
             excess = peak - compiled.budget_bytes

@@ -23,11 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 import warnings
@@ -41,43 +37,30 @@ import torch
 from hyperoffload.hardware import Hardware
 from hyperoffload.runtime.emulated_link import D2H, H2D, EmulatedLink
 from hyperoffload.runtime.host_link import HostLink, RemoteBuffers
+from hyperoffload.runtime.native_build import NativeBuildFailed, built_library
 
 SOURCE = Path(__file__).with_name("copy_thread.c")
 _DIRECTION = {H2D: 0, D2H: 1}
 
 
-class NativeLinkUnavailable(RuntimeError):
+class NativeLinkUnavailable(NativeBuildFailed):
     """The native copy thread could not be built (no C compiler, or it failed)."""
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "hyperoffload"
+def library_path() -> Path:
+    """The compiled copy thread, built from ``copy_thread.c`` with ``$CC`` (default ``cc``) the first time
+    (``native_build.built_library``)."""
+    try:
+        return built_library(SOURCE, compiler_env="CC", default_compiler="cc",
+                             flags=["-O2", "-shared", "-fPIC", "-pthread", "-std=gnu11"], what="NativeLink's copy thread")
+    except NativeBuildFailed as error:
+        raise NativeLinkUnavailable(f"{error}\nor use EmulatedLink, whose copy threads are Python") from None
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled copy thread, built from ``copy_thread.c`` with ``$CC`` (default ``cc``) into
-    ``~/.cache/hyperoffload`` (``$XDG_CACHE_HOME``) the first time, keyed by the source's hash."""
-    source = SOURCE.read_bytes()
-    compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"copy_thread-{key}.so"
-    if not target.exists():
-        if shutil.which(compiler) is None:
-            raise NativeLinkUnavailable(
-                f"NativeLink needs a C compiler to build its copy thread, and {compiler!r} was not found: install "
-                f"one (gcc or clang; Inductor needs it on the CPU too) or set CC, or use EmulatedLink, whose copy "
-                f"threads are Python")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", "-std=gnu11", str(SOURCE),
-                                   "-o", str(built)], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise NativeLinkUnavailable(f"building NativeLink's copy thread with {compiler} failed:\n"
-                                            f"{done.stderr.strip()}\nuse EmulatedLink instead, or set CC")
-            os.replace(built, target)  # atomic: processes building at once each install a whole file
+    """The compiled copy thread (``library_path``), loaded."""
+    target = library_path()
     lib = ctypes.CDLL(str(target))
     lib.ho_create.restype = ctypes.c_void_p
     lib.ho_create.argtypes = [ctypes.c_double] * 5
@@ -369,4 +352,4 @@ def host_link(hardware: Hardware) -> NativeLink | EmulatedLink:
 
 
 __all__ = ["HOST_LINKS", "NativeClient", "NativeLink", "NativeLinkUnavailable", "NativeTransfer", "available",
-           "host_link", "library"]
+           "host_link", "library", "library_path"]
