@@ -39,11 +39,12 @@ different random batches, all measured in this one run:
 * ``max_abs_diff``: the largest absolute difference of parameters between the 50% step and
   ``train_step(..., offload=False)`` after the same calls on the same batches from the same initial weights
   (``max_abs_diff_state``: the same over the optimizer's state);
-* ``breakdown_s``: the same compiled 50% step run four more ways on copies of its inputs (``BREAKDOWN``), in rounds
+* ``breakdown_s``: the same compiled 50% step run five more ways on copies of its inputs (``BREAKDOWN``), in rounds
   of their own with the unplanned step (``breakdown_train_step_100_s``), so that the headline variants run in the
   company the profile was fitted in: with
-  cache operators that move nothing, with every copy synchronous on the step's thread, on a 10 TB/s ``NativeLink``
-  and on an ``EmulatedLink`` (Python copy threads) of the link's speed;
+  cache operators that move nothing, with the cache operators' Python kernels instead of their C++ ones, with every
+  copy synchronous on the step's thread, on a 10 TB/s ``NativeLink`` and on an ``EmulatedLink`` (Python copy
+  threads) of the link's speed;
 * ``in_step_issue_s``: what one cache instruction of the 50% step's own plan costs it (``same_plan_no_copies``
   less ``train_step_100`` in the breakdown's rounds, per cache instruction), and ``sim_50_in_step_issue_s`` /
   ``sim_error_in_step_issue``: the plan simulated with that ``issue_s`` and its error against the measured step
@@ -122,6 +123,7 @@ from hyperoffload.workloads import Llama, LlamaConfig, get_workload
 
 BREAKDOWN = {
     "same_plan_no_copies": "cache operators that move nothing (results wrong): the graph, the calls, their buffers",
+    "same_plan_python_kernels": "the cache operators' Python kernels, on the 10 TB/s NativeLink below",
     "same_plan_sync_copies": "every copy on the step's own thread when issued (no link)",
     "same_plan_fast_link": "a NativeLink at 10 TB/s: copies as fast as the copy thread can move them",
     "same_plan_python_link": "an EmulatedLink of the same speed: copies on two Python threads",
@@ -290,12 +292,14 @@ def calibrated_in_rounds(full: TrainStep, planned: TrainStep, others: dict[str, 
     """The compiled steps measured as the benchmark times them: in interleaved rounds with the other variants
     (``others``), which leave the caches as the timed rounds will. ``full_s`` is the median of ``full`` (the
     unplanned compiled step); ``issue_s`` is what one cache instruction costs a compiled step: ``planned``'s
-    compiled graph run with copies that move nothing (``NullCopies``), less ``full``, per cache instruction of
+    compiled graph run with copies that move nothing (``no_copies``), less ``full``, per cache instruction of
     ``planned``'s plan. Beyond the operator call itself (``cache_op_issue_s``), that holds what the step pays
     around it: the generated code's checks, the buffers the copies write, and the fused kernels a wait or a
     release splits. ``copy_rate`` is how fast ``planned``'s own ``NativeLink`` moved bytes while it ran in those
     rounds: its copy thread shares the machine's memory system with the step's compute."""
-    variants = {**others, "full": full, "no_copies": SamePlan(planned, NullCopies(), batches[0]), "planned": planned}
+    nothing_moved = fast_link()
+    variants = {**others, "full": full, "no_copies": SamePlan(planned, no_copies(nothing_moved), batches[0]),
+                "planned": planned}
     link, copies = planned.link, planned.copies
 
     def moved() -> tuple[int, float]:
@@ -304,6 +308,7 @@ def calibrated_in_rounds(full: TrainStep, planned: TrainStep, others: dict[str, 
     before = moved()
     walls, _ = run_rounds(variants, batches, BenchConfig(steps=calls, warmup=warmup, threads=1), [])
     copies.drain()
+    nothing_moved.close()
     after = moved()
     full_s = statistics.median(walls["full"])
     return InStep(full_s=full_s, issue_s=per_cache_instruction(statistics.median(walls["no_copies"]), full_s, planned),
@@ -387,40 +392,25 @@ class InterpretedStep:
         self.executor.close()
 
 
-class _Moved:
-    """A copy that moved nothing and is complete (``NullCopies``)."""
-
-    error = None
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
+def fast_link() -> NativeLink:
+    """A link so fast that a copy takes what the copy thread's ``memmove`` takes (10 TB/s, no latency)."""
+    return NativeLink(h2d_bw=1e13, d2h_bw=1e13)
 
 
-class NullCopies:
-    """A copy client that moves nothing: every copy is complete when issued. Results are wrong; the time of a step
-    run on it is everything but the bytes moving (the compiled graph, the cache operators' Python calls, the
-    buffers they allocate)."""
-
-    def offload(self, label, src, dst) -> _Moved:
-        return _Moved()
-
-    def prefetch(self, label, src, dst, after) -> _Moved:
-        return _Moved()
-
-    def drain(self) -> None:
-        pass
+def no_copies(link: NativeLink) -> cache_ops.AsyncCopies:
+    """Cache operators on ``link`` that issue and time every copy but move no bytes (``move_bytes=False``). Results
+    are wrong; the time of a step run on them is everything but the bytes moving (the compiled graph, the cache
+    operators' calls, the buffers they allocate)."""
+    return cache_ops.AsyncCopies(client=link.client(), release_waits=True, move_bytes=False)
 
 
 class SamePlan:
     """The 50% step's compiled graph run on copies of its inputs (so the step's own state is not touched), with its
-    cache operators on ``client`` (None: synchronous copies on the step's thread), each call on the next batch."""
+    cache operators on ``copies`` (None: synchronous copies on the step's thread), each call on the next batch."""
 
-    def __init__(self, step: TrainStep, client, batch) -> None:
+    def __init__(self, step: TrainStep, copies: cache_ops.AsyncCopies | None, batch) -> None:
         self.run = step._current.run
-        self.copies = None if client is None else cache_ops.AsyncCopies(client=client, release_waits=True)
+        self.copies = copies
         self.inputs = OwnInputs(step, batch)
 
     def __call__(self, batch) -> None:
@@ -430,12 +420,17 @@ class SamePlan:
 
 
 def breakdown_variants(half: TrainStep, hardware: Hardware, example) -> tuple[dict[str, SamePlan], list]:
-    """The 50% step's plan run four more ways (``BREAKDOWN``); returns them and the links to close afterwards."""
-    links = [NativeLink(h2d_bw=1e13, d2h_bw=1e13), EmulatedLink.for_hardware(hardware)]
-    variants = {"same_plan_no_copies": SamePlan(half, NullCopies(), example),
+    """The 50% step's plan run five more ways (``BREAKDOWN``); returns them and the links to close afterwards."""
+    links = [fast_link(), EmulatedLink.for_hardware(hardware)]
+
+    def on(client, **options) -> cache_ops.AsyncCopies:
+        return cache_ops.AsyncCopies(client=client, release_waits=True, **options)
+
+    variants = {"same_plan_no_copies": SamePlan(half, no_copies(links[0]), example),
+                "same_plan_python_kernels": SamePlan(half, on(links[0].client(), native_kernels=False), example),
                 "same_plan_sync_copies": SamePlan(half, None, example),
-                "same_plan_fast_link": SamePlan(half, links[0].client(), example),
-                "same_plan_python_link": SamePlan(half, links[1].client(), example)}
+                "same_plan_fast_link": SamePlan(half, on(links[0].client()), example),
+                "same_plan_python_link": SamePlan(half, on(links[1].client()), example)}
     return variants, links
 
 

@@ -120,6 +120,9 @@ class AsyncCopies:
     which keep this bookkeeping on the C++ side (``native``) and cost a step about a microsecond per operator; where
     they cannot be built, a warning says why and the Python kernels run. ``release_waits`` is read when the object is
     made."""
+    move_bytes: bool = True
+    """False: copies are issued and timed but move no bytes, so results are wrong; what a step pays for its cache
+    operators without the copying (benchmarks). Only with the C++ kernels (``native``)."""
     native: Any = field(default=None, init=False)
     """The ``NativeState`` the C++ kernels keep this object's copies in, or None (the Python kernels keep them in
     ``pending``, ``reading`` and ``remote_buffers``). Its counters are copied into this object's fields each time a
@@ -130,16 +133,18 @@ class AsyncCopies:
     what is left): amortized, so that a call does not scan every copy in flight."""
 
     def __post_init__(self) -> None:
-        if not self.native_kernels:
-            return
         from hyperoffload.runtime import native_kernels
         from hyperoffload.runtime.native_link import NativeClient
 
-        if isinstance(self.client, NativeClient):
+        if self.native_kernels and isinstance(self.client, NativeClient):
             try:
-                self.native = native_kernels.NativeState(self.client.link, release_waits=self.release_waits)
+                self.native = native_kernels.NativeState(self.client.link, release_waits=self.release_waits,
+                                                         move_bytes=self.move_bytes)
             except native_kernels.NativeKernelsUnavailable as error:
                 _warn_python_kernels(error)
+        if not self.move_bytes and self.native is None:
+            raise ValueError("AsyncCopies(move_bytes=False) needs the C++ kernels: a NativeLink's client, and "
+                             "native_kernels=True where they can be built")
 
     def drain(self) -> None:
         """Block until every copy started here has moved its bytes (the client's ``drain``, and the C++ kernels')."""

@@ -55,7 +55,7 @@ def test_times_are_positive_and_the_link_hides_the_simulated_copies(quick):
     assert sorted(record["blocked_50_s"]) == ["releases", "waits"]
     assert all(0 <= s < record["train_step_50_s"] for s in record["blocked_50_s"].values())
     assert all(positive(s) for s in record["compile_s"].values())
-    assert sorted(record["breakdown_s"]) == sorted(["same_plan_no_copies", "same_plan_sync_copies",
+    assert sorted(record["breakdown_s"]) == sorted(["same_plan_no_copies", "same_plan_python_kernels", "same_plan_sync_copies",
                                                     "same_plan_fast_link", "same_plan_python_link"])
     assert all(positive(s) for s in record["breakdown_s"].values())
     assert record["cache_instructions"] > 0 and record["in_step_issue_s"] >= 0

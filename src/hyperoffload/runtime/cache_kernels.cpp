@@ -120,6 +120,7 @@ struct State {
     void *link;
     double spin_s;
     bool release_waits;
+    bool move_bytes;  // false: each copy is issued and timed as a copy of no bytes (what the operators cost alone)
     Table pending, reading;
     std::deque<Moving> moving;
     std::unordered_map<size_t, std::vector<c10::Storage>> pool;
@@ -129,7 +130,12 @@ struct State {
     int64_t waits = 0, overlapped_waits = 0, h2d_bytes = 0, d2h_bytes = 0, release_stalls = 0;
     double release_wait_s = 0.0, wait_s = 0.0;
 
-    State(void *link, double spin_s, bool release_waits) : link(link), spin_s(spin_s), release_waits(release_waits) {}
+    State(void *link, double spin_s, bool release_waits, bool move_bytes)
+        : link(link), spin_s(spin_s), release_waits(release_waits), move_bytes(move_bytes) {}
+
+    int64_t submit(int dir, void *dst, const void *src, size_t nbytes, int after_dir, int64_t after_seq) {
+        return ho_submit(link, dir, dst, src, move_bytes ? nbytes : 0, after_dir, after_seq);
+    }
 
     bool moved(Copy &copy) {
         if (copy.end_s < 0) copy.end_s = ho_poll(link, copy.dir, copy.seq);
@@ -179,7 +185,7 @@ struct State {
     }
 
     void offload_into(const c10::Storage &storage, const c10::Storage &into) {
-        int64_t seq = ho_submit(link, D2H, into.mutable_data(), storage.data(), storage.nbytes(), -1, 0);
+        int64_t seq = submit(D2H, into.mutable_data(), storage.data(), storage.nbytes(), -1, 0);
         d2h_bytes += (int64_t)storage.nbytes();
         started(D2H, seq, storage, into);
         reading.put(storage.data(), Copy{D2H, seq, storage});
@@ -190,8 +196,8 @@ struct State {
         at::Tensor dst = at::empty({elements}, remote.options());
         const c10::Storage &into = dst.storage();
         const Copy *after = pending.find(storage.data());
-        int64_t seq = ho_submit(link, H2D, into.mutable_data(), storage.data(), storage.nbytes(),
-                                after ? after->dir : -1, after ? after->seq : 0);
+        int64_t seq = submit(H2D, into.mutable_data(), storage.data(), storage.nbytes(), after ? after->dir : -1,
+                             after ? after->seq : 0);
         h2d_bytes += (int64_t)storage.nbytes();
         started(H2D, seq, storage, into);
         return dst;
@@ -310,11 +316,11 @@ void release_live(const at::Tensor &x, at::TensorList live) {
 }
 
 // --- the states: hyperoffload_native ops, called from hyperoffload.runtime.native_kernels ------------------------------
-int64_t open_state(int64_t link, double spin_s, bool release_waits) {
+int64_t open_state(int64_t link, double spin_s, bool release_waits, bool move_bytes) {
     TORCH_CHECK(link != 0, "hyperoffload native copies: the link is closed");
     std::lock_guard<std::mutex> guard(states_lock);
     int64_t id = next_id++;
-    states.emplace(id, std::make_unique<State>(reinterpret_cast<void *>(link), spin_s, release_waits));
+    states.emplace(id, std::make_unique<State>(reinterpret_cast<void *>(link), spin_s, release_waits, move_bytes));
     return id;
 }
 
@@ -362,7 +368,7 @@ TORCH_LIBRARY_IMPL(hyperoffload, CPU, m) {
 }
 
 TORCH_LIBRARY(hyperoffload_native, m) {
-    m.def("open(int link, float spin_s, bool release_waits) -> int", open_state);
+    m.def("open(int link, float spin_s, bool release_waits, bool move_bytes) -> int", open_state);
     m.def("activate(int id) -> int", activate);
     m.def("stats(int id) -> float[]", stats);
     m.def("drain(int id) -> ()", drain);

@@ -99,10 +99,13 @@ class NativeState:
 
     __slots__ = ("id", "link", "_finalizer", "__weakref__")
 
-    def __init__(self, link: native_link.NativeLink, *, release_waits: bool) -> None:
+    def __init__(self, link: native_link.NativeLink, *, release_waits: bool, move_bytes: bool = True) -> None:
+        """``release_waits``: as ``AsyncCopies``'; ``move_bytes`` False: every copy is issued, queued and timed as a
+        copy of no bytes (the buffers keep their old contents: results are wrong), which is what a step pays for its
+        cache operators without the copying."""
         load()
         self.link = link
-        self.id = _ops().open.default(_handle(link), float(link.spin_s), bool(release_waits))
+        self.id = _ops().open.default(_handle(link), float(link.spin_s), bool(release_waits), bool(move_bytes))
         self._finalizer = weakref.finalize(self, _close, self.id, link)
 
     def activate(self) -> int:
