@@ -49,8 +49,8 @@ different random batches, all measured in this one run:
   less ``train_step_100`` in the breakdown's rounds, per cache instruction), and ``sim_50_in_step_issue_s`` /
   ``sim_error_in_step_issue``: the plan simulated with that ``issue_s`` and its error against the measured step
   (the targets use the ``issue_s`` the plan was made with);
-* ``blocked_50_s``: seconds per call the 50% step's thread spent blocked in ``wait`` (``waits``) and in
-  ``release`` waiting for the offload still reading the storage (``releases``), over the timed and warm-up rounds;
+* ``blocked_50_s``: the median seconds per call the 50% step's thread spent blocked in ``wait`` (``waits``) and in
+  ``release`` waiting for the offload still reading the storage (``releases``), over the timed rounds;
 * ``page_faults``: the median minor page faults of the process during one step of each variant (new pages touched,
   on any thread). The run first calls ``hyperoffload.keep_freed_host_memory()`` (``--default-malloc``: not), so
   that freed buffers are handed out again rather than faulted in anew each step, for every variant alike;
@@ -404,6 +404,27 @@ def no_copies(link: NativeLink) -> cache_ops.AsyncCopies:
     return cache_ops.AsyncCopies(client=link.client(), release_waits=True, move_bytes=False)
 
 
+class BlockedPerCall:
+    """``step`` (a planned ``TrainStep``) called as it is, recording per call the seconds its thread spent blocked in
+    ``wait`` and in ``release`` (for an offload still reading the storage)."""
+
+    def __init__(self, step: TrainStep) -> None:
+        self.step = step
+        self.calls: list[tuple[float, float]] = []
+
+    def __call__(self, batch):
+        copies = self.step.copies
+        before = (copies.wait_s, copies.release_wait_s)
+        out = self.step(batch)
+        self.calls.append((copies.wait_s - before[0], copies.release_wait_s - before[1]))
+        return out
+
+    def medians(self, skip: int) -> dict[str, float]:
+        """The median seconds per call blocked in waits and in releases, over the calls after the first ``skip``."""
+        timed = self.calls[skip:]
+        return {"waits": statistics.median(c[0] for c in timed), "releases": statistics.median(c[1] for c in timed)}
+
+
 class SamePlan:
     """The 50% step's compiled graph run on copies of its inputs (so the step's own state is not touched), with its
     cache operators on ``copies`` (None: synchronous copies on the step's thread), each call on the next batch."""
@@ -557,15 +578,12 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
         "eager": lambda b: eager_loop_step(eager_model, eager_opt, b),
         "inductor": lambda b: eager_loop_step(compiled_forward, compiled_opt, b),
         "train_step_100": full,
-        "train_step_50": half,
+        "train_step_50": (blocked_calls := BlockedPerCall(half)),
     }
     progress(f"{spec.name}: {cfg.warmup} + {cfg.steps} interleaved rounds of {', '.join(variants)}")
     order: list[int] = []
-    blocked_before = (half.copies.wait_s, half.copies.release_wait_s)
     walls, faults = run_rounds(variants, batches, cfg, order)
-    calls = cfg.warmup + cfg.steps
-    blocked = {"waits": (half.copies.wait_s - blocked_before[0]) / calls,
-               "releases": (half.copies.release_wait_s - blocked_before[1]) / calls}
+    blocked = blocked_calls.medians(skip=cfg.warmup)
     load = os.getloadavg()[0]
     median = {name: statistics.median(w) for name, w in walls.items()}
 

@@ -205,7 +205,10 @@ struct State {
 
     void wait_for(const void *key) {
         std::optional<Copy> copy = pending.pop(key);
-        if (!copy) return;
+        if (!copy) {
+            reap();
+            return;
+        }
         waits += 1;
         if (!pending.empty()) overlapped_waits += !completed(pending.back());
         double start = now_s();
@@ -216,12 +219,14 @@ struct State {
 
     void released(const void *key) {
         std::optional<Copy> copy = reading.pop(key);
+        reap();
         if (!copy || completed(*copy)) return;
         release_stalls += 1;
         if (release_waits) {
             double start = now_s();
             block(*copy, true);
             release_wait_s += now_s() - start;
+            reap();  // the copy holds the storage in `moving` too: the release is where the plan lets go of it
         }
     }
 
