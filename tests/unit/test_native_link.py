@@ -17,7 +17,7 @@ import torch
 from hyperoffload import cache_ops
 from hyperoffload.hardware import get_hardware
 from hyperoffload.runtime import EmulatedLink
-from hyperoffload.runtime import native_link
+from hyperoffload.runtime import native_kernels, native_link
 from hyperoffload.runtime.host_buffers import HostBuffers
 from hyperoffload.runtime.native_link import NativeLink, NativeLinkUnavailable, host_link
 
@@ -170,14 +170,17 @@ def offloads_reading(copies: cache_ops.AsyncCopies) -> int:
     return len(copies.reading) if copies.native is None else copies.native.stats().reading
 
 
-KERNELS = pytest.mark.parametrize("native_kernels", [True, False], ids=["cpp-kernels", "python-kernels"])
+KERNELS = pytest.mark.parametrize("cpp", [
+    pytest.param(True, id="cpp-kernels", marks=pytest.mark.skipif(not native_kernels.available(),
+                                                                  reason="no C++ compiler to build the kernels")),
+    pytest.param(False, id="python-kernels")])
 
 
 @KERNELS
-def test_the_cache_operators_copy_on_it_and_reuse_remote_buffers_across_steps(native_kernels):
+def test_the_cache_operators_copy_on_it_and_reuse_remote_buffers_across_steps(cpp):
     with NativeLink(h2d_bw=1e9, d2h_bw=1e9) as link:
-        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True, native_kernels=native_kernels)
-        assert (copies.native is not None) == native_kernels
+        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True, native_kernels=cpp)
+        assert (copies.native is not None) == cpp
         x = torch.arange(4096.0)
         addresses = set()
         with cache_ops.copies_on(copies):
@@ -193,11 +196,11 @@ def test_the_cache_operators_copy_on_it_and_reuse_remote_buffers_across_steps(na
 
 
 @KERNELS
-def test_a_storage_whose_offload_is_its_last_use_is_let_go_of_once_the_copy_completes(native_kernels):
+def test_a_storage_whose_offload_is_its_last_use_is_let_go_of_once_the_copy_completes(cpp):
     """No release follows such an offload: the copy's record is what holds the storage, and the next cache operator
     lets go of it once the copy has completed (not at some later clean-up, which made the measured peak vary)."""
     with NativeLink(h2d_bw=1e12, d2h_bw=1e12) as link:
-        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True, native_kernels=native_kernels)
+        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True, native_kernels=cpp)
         x, y = torch.arange(1024.0), torch.arange(8.0)
         with cache_ops.copies_on(copies):
             remote = torch.ops.hyperoffload.offload(x)
@@ -207,7 +210,7 @@ def test_a_storage_whose_offload_is_its_last_use_is_let_go_of_once_the_copy_comp
             torch.ops.hyperoffload.wait(torch.ops.hyperoffload.offload(y))
             torch.ops.hyperoffload.offload(x)
             assert offloads_reading(copies) == 1  # y's went with this offload
-            if not native_kernels:
+            if not cpp:
                 assert list(copies.reading) == [x.untyped_storage().data_ptr()]
 
 
