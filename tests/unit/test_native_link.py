@@ -63,6 +63,19 @@ def test_the_two_directions_overlap_on_their_own_clocks():
         assert h2d[0].start_s < d2h[0].end_s and d2h[0].start_s < h2d[0].end_s
 
 
+def test_a_copy_of_one_direction_does_not_queue_behind_the_other_directions_later_copies():
+    """One thread moves both directions' bytes, taking next the copy an ideal duplex link would start first: a small
+    device -> remote copy issued after four large remote -> device ones moves after the first of them (which started
+    before it), not after all four, whose direction's clock starts the others seconds later."""
+    with NativeLink(h2d_bw=32e6, d2h_bw=32e6) as link:  # 1 s a 32 MB copy on its clock: the later ones start later
+        big = [storage_of(torch.zeros(8 << 20)) for _ in range(4)]
+        prefetches = [link.prefetch(f"p{k}", b, torch.UntypedStorage(b.nbytes()), None) for k, b in enumerate(big)]
+        offload = link.offload("small", storage_of(torch.zeros(256)), torch.UntypedStorage(1024))
+        offload.join()  # its bytes have moved
+        assert not all(p.settled() for p in prefetches[1:]), "the offload waited behind every prefetch"
+        link.drain()
+
+
 def test_a_copy_keeps_its_buffers_alive_until_it_has_moved_them():
     with NativeLink(h2d_bw=1e10, d2h_bw=1e10) as link:
         # A large copy queued first keeps the thread busy, so the small one moves its bytes after the caller has let

@@ -4,8 +4,8 @@
  * starts at the latest of the moment it was issued, the ideal end of the direction's previous copy and the ideal
  * end of the copy it depends on, and ends latency + bytes / bandwidth later (or as long after as the memmove
  * itself took, if the memory system is slower than the link). The thread moves a copy's bytes as soon as it
- * reaches it, taking the two directions' copies in the order they were issued (so a copy that depends on one of
- * the other direction, always issued earlier, comes after it); a copy *completes* at its ideal end.
+ * reaches it, taking next the head of the direction whose ideal start comes first (next_direction; a copy that
+ * depends on one of the other direction comes after it); a copy *completes* at its ideal end.
  *
  * The thread spins for `spin_s` seconds after its last copy before it sleeps on a condition variable, and a
  * waiting caller spins before it sleeps: on a virtual machine, waking a thread whose processor has halted costs
@@ -69,14 +69,25 @@ static int pending(Link *link, int d) {
            atomic_load_explicit(&link->dir[d].done, memory_order_relaxed);
 }
 
-/* The direction whose next copy was issued first, or -1 if neither has one. */
+/* The direction whose next copy an ideal duplex link would start first, or -1 if neither has one: the earlier of
+ * the two heads' ideal starts were they moved now (the later of the copy's issue and its direction's clock), and a
+ * copy that depends on the other direction's copy not moved yet goes after that copy. Moving the copies in the
+ * order they were issued instead made a device -> remote copy wait behind a queue of remote -> device copies its
+ * own direction's clock never waited for, and a release waiting for it wait that long too. */
 static int next_direction(Link *link) {
     int a = pending(link, 0), b = pending(link, 1);
     if (!a && !b) return -1;
     if (a != b) return a ? 0 : 1;
-    Copy *ca = &link->dir[0].ring[(uint64_t)(link->dir[0].done + 1) % RING];
-    Copy *cb = &link->dir[1].ring[(uint64_t)(link->dir[1].done + 1) % RING];
-    return ca->issued_s <= cb->issued_s ? 0 : 1;
+    double start[2];
+    for (int d = 0; d < 2; d++) {
+        Direction *dir = &link->dir[d];
+        Copy *c = &dir->ring[(uint64_t)(dir->done + 1) % RING];
+        if (c->after_dir == 1 - d &&
+            atomic_load_explicit(&link->dir[1 - d].done, memory_order_acquire) < c->after_seq)
+            return 1 - d;
+        start[d] = c->issued_s > dir->clock_s ? c->issued_s : dir->clock_s;
+    }
+    return start[0] <= start[1] ? 0 : 1;
 }
 
 static void move_one(Link *link, int d) {
@@ -86,7 +97,7 @@ static void move_one(Link *link, int d) {
     double start = c->issued_s > dir->clock_s ? c->issued_s : dir->clock_s;
     if (c->after_dir >= 0) {
         Direction *other = &link->dir[c->after_dir];
-        /* Issued earlier, so moved already (or, when other is this direction, it is an earlier copy). */
+        /* Moved already: next_direction takes it first (or, when other is this direction, it is an earlier copy). */
         while (atomic_load_explicit(&other->done, memory_order_acquire) < c->after_seq) PAUSE();
         if (other->issued - c->after_seq < (int64_t)RING) {
             double after_end = other->ring[(uint64_t)c->after_seq % RING].end_s;

@@ -6,9 +6,9 @@ thread written in C (``copy_thread.c``, compiled with the machine's C compiler o
 of two Python threads. That thread never takes the GIL, so a compiled step's kernels, which hold the GIL while
 they run, never wait for it and it never waits for them; where a core is free of compute threads it spins
 briefly between copies rather than sleeping, because waking a thread whose processor has halted costs a virtual
-machine tens of microseconds per copy. One thread moves both directions' copies, in the order they were issued,
-each direction keeping its own clock: the two directions overlap on the ideal clocks as on a duplex link, while a
-2-core machine keeps a core for compute.
+machine tens of microseconds per copy. One thread moves both directions' copies, each direction keeping its own
+clock and its own order, taking next the copy an ideal duplex link would start first: the two directions overlap
+on the ideal clocks as on a duplex link, while a 2-core machine keeps a core for compute.
 
 What it leaves out, against ``EmulatedLink``: lane ops (an executor runs them inline on its own thread), fault
 injection, and cancelling a queued copy (``abort`` lets queued copies finish: each is one ``memmove``).
