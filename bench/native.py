@@ -28,9 +28,11 @@ different random batches, all measured in this one run:
   call costs alone, ``cache_op_issue_s``, reported as ``isolated_issue_s``; ``--isolated-issue``: that alone),
   which the simulator charges
   the compute stream per cache instruction and the planner weighs;
-* ``sim_50_s``: that step's simulated ``step_s`` (``step.figures``), ``exposed_50_s`` the part of it that is not
-  compute (copy stalls and the cache instructions' ``issue_s``), ``stall_copy_50_s`` the compute stream's waits
-  for copies;
+* ``sim_50_s``: that step's plan simulated on the profile fitted again, the same way, to the unplanned step's
+  median in the timed rounds (``compute_scale_timed``; the machine's speed drifts from one set of rounds to the
+  next), ``exposed_50_s`` the part of it that is not compute (copy stalls and the cache instructions' ``issue_s``),
+  ``stall_copy_50_s`` the compute stream's waits for copies; ``sim_50_planned_s``: the step's own figure
+  (``step.figures``, on the profile it was planned with);
 * ``interpreter_50_s``: the same plan run by the project's plan interpreter (``AsyncExecutor.run``, one op at
   a time, in place on copies of the step's inputs) on an emulated link of the same speed; null, with
   ``interpreter_error`` saying why, if it cannot run;
@@ -601,8 +603,8 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     if interpreter is not None:
         interpreter.close()
     interpreter_link.close()
-    for link in breakdown_links:
-        link.close()
+    for breakdown_link in breakdown_links:
+        breakdown_link.close()
 
     progress(f"{spec.name}: one call with the device peak measured")
     half.measure = True  # the profiler for this one call only
@@ -620,11 +622,18 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     for k in order:
         reference(batches[k])
     half.link.close()
-    figures = half.figures
+    # The plan simulated on the profile fitted again to the unplanned step as the timed rounds ran it: the machine's
+    # speed drifts from one set of rounds to the next (the calibration rounds have timed the same unplanned step up to
+    # 11% faster), and what is predicted is the planned step in the timed rounds.
+    timed_profile, timed_scale = calibrated_profile(base_unfitted, full, extern_costs, median["train_step_100"])
+    timed_hardware = timed_profile.replace(issue_s=issue, **link)
+    figures = simulate(half.plan, timed_hardware, release_waits=True).figures
     record = finish_record(spec, cfg, initial, median, detail_median, figures, peak, half, bw, load, compile_s,
                            max_param_diff(half.model, ref_model), max_state_diff(half.optimizer, ref_opt),
                            interpreter_error)
     record["compute_scale"] = scale
+    record["compute_scale_timed"] = timed_scale
+    record["sim_50_planned_s"] = half.figures.step_s
     record["copy_bw"] = copy_bw
     record["copy_rate_in_step"] = copy_rate
     record["link_latency_s"] = hardware.h2d_latency_s
@@ -633,7 +642,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     record["extern_op_signatures"] = len(extern_costs)
     record["page_faults"] = page_faults
     record["blocked_50_s"] = blocked
-    record.update(in_step_issue(half, hardware, median, detail_median))
+    record.update(in_step_issue(half, timed_hardware, median, detail_median))
     return record
 
 

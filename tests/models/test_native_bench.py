@@ -20,7 +20,7 @@ SCRIPT = ROOT / "bench" / "native.py"
 TIMES = ("eager_s", "inductor_s", "train_step_100_s", "train_step_50_s", "sim_50_s")
 KEYS = (*TIMES, "interpreter_50_s", "interpreter_error", "measured_peak_bytes", "budget_bytes", "max_abs_diff",
         "load_avg", "link_bw", "exposed_50_s", "stall_copy_50_s", "compile_s", "breakdown_s", "page_faults", "ratios",
-        "targets")
+        "targets", "sim_50_planned_s", "compute_scale_timed")
 
 pytestmark = pytest.mark.slow
 
