@@ -168,8 +168,12 @@ class BenchConfig:
     batches: int = 4
     """Different random batches, used in turn."""
     link_bw: float | None = None
-    """Link speed of the 50% step (bytes/s each way); None: half the rate the copy thread moves bytes at inside a
-    planned step (``copy_rate_in_step / 2``; ``copy_bw / 2`` with ``in_step_issue`` off)."""
+    """Link speed of the 50% step (bytes/s each way); None: ``link_share`` of the rate the copy thread moves bytes at
+    inside a planned step (``copy_rate_in_step``; ``copy_bw`` with ``in_step_issue`` off)."""
+    link_share: float = 0.5
+    """The share of that rate each direction of the 50% step's link gets: both directions' copies move on the one
+    thread, so 0.5 is the fastest duplex link it keeps the timing of on average, and bursts of copies in both
+    directions at once find it late by up to a copy's ``memmove``."""
     link_latency_s: float | None = None
     """Fixed cost of each copy on that link before its bytes move (seconds); None: a GPU's (``GPU_LINK``'s), where
     ``cpu-emulated``'s default (a Python thread's hand-off) is several times what the native copy thread costs."""
@@ -534,7 +538,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
     progress(f"{spec.name}: {len(extern_costs)} external kernels charged their measured times, the other ops "
              f"{1 / scale:.2f}x as fast as the profile's per-op model: planning on that")
     progress(f"{spec.name}: a cache operator call costs the step's thread {isolated_issue * 1e6:.1f} us alone")
-    bw = cfg.link_bw if cfg.link_bw is not None else copy_bw / 2  # both directions share the one copy thread
+    bw = cfg.link_bw if cfg.link_bw is not None else copy_bw * cfg.link_share  # both directions share the thread
     latency = cfg.link_latency_s if cfg.link_latency_s is not None else get_hardware(GPU_LINK).h2d_latency_s
     link = {"h2d_bw": bw, "d2h_bw": bw, "h2d_latency_s": latency, "d2h_latency_s": latency}
     hardware = base.replace(issue_s=isolated_issue, **link)
@@ -557,7 +561,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, base: Hardware) -> dict:
         # No less than the call alone: on a noisy machine the rounds can find the planned graph no slower.
         issue, copy_rate = max(measured.issue_s, isolated_issue), measured.copy_rate
         if cfg.link_bw is None:  # the fastest duplex link the copy thread keeps the timing of, as fast as it copies here
-            bw = copy_rate / 2
+            bw = copy_rate * cfg.link_share
             link.update(h2d_bw=bw, d2h_bw=bw)
         hardware = base.replace(issue_s=issue, **link)
         progress(f"{spec.name}: in rounds with the other variants, the other ops run {1 / scale:.2f}x as fast as the "
@@ -747,8 +751,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default="50%")
     parser.add_argument("--policy", default="hyperoffload")
     parser.add_argument("--link", type=parse_bandwidth, default=None,
-                        help="link speed of the 50%% step each way (e.g. 8GB/s); default: half the rate the copy "
-                             "thread moves bytes at inside a planned step (both directions share it)")
+                        help="link speed of the 50%% step each way (e.g. 8GB/s); default: --link-share of the rate "
+                             "the copy thread moves bytes at inside a planned step (both directions share it)")
+    parser.add_argument("--link-share", type=float, default=0.5,
+                        help="the share of the copy thread's in-step rate each direction of the link gets "
+                             "(default 0.5)")
     parser.add_argument("--latency", type=parse_duration, default=None,
                         help=f"per-copy latency of that link (e.g. 50us); default: {GPU_LINK}'s")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
@@ -763,9 +770,11 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if steps < 1 or warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
+    if not 0 < args.link_share <= 1:
+        parser.error(f"--link-share must be in (0, 1], got {args.link_share}")
     cfg = BenchConfig(steps=steps, warmup=warmup, threads=args.threads, budget=args.budget, policy=args.policy,
                       link_bw=args.link, link_latency_s=args.latency, keep_freed_memory=not args.default_malloc,
-                      in_step_issue=not args.isolated_issue)
+                      in_step_issue=not args.isolated_issue, link_share=args.link_share)
     names = args.models or (["tiny-llama"] if args.quick else list(model_specs()))
     torch.set_num_threads(cfg.threads)
     if cfg.keep_freed_memory and not hyperoffload.keep_freed_host_memory():
