@@ -29,12 +29,14 @@ class NativeKernelsUnavailable(NativeBuildFailed):
 
 
 def _flags(copy_thread: Path) -> list[str]:
+    """Compiler flags: PyTorch's headers and libraries (the wheel's own, as ``torch.utils.cpp_extension`` finds them),
+    its C++ ABI, and the copy thread's library the kernels submit to (found again at load time through rpath)."""
     from torch.utils import cpp_extension
 
-    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-    libs = [path for path in cpp_extension.library_paths()]
+    libs = cpp_extension.library_paths()
     return ["-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *includes, str(copy_thread), *[f"-L{path}" for path in libs], "-lc10", "-ltorch_cpu",
+            *[f"-I{path}" for path in cpp_extension.include_paths()], str(copy_thread),
+            *[f"-L{path}" for path in libs], "-lc10", "-ltorch_cpu",
             f"-Wl,-rpath,{copy_thread.parent}", *[f"-Wl,-rpath,{path}" for path in libs]]
 
 
@@ -64,14 +66,9 @@ def available() -> bool:
     return True
 
 
-_OPS = None
-
-
 def _ops():
-    global _OPS  # noqa: PLW0603 - the op namespace, looked up once after load()
-    if _OPS is None:
-        _OPS = torch.ops.hyperoffload_native
-    return _OPS
+    """The C++ library's own operators (``hyperoffload_native``: a state's open, activate, stats, drain, close)."""
+    return torch.ops.hyperoffload_native
 
 
 @dataclass(frozen=True, slots=True)
