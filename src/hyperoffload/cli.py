@@ -137,6 +137,9 @@ def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-latency", type=_duration, metavar="TIME",
                         help="override both directions' per-copy latency, e.g. 10us")
     parser.add_argument("--device-memory", type=_size, metavar="SIZE", help="override, e.g. 64GiB")
+    parser.add_argument("--host-memory", type=_size, metavar="SIZE",
+                        help="override one node's host memory, the remote tier's capacity shared by the node's ranks "
+                             "(a plan that keeps more there is refused), e.g. 256GiB")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:

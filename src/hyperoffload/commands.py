@@ -42,7 +42,8 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
     hardware = get_hardware(args.hardware, cpu_cache=cpu_cache_path())
     overrides = {name: value for name, value in (
         ("h2d_bw", args.h2d_bw), ("d2h_bw", args.d2h_bw), ("h2d_latency_s", args.copy_latency),
-        ("d2h_latency_s", args.copy_latency), ("memory_bytes", args.device_memory)) if value is not None}
+        ("d2h_latency_s", args.copy_latency), ("memory_bytes", args.device_memory),
+        ("host_memory_bytes", args.host_memory)) if value is not None}
     return hardware.replace(**overrides) if overrides else hardware
 
 

@@ -76,7 +76,8 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     for _ in range(_REFUSALS):
         attempt = time.perf_counter()
         try:
-            planned = plan_checked(program, hardware, target, policy=policy)
+            # Every policy is shown, whatever it keeps in host memory (compare does not hold them to it yet).
+            planned = plan_checked(program, hardware, target, policy=policy, host_memory=False)
             break
         except InfeasibleBudget as error:
             if error.min_budget_bytes <= target:
@@ -92,6 +93,7 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     feasible = peak <= budget_bytes
     if not feasible and not note:
         note = "does not meet the budget: the peak shown is what it needs"
+
     timeline = _with_budget_figures(timeline, plan, program, hardware, budget_bytes, peak_bytes)
     window = None
     if feasible:

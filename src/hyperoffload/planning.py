@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hyperoffload.budgets import hideable_note, parse_budget
 from hyperoffload.hardware import Hardware, as_hardware
+from hyperoffload.host_memory import check_host_memory
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan
 from hyperoffload.policies import PlannerConfig, get_policy, plan_hyperoffload
@@ -80,11 +81,12 @@ def resolve_budget(budget: int | str, program: Program, hardware: Hardware | str
 
 def plan_checked(program: Program, hardware: Hardware | str, budget: int | str, *, policy: str = "hyperoffload",
                  config: PlannerConfig | None = None, passes: Sequence[PlanPass] = (),
-                 simulate: bool = True) -> Planned:
+                 simulate: bool = True, host_memory: bool = True) -> Planned:
     """Plan ``program`` on ``hardware`` (a profile or its name) under ``budget`` (bytes, or text: ``"40GiB"``,
     ``"50%"`` of the no-offload peak, ``"hideable"``) with ``policy``, run ``passes`` on the plan, and verify it
     (``simulate``: also simulate it on ``hardware`` and check the timeline). ``config`` tunes the hyperoffload
-    planner (another policy takes none)."""
+    planner (another policy takes none). ``host_memory``: refuse a plan that keeps more in host memory than a node
+    of ``hardware`` has (``host_memory.HostMemoryExceeded``; nothing to check where the profile states none)."""
     hardware = as_hardware(hardware)
     planner = get_policy(policy)
     if config is not None:
@@ -97,6 +99,8 @@ def plan_checked(program: Program, hardware: Hardware | str, budget: int | str, 
     for plan_pass in passes:
         plan = plan_pass(plan)
     plan_s = time.perf_counter() - start
+    if host_memory:
+        check_host_memory(plan, hardware)
     timeline = verify(plan, hardware if simulate else None)
     return Planned(plan=plan, budget_bytes=budget_bytes, plan_s=plan_s, timeline=timeline)
 

@@ -51,6 +51,19 @@ def test_plan_json_says_the_remote_memory_of_a_rank_and_of_its_node(capsys):
     assert figures["host_memory_bytes"] == 2 * 2**40
 
 
+def test_a_plan_that_keeps_more_than_a_nodes_host_memory_is_refused_naming_what_would_fit(capsys):
+    """--host-memory overrides the profile's; the refusal names the plan's need per rank and per node, in bytes a
+    --host-memory can take, and a node of exactly that much plans."""
+    argv = ["plan", *TINY, "--world", "2", "--hardware", "dgx-h100", "--budget", "50%"]
+    assert main([*argv, "--json"]) == 0
+    need = json.loads(capsys.readouterr().out)["remote_bytes_per_node"]
+    error = user_error(capsys, [*argv, "--host-memory", str(need - 1)])
+    assert "more than a node's" in error and "for the 2 ranks of a node" in error
+    assert f"--host-memory {need}" in error and "larger device budget" in error
+    assert main([*argv, "--host-memory", str(need), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_memory_bytes"] == need
+
+
 def test_every_process_makes_the_same_plan_of_a_sharded_step():
     """Ranks plan independently from identical inputs: two processes (with different hash seeds) give the same
     digest, and another budget another one."""
