@@ -36,7 +36,10 @@ with ``aten.as_strided`` using its original size, stride and storage offset. The
 dtype of the tensor passed in and ``storage bytes // element size`` elements; a lowered plan
 always passes the storage owner's tensor, or a flat buffer of it, so buffers have the owner's dtype.
 
-Kernels exist for CPU tensors, where "remote memory" is simply another host allocation. They copy
+Kernels exist for CPU tensors, where "remote memory" is simply another host allocation. Those below are the
+Python kernels; on a machine with a C++ compiler a step on a ``NativeLink`` loads C++ ones
+(``hyperoffload.runtime.native_kernels``), which become the CPU kernels, keep an ``AsyncCopies``' bookkeeping on
+the C++ side and call these (as the ``_python_*`` operators) for every other use. They copy
 synchronously unless the caller runs the graph inside ``copies_on(copies)``: then ``offload`` and
 ``prefetch`` start their copy on ``copies.client`` (a client of a ``NativeLink`` or an ``EmulatedLink``) and
 return the destination buffer at once, ``wait`` blocks until the copy that made
