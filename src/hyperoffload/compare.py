@@ -19,11 +19,12 @@ from hyperoffload.analysis import memory_profile, window_bound
 from hyperoffload.budgets import parse_budget
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
+from hyperoffload.host_memory import HostMemoryNeed, host_memory_need
 from hyperoffload.plans import Plan, check_plan
 from hyperoffload.planning import plan_checked
 from hyperoffload.policies import InfeasibleBudget, policies_for
 from hyperoffload.simulate import Timeline, budget_bounds
-from hyperoffload.units import parse_bandwidth
+from hyperoffload.units import format_bytes, parse_bandwidth
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,7 +38,8 @@ class PolicyResult:
     budget_bytes: int
     """The compared budget (bytes); the plan itself may carry another (see ``feasible``)."""
     feasible: bool
-    """Whether the plan's device memory stays within ``budget_bytes``, in plan order and simulated."""
+    """Whether the plan's device memory stays within ``budget_bytes``, in plan order and simulated, and what it keeps
+    in host memory within a node's (``host_memory``)."""
     plan_s: float
     """Wall time the policy took to plan (seconds, a real CPU timing)."""
     plan: Plan
@@ -47,10 +49,23 @@ class PolicyResult:
     window_bound_s: float | None = None
     """The fastest any plan in this plan's op order could step at the compared budget
     (``analysis.window_bound``); None when the plan does not meet the budget."""
+    host_memory: HostMemoryNeed | None = None
+    """What the plan keeps in host memory, per rank and per node, against a node's (None: not measured)."""
 
     @property
     def step_s(self) -> float:
         return self.timeline.figures.step_s
+
+    @property
+    def misses(self) -> str:
+        """What keeps the plan from the budget, in a few words ("" when it meets it): the device bytes it needs, or
+        the host memory a node would need for it."""
+        if self.feasible:
+            return ""
+        peak = self.timeline.figures.peak_bytes
+        if peak <= self.budget_bytes and self.host_memory is not None and not self.host_memory.fits:
+            return f"keeps {format_bytes(self.host_memory.per_node)} in a node's host memory"
+        return f"needs {format_bytes(peak)}"
 
     def as_dict(self) -> dict:
         """The row ``compare --json`` prints: the step (``workload``, ``mode``) and profile (``hardware``), then the
@@ -60,7 +75,8 @@ class PolicyResult:
                 "hardware": self.hardware.name, "policy": self.policy, "feasible": self.feasible, **figures,
                 "budget_bytes": self.budget_bytes,
                 "plan_s": self.plan_s, "instructions": len(self.plan.instructions), "note": self.note,
-                "window_bound_s": self.window_bound_s}
+                "window_bound_s": self.window_bound_s,
+                "host_memory_fits": self.host_memory is None or self.host_memory.fits}
 
 
 _REFUSALS = 4
@@ -76,7 +92,7 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     for _ in range(_REFUSALS):
         attempt = time.perf_counter()
         try:
-            # Every policy is shown, whatever it keeps in host memory (compare does not hold them to it yet).
+            # Every policy is shown, and one that keeps more in host memory than a node has is marked below.
             planned = plan_checked(program, hardware, target, policy=policy, host_memory=False)
             break
         except InfeasibleBudget as error:
@@ -93,6 +109,11 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
     feasible = peak <= budget_bytes
     if not feasible and not note:
         note = "does not meet the budget: the peak shown is what it needs"
+    host = host_memory_need(plan, hardware)
+    if not host.fits:
+        feasible = False
+        note = "; ".join(filter(None, (note, f"keeps {format_bytes(host.per_node)} in a node's host memory, more "
+                                             f"than its {format_bytes(host.host_memory_bytes)}")))
 
     timeline = _with_budget_figures(timeline, plan, program, hardware, budget_bytes, peak_bytes)
     window = None
@@ -100,7 +121,7 @@ def run_policy(program: Program, hardware: Hardware, budget_bytes: int, policy: 
         window = window_bound(plan.program, hardware, budget_bytes, plan.compute_order()).seconds
     return PolicyResult(program=program, hardware=hardware, policy=policy, budget_bytes=budget_bytes,
                         feasible=feasible, plan_s=plan_s, plan=plan, timeline=timeline, note=note,
-                        window_bound_s=window)
+                        window_bound_s=window, host_memory=host)
 
 
 def _with_budget_figures(timeline: Timeline, plan: Plan, program: Program, hardware: Hardware, budget: int,

@@ -26,6 +26,20 @@ def test_compare_command_json_table_and_plot(tmp_path, capsys):
     assert "hyperoffload" in out and "needs" in out  # none does not meet 60% and says what it needs
 
 
+def test_compare_marks_a_policy_that_keeps_more_than_a_nodes_host_memory(capsys):
+    argv = ["compare", *STEP, "--budget", "50%", "--policies", "hyperoffload,none"]
+    assert main([*argv, "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out)[0]
+    assert ours["feasible"] and ours["host_memory_fits"]
+    assert main([*argv, "--json", "--host-memory", "1MiB"]) == 0
+    ours, none = json.loads(capsys.readouterr().out)
+    assert not ours["feasible"] and not ours["host_memory_fits"] and "host memory" in ours["note"]
+    assert none["host_memory_fits"]  # it keeps nothing there (and misses the device budget)
+    assert main([*argv, "--host-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "does not meet this budget (keeps" in out
+
+
 def test_sweep_command_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "sweep.png"
     assert main(["sweep", *STEP, "--budget", "60%", "--vary", "d2h-bw", "--values", "8GB/s,32GB/s",

@@ -29,7 +29,7 @@ def compare_table(results: Sequence[PolicyResult], *, title: str) -> Table:
         table.add_column(column, justify=justify)
     for r in results:
         f = r.timeline.figures
-        table.add_row(r.policy, "yes" if r.feasible else f"[yellow]no[/yellow]: needs {format_bytes(f.peak_bytes)}",
+        table.add_row(r.policy, "yes" if r.feasible else f"[yellow]no[/yellow]: {r.misses}",
                       format_seconds(f.step_s), f"{f.slowdown:.3f}", f"{f.step_s / f.bound_s:.3f}",
                       f"{f.step_s / r.window_bound_s:.3f}" if r.window_bound_s else "-",
                       format_bytes(f.peak_bytes), format_bytes(f.h2d_bytes), format_bytes(f.d2h_bytes),
@@ -44,7 +44,7 @@ def verdict(results: Sequence[PolicyResult], policy: str = "hyperoffload") -> st
     if ours is None:
         return ""
     if not ours.feasible:
-        return f"{policy} does not meet this budget."
+        return f"{policy} does not meet this budget ({ours.misses})."
     if not others:
         return f"{policy} is the only policy that offloads and meets this budget."
     best = min(others, key=lambda r: r.step_s)
@@ -68,8 +68,7 @@ def sweep_table(points: Sequence[SweepPoint], *, vary: str, title: str) -> Table
         first = point.results[0]
         cells = []
         for r in point.results:
-            cells.append(format_seconds(r.step_s) if r.feasible
-                         else f"[yellow]needs {format_bytes(r.timeline.figures.peak_bytes)}[/yellow]")
+            cells.append(format_seconds(r.step_s) if r.feasible else f"[yellow]{r.misses}[/yellow]")
         table.add_row(point.value, format_bytes(first.budget_bytes),
                       format_seconds(first.timeline.figures.compute_s), *cells)
     return table
@@ -85,7 +84,7 @@ def plot_compare(results: Sequence[PolicyResult], path: str | Path, *, title: st
     bars = ax.bar(names, steps, color=["#4c72b0" if r.feasible else "#cccccc" for r in results],
                   hatch=None, edgecolor="black", linewidth=0.5)
     for bar, r in zip(bars, results):
-        label = f"{r.step_s:.3g} s" if r.feasible else f"over budget\nneeds {format_bytes(r.timeline.figures.peak_bytes)}"
+        label = f"{r.step_s:.3g} s" if r.feasible else f"misses the budget\n{r.misses}"
         if not r.feasible:
             bar.set_hatch("//")
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 3),
