@@ -52,6 +52,8 @@ _WHERE = {
     "Planned": "hyperoffload.planning",
     "plan": "hyperoffload.planning",
     "plan_checked": "hyperoffload.planning",
+    "PlanMismatch": "hyperoffload.same_plan",
+    "check_same_plan": "hyperoffload.same_plan",
 }
 """Where each attribute of the package lives (imported on first use: ``import hyperoffload`` alone
 imports neither torch nor the rest of the package)."""
@@ -63,4 +65,4 @@ __version__ = "0.1.0"
 __all__ = ["StepFigures", "TrainStep", "TrialRuns", "train_step", "AsyncExecutor", "EmulatedLink", "NativeLink", "run_async", "keep_freed_host_memory", "PolicyResult", "compare", "sweep", "Backend", "CompiledGraph", "backend", "Hardware", "HardwareError", "InfeasibleBudget", "PlannerConfig", "Timeline", "VerificationError", "get_hardware",
            "hideable_budget", "parse_budget", "plan", "plan_checked", "Planned", "plan_hyperoffload", "simulate", "verify", "AdamW", "CaptureError", "Captured", "LiveRange", "MemoryProfile", "Op", "Phase", "Program", "Value",
            "ValueKind", "capture_decode_step", "capture_prefill_step", "capture_train_step", "fake_build",
-           "live_ranges", "memory_profile", "storage_ranges", "verify_program"]
+           "live_ranges", "memory_profile", "storage_ranges", "verify_program", "PlanMismatch", "check_same_plan"]
