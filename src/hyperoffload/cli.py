@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_arguments(plan)
     compare = commands.add_parser("compare", help="plan with every policy at one budget and compare the simulated steps")
     _add_step_arguments(compare)
+    _add_world_argument(compare)
     _add_hardware_arguments(compare)
     _add_budget_argument(compare)
     _add_policies_argument(compare)

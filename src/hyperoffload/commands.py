@@ -317,7 +317,9 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget.budget_bytes)} on {hardware.name} "
                     f"with every policy..."):
         results = compare(program, hardware, budget.budget_bytes, names)
-    title = (f"{program.name} {program.mode} on {hardware.name}, budget {format_bytes(budget.budget_bytes)} "
+    world = program.meta.get("world", 1)
+    rank = f" (rank 0 of {world})" if world > 1 else ""
+    title = (f"{program.name} {program.mode}{rank} on {hardware.name}, budget {format_bytes(budget.budget_bytes)} "
              f"({args.budget})")
     if args.plot:
         with _writing("--plot", args.plot):
