@@ -215,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--plot", metavar="FILE", help="write a PNG of the step time of each policy")
     sweep = commands.add_parser("sweep", help="compare every policy at each value of a bandwidth or the budget")
     _add_step_arguments(sweep)
+    _add_world_argument(sweep)
     _add_hardware_arguments(sweep)
     _add_budget_argument(sweep, required=False)
     _add_policies_argument(sweep)

@@ -304,6 +304,12 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def _rank_of(program) -> str:
+    """What a title says of one rank's step of a sharded model (' (rank 0 of N)'); '' for an unsharded step."""
+    world = program.meta.get("world", 1)
+    return f" (rank 0 of {world})" if world > 1 else ""
+
+
 def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.compare import compare
     from hyperoffload.report.compare import compare_table, plot_compare, verdict
@@ -317,10 +323,8 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget.budget_bytes)} on {hardware.name} "
                     f"with every policy..."):
         results = compare(program, hardware, budget.budget_bytes, names)
-    world = program.meta.get("world", 1)
-    rank = f" (rank 0 of {world})" if world > 1 else ""
-    title = (f"{program.name} {program.mode}{rank} on {hardware.name}, budget {format_bytes(budget.budget_bytes)} "
-             f"({args.budget})")
+    title = (f"{program.name} {program.mode}{_rank_of(program)} on {hardware.name}, budget "
+             f"{format_bytes(budget.budget_bytes)} ({args.budget})")
     if args.plot:
         with _writing("--plot", args.plot):
             plot_compare(results, args.plot, title=title)
@@ -358,7 +362,8 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
         points = sweep(program, hardware, vary=args.vary, values=values, budget=args.budget, policies=names,
                        recapture=recapture)
     budget = f", budget {args.budget}" if args.vary != "budget" else ""
-    title = f"{program.name} {program.mode} on {hardware.name}{budget}: simulated step time against {args.vary}"
+    title = (f"{program.name} {program.mode}{_rank_of(program)} on {hardware.name}{budget}: simulated step time "
+             f"against {args.vary}")
     if args.plot:
         with _writing("--plot", args.plot):
             plot_sweep(points, args.plot, vary=args.vary, title=title)

@@ -64,12 +64,15 @@ def test_a_plan_that_keeps_more_than_a_nodes_host_memory_is_refused_naming_what_
     assert json.loads(capsys.readouterr().out)["host_memory_bytes"] == need
 
 
-def test_compare_world_runs_every_policy_on_the_ranks_step(capsys):
+def test_compare_and_sweep_world_run_every_policy_on_the_ranks_step(capsys):
     assert main(["compare", *TINY, "--world", "2", "--hardware", "dgx-h100", "--budget", "50%", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {row["world"] for row in rows} == {2} and len(rows) > 2
     ours = next(row for row in rows if row["policy"] == "hyperoffload")
     assert ours["feasible"] and ours["peak_bytes"] <= ours["budget_bytes"]
+    assert main(["sweep", *TINY, "--world", "2", "--hardware", "dgx-h100", "--vary", "budget", "--values", "90%,50%",
+                 "--policies", "hyperoffload,reactive"]) == 0
+    assert "rank 0 of 2" in capsys.readouterr().out
 
 
 def test_every_process_makes_the_same_plan_of_a_sharded_step():
