@@ -118,3 +118,16 @@ def test_without_a_compiler_a_step_says_why_and_runs_the_python_kernels(monkeypa
             assert copies.waits == 2
     finally:
         native_kernels.load.cache_clear()
+
+
+def test_built_says_whether_loading_would_compile(monkeypatch, tmp_path):
+    native_kernels.load()
+    assert native_kernels.built()  # loaded in this process
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native_kernels.load.cache_clear()
+    try:
+        assert not native_kernels.built()  # an empty cache: both libraries would be compiled
+    finally:
+        native_kernels.load.cache_clear()
+    monkeypatch.undo()
+    assert native_kernels.built()  # in the usual cache, from the build above

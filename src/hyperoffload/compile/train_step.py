@@ -60,6 +60,7 @@ from hyperoffload.planning import plan_checked
 from hyperoffload.instructions import COPIES_OUT
 from hyperoffload.plans import Plan, check_plan, plan_without_offload
 from hyperoffload.policies import InfeasibleBudget, get_policy
+from hyperoffload.runtime import native_kernels
 from hyperoffload.runtime.cuda_copies import CudaCopyStreams
 from hyperoffload.runtime.device_peak import cuda_peak, device_peak
 from hyperoffload.runtime.emulated_link import EmulatedLink
@@ -180,6 +181,9 @@ class TrainStep:
         self.trials = trials if trials is not None else TrialRuns()
         self._progress = progress if progress is not None else (lambda text: None)
         if self.device.type == "cpu":
+            if not native_kernels.built():
+                self._progress("building the native copy thread and the cache operators' C++ kernels (once per "
+                               "machine and PyTorch version, a few seconds)")
             self.link: NativeLink | EmulatedLink | None = link if link is not None else host_link(self.hardware)
             client = self.link.client()
         else:

@@ -26,15 +26,20 @@ def cache_dir() -> Path:
     return Path(root) / "hyperoffload"
 
 
+def library_target(source: Path, *, compiler: str, flags: Sequence[str], depends_on: str = "") -> Path:
+    """Where the library built from ``source`` with ``compiler`` and ``flags`` is cached (it may not exist yet)."""
+    key = hashlib.sha256(source.read_bytes() + compiler.encode() + " ".join(flags).encode()
+                         + depends_on.encode()).hexdigest()[:16]
+    return cache_dir() / f"{source.stem}-{key}.so"
+
+
 def built_library(source: Path, *, compiler_env: str, default_compiler: str, flags: Sequence[str],
                   depends_on: str = "", what: str) -> Path:
     """The shared library built from ``source`` with ``$compiler_env`` (default ``default_compiler``) and ``flags``
     (placed after the source, then ``-o``); ``depends_on`` is anything else the build's output depends on (a
     library it links against, PyTorch's version). ``what`` names the library in errors."""
     compiler = os.environ.get(compiler_env, default_compiler)
-    key = hashlib.sha256(source.read_bytes() + compiler.encode() + " ".join(flags).encode()
-                         + depends_on.encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    target = library_target(source, compiler=compiler, flags=flags, depends_on=depends_on)
     if target.exists():
         return target
     if shutil.which(compiler) is None:
@@ -51,4 +56,4 @@ def built_library(source: Path, *, compiler_env: str, default_compiler: str, fla
     return target
 
 
-__all__ = ["NativeBuildFailed", "built_library", "cache_dir"]
+__all__ = ["NativeBuildFailed", "built_library", "cache_dir", "library_target"]

@@ -12,6 +12,7 @@ kernels issue its copies straight to the copy thread; every other use of the ope
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from hyperoffload.runtime import native_link
-from hyperoffload.runtime.native_build import NativeBuildFailed, built_library
+from hyperoffload.runtime.native_build import NativeBuildFailed, built_library, library_target
 
 SOURCE = Path(__file__).with_name("cache_kernels.cpp")
 
@@ -55,6 +56,20 @@ def load() -> Path:
     cache_ops.hand_cpu_kernels_over()
     torch.ops.load_library(str(path))
     return path
+
+
+def built() -> bool:
+    """Whether ``load()`` has nothing to compile: the kernels are loaded, or built for this source, compiler and
+    PyTorch (False also where the copy thread is not built yet)."""
+    if load.cache_info().currsize:
+        return True
+    try:
+        copy_thread = native_link.library_target()
+    except NativeBuildFailed:
+        return False
+    target = library_target(SOURCE, compiler=os.environ.get("CXX", "c++"), flags=_flags(copy_thread),
+                            depends_on=torch.__version__)
+    return copy_thread.exists() and target.exists()
 
 
 def available() -> bool:
@@ -146,4 +161,5 @@ def _close(state_id: int, link: native_link.NativeLink) -> None:
     _ops().close.default(state_id, link._handle is not None)
 
 
-__all__ = ["NativeKernelsUnavailable", "NativeState", "NativeStats", "available", "deactivate", "load", "reactivate"]
+__all__ = ["NativeKernelsUnavailable", "NativeState", "NativeStats", "available", "built", "deactivate", "load",
+           "reactivate"]

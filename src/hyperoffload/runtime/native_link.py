@@ -37,7 +37,7 @@ import torch
 from hyperoffload.hardware import Hardware
 from hyperoffload.runtime.emulated_link import D2H, H2D, EmulatedLink
 from hyperoffload.runtime.host_link import HostLink, RemoteBuffers
-from hyperoffload.runtime.native_build import NativeBuildFailed, built_library
+from hyperoffload.runtime.native_build import NativeBuildFailed, built_library, library_target as library_target_for
 
 SOURCE = Path(__file__).with_name("copy_thread.c")
 _DIRECTION = {H2D: 0, D2H: 1}
@@ -47,14 +47,23 @@ class NativeLinkUnavailable(NativeBuildFailed):
     """The native copy thread could not be built (no C compiler, or it failed)."""
 
 
+FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=gnu11")
+"""How the copy thread is compiled."""
+
+
 def library_path() -> Path:
     """The compiled copy thread, built from ``copy_thread.c`` with ``$CC`` (default ``cc``) the first time
     (``native_build.built_library``)."""
     try:
-        return built_library(SOURCE, compiler_env="CC", default_compiler="cc",
-                             flags=["-O2", "-shared", "-fPIC", "-pthread", "-std=gnu11"], what="NativeLink's copy thread")
+        return built_library(SOURCE, compiler_env="CC", default_compiler="cc", flags=FLAGS,
+                             what="NativeLink's copy thread")
     except NativeBuildFailed as error:
         raise NativeLinkUnavailable(f"{error}\nor use EmulatedLink, whose copy threads are Python") from None
+
+
+def library_target() -> Path:
+    """Where ``library_path`` builds the copy thread (it may not exist yet)."""
+    return library_target_for(SOURCE, compiler=os.environ.get("CC", "cc"), flags=FLAGS)
 
 
 @functools.cache
@@ -352,4 +361,4 @@ def host_link(hardware: Hardware) -> NativeLink | EmulatedLink:
 
 
 __all__ = ["HOST_LINKS", "NativeClient", "NativeLink", "NativeLinkUnavailable", "NativeTransfer", "available",
-           "host_link", "library", "library_path"]
+           "host_link", "library", "library_path", "library_target"]
