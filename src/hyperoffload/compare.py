@@ -68,16 +68,17 @@ class PolicyResult:
         return f"needs {format_bytes(peak)}"
 
     def as_dict(self) -> dict:
-        """The row ``compare --json`` prints: the step (``workload``, ``mode``, ``world``: its ranks) and profile (``hardware``), then the
-        figures of ``docs/figures.md`` with ``policy``, ``feasible`` and ``budget_bytes``."""
+        """The row ``compare --json`` prints: the step (``workload``, ``mode``) and profile (``hardware``), then the
+        figures of ``docs/figures.md`` with ``policy``, ``feasible`` and ``budget_bytes``, and last the step's ranks
+        (``world``)."""
         figures = self.timeline.figures.as_dict()
         return {"workload": self.program.meta.get("workload", self.program.name), "mode": self.program.mode,
-                "world": self.program.meta.get("world", 1),
                 "hardware": self.hardware.name, "policy": self.policy, "feasible": self.feasible, **figures,
                 "budget_bytes": self.budget_bytes,
                 "plan_s": self.plan_s, "instructions": len(self.plan.instructions), "note": self.note,
                 "window_bound_s": self.window_bound_s,
-                "host_memory_fits": self.host_memory is None or self.host_memory.fits}
+                "host_memory_fits": self.host_memory is None or self.host_memory.fits,
+                "world": self.program.meta.get("world", 1)}
 
 
 _REFUSALS = 4
