@@ -338,7 +338,7 @@ def cache_op_issue_s(calls: int = 200, repeats: int = 5) -> float:
     1 TB/s emulated link, where each copy has landed by its wait; per call, the best of ``repeats``."""
     ops = torch.ops.hyperoffload
     link = NativeLink(h2d_bw=1e12, d2h_bw=1e12)
-    copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True)
+    copies = step_copies(link.client())
     x = torch.ones(1024)
     best = float("inf")
     with cache_ops.copies_on(copies), torch.no_grad():
@@ -403,11 +403,16 @@ def fast_link() -> NativeLink:
     return NativeLink(h2d_bw=1e13, d2h_bw=1e13)
 
 
+def step_copies(client, **options) -> cache_ops.AsyncCopies:
+    """Cache operators on ``client`` as a step runs them (releases wait for their offloads), with ``options``."""
+    return cache_ops.AsyncCopies(client=client, release_waits=True, **options)
+
+
 def no_copies(link: NativeLink) -> cache_ops.AsyncCopies:
     """Cache operators on ``link`` that issue and time every copy but move no bytes (``move_bytes=False``). Results
     are wrong; the time of a step run on them is everything but the bytes moving (the compiled graph, the cache
     operators' calls, the buffers they allocate)."""
-    return cache_ops.AsyncCopies(client=link.client(), release_waits=True, move_bytes=False)
+    return step_copies(link.client(), move_bytes=False)
 
 
 class BlockedPerCall:
@@ -449,15 +454,12 @@ class SamePlan:
 def breakdown_variants(half: TrainStep, hardware: Hardware, example) -> tuple[dict[str, SamePlan], list]:
     """The 50% step's plan run five more ways (``BREAKDOWN``); returns them and the links to close afterwards."""
     links = [fast_link(), EmulatedLink.for_hardware(hardware)]
-
-    def on(client, **options) -> cache_ops.AsyncCopies:
-        return cache_ops.AsyncCopies(client=client, release_waits=True, **options)
-
     variants = {"same_plan_no_copies": SamePlan(half, no_copies(links[0]), example),
-                "same_plan_python_kernels": SamePlan(half, on(links[0].client(), native_kernels=False), example),
+                "same_plan_python_kernels": SamePlan(half, step_copies(links[0].client(), native_kernels=False),
+                                                     example),
                 "same_plan_sync_copies": SamePlan(half, None, example),
-                "same_plan_fast_link": SamePlan(half, on(links[0].client()), example),
-                "same_plan_python_link": SamePlan(half, on(links[1].client()), example)}
+                "same_plan_fast_link": SamePlan(half, step_copies(links[0].client()), example),
+                "same_plan_python_link": SamePlan(half, step_copies(links[1].client()), example)}
     return variants, links
 
 

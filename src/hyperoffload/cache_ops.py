@@ -496,22 +496,22 @@ for _op in (torch.ops.hyperoffload.offload.default, torch.ops.hyperoffload.offlo
     torch.fx.node.has_side_effect(_op)
 del _op
 
-# The Python kernels under names of their own, for the C++ kernels to call when no ``NativeState`` is active.
-for _name, _schema, _kernel in (("_python_offload", "(Tensor x) -> Tensor", offload),
-                                ("_python_offload_into", "(Tensor x, Tensor(a!) remote) -> ()", offload_into),
-                                ("_python_prefetch", "(Tensor remote, Device? device=None) -> Tensor", prefetch),
-                                ("_python_wait", "(Tensor(a) x) -> Tensor(a)", wait),
-                                ("_python_release", "(Tensor x) -> ()", release)):
-    torch.library.define(f"{NAMESPACE}::{_name}", _schema)
-    torch.library.impl(f"{NAMESPACE}::{_name}", "CPU")(_kernel)
-del _name, _schema, _kernel
-
 OFFLOAD = torch.ops.hyperoffload.offload.default
 OFFLOAD_INTO = torch.ops.hyperoffload.offload.into
 PREFETCH = torch.ops.hyperoffload.prefetch.default
 WAIT = torch.ops.hyperoffload.wait.default
 RELEASE = torch.ops.hyperoffload.release.default
 RELEASE_LIVE = torch.ops.hyperoffload.release.live
+
+# The Python kernels under names of their own, with their operators' schemas, for the C++ kernels to call when no
+# ``NativeState`` is active (``release.live`` calls ``_python_release``: its ``live`` only orders the graph).
+for _name, _op, _kernel in (("_python_offload", OFFLOAD, offload), ("_python_offload_into", OFFLOAD_INTO, offload_into),
+                            ("_python_prefetch", PREFETCH, prefetch), ("_python_wait", WAIT, wait),
+                            ("_python_release", RELEASE, release)):
+    _schema = str(_op._schema)
+    torch.library.define(f"{NAMESPACE}::{_name}", _schema[_schema.index("("):])
+    torch.library.impl(f"{NAMESPACE}::{_name}", "CPU")(_kernel)
+del _name, _op, _kernel, _schema
 
 
 def _resolve(qualified: str) -> torch._ops.OpOverload:

@@ -304,15 +304,10 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
-def _rank_of(program) -> str:
-    """What a title says of one rank's step of a sharded model (' (rank 0 of N)'); '' for an unsharded step."""
-    world = program.meta.get("world", 1)
-    return f" (rank 0 of {world})" if world > 1 else ""
-
-
 def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.compare import compare
     from hyperoffload.report.compare import compare_table, plot_compare, verdict
+    from hyperoffload.report.figures import step_title
 
     hardware = hardware_from_args(args)
     names = _policy_names(args)
@@ -323,8 +318,7 @@ def _compare(args: argparse.Namespace, out: Console, err: Console) -> int:
     with err.status(f"Planning {len(program.ops):,} ops for {format_bytes(budget.budget_bytes)} on {hardware.name} "
                     f"with every policy..."):
         results = compare(program, hardware, budget.budget_bytes, names)
-    title = (f"{program.name} {program.mode}{_rank_of(program)} on {hardware.name}, budget "
-             f"{format_bytes(budget.budget_bytes)} ({args.budget})")
+    title = f"{step_title(program)} on {hardware.name}, budget {format_bytes(budget.budget_bytes)} ({args.budget})"
     if args.plot:
         with _writing("--plot", args.plot):
             plot_compare(results, args.plot, title=title)
@@ -341,6 +335,7 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.compare import sweep
     from hyperoffload.planning import resolve_budget
     from hyperoffload.report.compare import plot_sweep, sweep_table
+    from hyperoffload.report.figures import step_title
 
     hardware = hardware_from_args(args)
     names = _policy_names(args)
@@ -362,8 +357,7 @@ def _sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
         points = sweep(program, hardware, vary=args.vary, values=values, budget=args.budget, policies=names,
                        recapture=recapture)
     budget = f", budget {args.budget}" if args.vary != "budget" else ""
-    title = (f"{program.name} {program.mode}{_rank_of(program)} on {hardware.name}{budget}: simulated step time "
-             f"against {args.vary}")
+    title = f"{step_title(program)} on {hardware.name}{budget}: simulated step time against {args.vary}"
     if args.plot:
         with _writing("--plot", args.plot):
             plot_sweep(points, args.plot, vary=args.vary, title=title)

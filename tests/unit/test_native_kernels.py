@@ -35,7 +35,7 @@ def test_both_kernels_move_the_whole_storage_and_count_alike(native):
         state = torch.zeros(6, 4)
         with cache_ops.copies_on(copies):
             back = round_trip(x)
-            remote = torch.empty(24)
+            remote = torch.full((24,), 7.0)  # overwritten whole by the copy
             ops.offload.into(state, remote)
             ops.wait(remote)
         copies.drain()

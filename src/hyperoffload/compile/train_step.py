@@ -181,7 +181,7 @@ class TrainStep:
         self.trials = trials if trials is not None else TrialRuns()
         self._progress = progress if progress is not None else (lambda text: None)
         if self.device.type == "cpu":
-            if not native_kernels.built():
+            if (link is None or isinstance(link, NativeLink)) and not native_kernels.built():
                 self._progress("building the native copy thread and the cache operators' C++ kernels (once per "
                                "machine and PyTorch version, a few seconds)")
             self.link: NativeLink | EmulatedLink | None = link if link is not None else host_link(self.hardware)

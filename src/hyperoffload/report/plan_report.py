@@ -20,10 +20,11 @@ from hyperoffload.analysis.link_bound import link_bound
 from hyperoffload.analysis.traffic_bound import traffic_bound
 from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.hardware import Hardware
+from hyperoffload.host_memory import host_memory_need
 from hyperoffload.ir import Program
 from hyperoffload.planning import plan_checked
 from hyperoffload.report.figures import console_text, figures_table, step_fields, step_title
-from hyperoffload.plans import Plan, plan_digest, remote_bytes
+from hyperoffload.plans import Plan, plan_digest
 from hyperoffload.policies import PlannerConfig
 from hyperoffload.simulate import Figures, Timeline
 from hyperoffload.units import format_bytes, format_seconds
@@ -103,13 +104,11 @@ class PlanReport:
         """Remote memory the plan needs: ``remote_bytes`` for this step (one rank's, for a sharded step), and for
         a step sharded over ranks, ``remote_bytes_per_node`` for the ranks sharing one node's host memory
         (``ranks_per_node``), against the profile's ``host_memory_bytes`` (0: not stated)."""
-        per_rank = remote_bytes(self.plan)
-        world = self.program.meta.get("world", 1)
-        if world == 1:
-            return {"remote_bytes": per_rank}
-        ranks = min(world, self.hardware.devices_per_node)
-        return {"remote_bytes": per_rank, "ranks_per_node": ranks, "remote_bytes_per_node": per_rank * ranks,
-                "host_memory_bytes": self.hardware.host_memory_bytes}
+        need = host_memory_need(self.plan, self.hardware)
+        if self.program.meta.get("world", 1) == 1:
+            return {"remote_bytes": need.per_rank}
+        return {"remote_bytes": need.per_rank, "ranks_per_node": need.ranks_per_node,
+                "remote_bytes_per_node": need.per_node, "host_memory_bytes": need.host_memory_bytes}
 
 
 def plan_report(program: Program, hardware: Hardware, budget: int | str, *, policy: str = "hyperoffload",

@@ -99,10 +99,6 @@ class Table {
             }
         }
     }
-    void clear() {
-        rows_.clear();
-        index_.clear();
-    }
 
   private:
     std::map<uint64_t, std::pair<const void *, Copy>> rows_;
@@ -312,13 +308,7 @@ void release(const at::Tensor &x) {
     active->released(x.storage().data());
 }
 
-void release_live(const at::Tensor &x, at::TensorList live) {
-    if (active == nullptr) {
-        static auto op = python_kernel("hyperoffload::_python_release", "").typed<void(const at::Tensor &)>();
-        return op.call(x);
-    }
-    active->released(x.storage().data());
-}
+void release_live(const at::Tensor &x, at::TensorList live) { release(x); }  // `live` only orders the graph
 
 // --- the states: hyperoffload_native ops, called from hyperoffload.runtime.native_kernels ------------------------------
 int64_t open_state(int64_t link, double spin_s, bool release_waits, bool move_bytes) {

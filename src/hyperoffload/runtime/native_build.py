@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -26,34 +26,47 @@ def cache_dir() -> Path:
     return Path(root) / "hyperoffload"
 
 
-def library_target(source: Path, *, compiler: str, flags: Sequence[str], depends_on: str = "") -> Path:
-    """Where the library built from ``source`` with ``compiler`` and ``flags`` is cached (it may not exist yet)."""
-    key = hashlib.sha256(source.read_bytes() + compiler.encode() + " ".join(flags).encode()
-                         + depends_on.encode()).hexdigest()[:16]
-    return cache_dir() / f"{source.stem}-{key}.so"
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NativeLibrary:
+    """How one shared library is built: from ``source`` with ``$compiler_env`` (default ``default_compiler``) and
+    ``flags`` (placed after the source, then ``-o``); ``depends_on`` is anything else its output depends on (a library
+    it links against, PyTorch's version); ``what`` names it in errors."""
 
+    source: Path
+    compiler_env: str
+    default_compiler: str
+    flags: tuple[str, ...]
+    depends_on: str = ""
+    what: str
 
-def built_library(source: Path, *, compiler_env: str, default_compiler: str, flags: Sequence[str],
-                  depends_on: str = "", what: str) -> Path:
-    """The shared library built from ``source`` with ``$compiler_env`` (default ``default_compiler``) and ``flags``
-    (placed after the source, then ``-o``); ``depends_on`` is anything else the build's output depends on (a
-    library it links against, PyTorch's version). ``what`` names the library in errors."""
-    compiler = os.environ.get(compiler_env, default_compiler)
-    target = library_target(source, compiler=compiler, flags=flags, depends_on=depends_on)
-    if target.exists():
+    @property
+    def compiler(self) -> str:
+        return os.environ.get(self.compiler_env, self.default_compiler)
+
+    def target(self) -> Path:
+        """Where the library is cached (it may not exist yet)."""
+        key = hashlib.sha256(self.source.read_bytes() + self.compiler.encode() + " ".join(self.flags).encode()
+                             + self.depends_on.encode()).hexdigest()[:16]
+        return cache_dir() / f"{self.source.stem}-{key}.so"
+
+    def build(self) -> Path:
+        """The library, compiled the first time (``target()``); ``NativeBuildFailed`` says why when it cannot be."""
+        target, compiler = self.target(), self.compiler
+        if target.exists():
+            return target
+        if shutil.which(compiler) is None:
+            raise NativeBuildFailed(f"{self.what} needs a {'C++' if self.source.suffix == '.cpp' else 'C'} compiler, "
+                                    f"and {compiler!r} was not found: install one (gcc or clang; Inductor needs it on "
+                                    f"the CPU too) or set {self.compiler_env}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run([compiler, str(self.source), *self.flags, "-o", str(built)], capture_output=True,
+                                  text=True)
+            if done.returncode != 0:
+                raise NativeBuildFailed(f"building {self.what} with {compiler} failed:\n{done.stderr.strip()[-4000:]}")
+            os.replace(built, target)  # atomic: processes building at once each install a whole file
         return target
-    if shutil.which(compiler) is None:
-        raise NativeBuildFailed(f"{what} needs a {'C++' if source.suffix == '.cpp' else 'C'} compiler, and "
-                                f"{compiler!r} was not found: install one (gcc or clang; Inductor needs it on the CPU "
-                                f"too) or set {compiler_env}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        done = subprocess.run([compiler, str(source), *flags, "-o", str(built)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise NativeBuildFailed(f"building {what} with {compiler} failed:\n{done.stderr.strip()[-4000:]}")
-        os.replace(built, target)  # atomic: processes building at once each install a whole file
-    return target
 
 
-__all__ = ["NativeBuildFailed", "built_library", "cache_dir", "library_target"]
+__all__ = ["NativeBuildFailed", "NativeLibrary", "cache_dir"]

@@ -12,7 +12,6 @@ kernels issue its copies straight to the copy thread; every other use of the ope
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hyperoffload.runtime import native_link
-from hyperoffload.runtime.native_build import NativeBuildFailed, built_library, library_target
+from hyperoffload.runtime.native_build import NativeBuildFailed, NativeLibrary
 
 SOURCE = Path(__file__).with_name("cache_kernels.cpp")
 
@@ -29,16 +28,19 @@ class NativeKernelsUnavailable(NativeBuildFailed):
     """The cache operators' C++ kernels could not be built or loaded."""
 
 
-def _flags(copy_thread: Path) -> list[str]:
-    """Compiler flags: PyTorch's headers and libraries (the wheel's own, as ``torch.utils.cpp_extension`` finds them),
-    its C++ ABI, and the copy thread's library the kernels submit to (found again at load time through rpath)."""
+def _kernels(copy_thread: Path) -> NativeLibrary:
+    """How the kernels are built: against PyTorch's headers and libraries (the wheel's own, as
+    ``torch.utils.cpp_extension`` finds them) and its C++ ABI, linked to the copy thread's library ``copy_thread``
+    they submit to (found again at load time through rpath)."""
     from torch.utils import cpp_extension
 
     libs = cpp_extension.library_paths()
-    return ["-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *[f"-I{path}" for path in cpp_extension.include_paths()], str(copy_thread),
-            *[f"-L{path}" for path in libs], "-lc10", "-ltorch_cpu",
-            f"-Wl,-rpath,{copy_thread.parent}", *[f"-Wl,-rpath,{path}" for path in libs]]
+    flags = ("-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *[f"-I{path}" for path in cpp_extension.include_paths()], str(copy_thread),
+             *[f"-L{path}" for path in libs], "-lc10", "-ltorch_cpu",
+             f"-Wl,-rpath,{copy_thread.parent}", *[f"-Wl,-rpath,{path}" for path in libs])
+    return NativeLibrary(source=SOURCE, compiler_env="CXX", default_compiler="c++", flags=flags,
+                         depends_on=torch.__version__, what="the cache operators' C++ kernels")
 
 
 @functools.cache
@@ -48,9 +50,7 @@ def load() -> Path:
     from hyperoffload import cache_ops
 
     try:
-        copy_thread = native_link.library_path()
-        path = built_library(SOURCE, compiler_env="CXX", default_compiler="c++", flags=_flags(copy_thread),
-                             depends_on=torch.__version__, what="the cache operators' C++ kernels")
+        path = _kernels(native_link.library_path()).build()
     except NativeBuildFailed as error:
         raise NativeKernelsUnavailable(str(error)) from None
     cache_ops.hand_cpu_kernels_over()
@@ -59,17 +59,12 @@ def load() -> Path:
 
 
 def built() -> bool:
-    """Whether ``load()`` has nothing to compile: the kernels are loaded, or built for this source, compiler and
-    PyTorch (False also where the copy thread is not built yet)."""
+    """Whether ``load()`` has nothing to compile: the kernels are loaded, or the copy thread and they are built for
+    this source, compiler and PyTorch."""
     if load.cache_info().currsize:
         return True
-    try:
-        copy_thread = native_link.library_target()
-    except NativeBuildFailed:
-        return False
-    target = library_target(SOURCE, compiler=os.environ.get("CXX", "c++"), flags=_flags(copy_thread),
-                            depends_on=torch.__version__)
-    return copy_thread.exists() and target.exists()
+    copy_thread = native_link.COPY_THREAD.target()
+    return copy_thread.exists() and _kernels(copy_thread).target().exists()
 
 
 def available() -> bool:
@@ -107,7 +102,7 @@ class NativeStats:
 
 class NativeState:
     """An ``AsyncCopies``' bookkeeping on the C++ side, for copies on ``link`` (a ``NativeLink``); made active on
-    the calling thread by ``active()``. Freed when it is garbage (after its copies have moved)."""
+    the calling thread by ``activate()``. Freed when it is garbage (after its copies have moved)."""
 
     __slots__ = ("id", "link", "_finalizer", "__weakref__")
 
@@ -117,12 +112,12 @@ class NativeState:
         cache operators without the copying."""
         load()
         self.link = link
-        self.id = _ops().open.default(_handle(link), float(link.spin_s), bool(release_waits), bool(move_bytes))
+        self.id = _ops().open.default(link.open_handle(), float(link.spin_s), bool(release_waits), bool(move_bytes))
         self._finalizer = weakref.finalize(self, _close, self.id, link)
 
     def activate(self) -> int:
         """Make this state the one the kernels use on this thread; return the id of the one before (0: none)."""
-        _handle(self.link)  # a closed link's copy thread is gone: nothing may wait on it
+        self.link.open_handle()  # a closed link's copy thread is gone: nothing may wait on it
         return _ops().activate.default(self.id)
 
     def stats(self) -> NativeStats:
@@ -146,15 +141,6 @@ def deactivate() -> int:
 def reactivate(previous: int) -> None:
     """Make state ``previous`` (0: none) the active one on this thread again."""
     _ops().activate.default(previous)
-
-
-def _handle(link: native_link.NativeLink) -> int:
-    handle = link._handle
-    if handle is None:
-        raise RuntimeError("the NativeLink is closed; create a new link" if not link._forked else
-                           "this NativeLink was made before the process forked, and its copy thread is not in this "
-                           "process: create a new NativeLink here")
-    return handle
 
 
 def _close(state_id: int, link: native_link.NativeLink) -> None:

@@ -37,7 +37,7 @@ import torch
 from hyperoffload.hardware import Hardware
 from hyperoffload.runtime.emulated_link import D2H, H2D, EmulatedLink
 from hyperoffload.runtime.host_link import HostLink, RemoteBuffers
-from hyperoffload.runtime.native_build import NativeBuildFailed, built_library, library_target as library_target_for
+from hyperoffload.runtime.native_build import NativeBuildFailed, NativeLibrary
 
 SOURCE = Path(__file__).with_name("copy_thread.c")
 _DIRECTION = {H2D: 0, D2H: 1}
@@ -47,23 +47,17 @@ class NativeLinkUnavailable(NativeBuildFailed):
     """The native copy thread could not be built (no C compiler, or it failed)."""
 
 
-FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=gnu11")
-"""How the copy thread is compiled."""
+COPY_THREAD = NativeLibrary(source=SOURCE, compiler_env="CC", default_compiler="cc",
+                            flags=("-O2", "-shared", "-fPIC", "-pthread", "-std=gnu11"), what="NativeLink's copy thread")
+"""How the copy thread is built."""
 
 
 def library_path() -> Path:
-    """The compiled copy thread, built from ``copy_thread.c`` with ``$CC`` (default ``cc``) the first time
-    (``native_build.built_library``)."""
+    """The compiled copy thread, built from ``copy_thread.c`` with ``$CC`` (default ``cc``) the first time."""
     try:
-        return built_library(SOURCE, compiler_env="CC", default_compiler="cc", flags=FLAGS,
-                             what="NativeLink's copy thread")
+        return COPY_THREAD.build()
     except NativeBuildFailed as error:
         raise NativeLinkUnavailable(f"{error}\nor use EmulatedLink, whose copy threads are Python") from None
-
-
-def library_target() -> Path:
-    """Where ``library_path`` builds the copy thread (it may not exist yet)."""
-    return library_target_for(SOURCE, compiler=os.environ.get("CC", "cc"), flags=FLAGS)
 
 
 @functools.cache
@@ -217,12 +211,9 @@ class NativeClient(RemoteBuffers):
         if src.nbytes() != dst.nbytes():
             raise ValueError(f"copy of {label}: source has {src.nbytes()} bytes, destination {dst.nbytes()}")
         link = self.link
-        if link._handle is None:
-            raise RuntimeError("the NativeLink is closed; create a new link" if not link._forked else
-                               "this NativeLink was made before the process forked, and its copy thread is not in "
-                               "this process: create a new NativeLink here")
+        handle = link.open_handle()
         after_dir, after_seq = (-1, 0) if after is None else (after._dir, after._seq)
-        seq = link._lib.ho_submit(link._handle, _DIRECTION[direction], dst.data_ptr(), src.data_ptr(), src.nbytes(),
+        seq = link._lib.ho_submit(handle, _DIRECTION[direction], dst.data_ptr(), src.data_ptr(), src.nbytes(),
                                   after_dir, after_seq)
         transfer = NativeTransfer(link, label, direction, src.nbytes(), seq, (src, dst))
         unsettled = self._unsettled
@@ -294,6 +285,15 @@ class NativeLink(HostLink):
         return (f"NativeLink(h2d {self.h2d_bw:.3g} B/s + {self.h2d_latency_s:.3g} s, "
                 f"d2h {self.d2h_bw:.3g} B/s + {self.d2h_latency_s:.3g} s)")
 
+    def open_handle(self) -> int:
+        """The copy thread's handle; a ``RuntimeError`` saying what to do once the link is closed (or was made
+        before this process forked): nothing may issue copies to, or wait on, a copy thread that is gone."""
+        if self._handle is None:
+            raise RuntimeError("the NativeLink is closed; create a new link" if not self._forked else
+                               "this NativeLink was made before the process forked, and its copy thread is not in "
+                               "this process: create a new NativeLink here")
+        return self._handle
+
     def client(self) -> NativeClient:
         """A new client of this link, with remote buffers and a record of its copies of its own."""
         return NativeClient(self)
@@ -360,5 +360,5 @@ def host_link(hardware: Hardware) -> NativeLink | EmulatedLink:
         return EmulatedLink.for_hardware(hardware)
 
 
-__all__ = ["HOST_LINKS", "NativeClient", "NativeLink", "NativeLinkUnavailable", "NativeTransfer", "available",
-           "host_link", "library", "library_path", "library_target"]
+__all__ = ["COPY_THREAD", "HOST_LINKS", "NativeClient", "NativeLink", "NativeLinkUnavailable", "NativeTransfer", "available",
+           "host_link", "library", "library_path"]
