@@ -3,9 +3,9 @@
 An op's time is a roofline: the larger of its FLOPs over the compute peak for its dtype and
 its bytes over HBM bandwidth, each scaled by the profile's efficiency, plus the kernel launch
 overhead. Ops that only make aliases (views) launch nothing and cost nothing. A collective of a sharded step
-(``Op.collective``) takes its time on the interconnect (``hyperoffload.collectives``), charged to the compute
-stream: the simulator has no network lane yet, so a step's collectives do not overlap its compute there, as
-FSDP2's would on its own streams (an upper bound on what they cost the step). Per-op rules in
+(``Op.collective``) runs on the network, beside the compute stream, as FSDP2 runs it on streams of its own: it
+costs the compute stream nothing (``op_time`` 0) and takes its ring time on the interconnect
+(``hyperoffload.collectives``) plus a kernel launch on the network lane (``side_op_time``). Per-op rules in
 a registry override the default. A transfer takes a fixed latency plus bytes over the link
 bandwidth; the simulator slows the data phase while both directions copy at once.
 
@@ -123,13 +123,10 @@ def measured_op_costs(hardware: Hardware) -> Mapping[str, float]:
 
 def op_time(op: Op, program: Program, hardware: Hardware) -> float:
     """Seconds ``op`` takes on the compute stream of ``hardware``: its measured time if the profile carries one
-    for its target (``with_measured_op_costs``), else by its registered rule or the roofline; 0 for a lane op,
-    which runs on a copy lane instead (``lane_op_time``)."""
-    if op.lane is not None:
+    for its target (``with_measured_op_costs``), else by its registered rule or the roofline; 0 for a lane op or a
+    collective, which run beside the compute stream instead (``side_op_time``)."""
+    if op.lane is not None or op.collective is not None:
         return 0.0
-    if op.collective is not None:
-        return collective_s(op.collective.kind, hardware, op.collective.full_bytes, op.collective.group_size) \
-            + hardware.launch_s
     measured = hardware.measured_op_s
     if measured:
         seconds = measured.get(op_signature(op, program), measured.get(op.target))
@@ -151,6 +148,33 @@ def lane_op_time(op: Op, hardware: Hardware) -> float:
     if measured is not None:
         return max(link, measured)
     return link
+
+
+def collective_op_time(op: Op, hardware: Hardware) -> float:
+    """Seconds a collective occupies the network lane: its ring time on the profile's interconnect
+    (``collectives.collective_s``) plus one kernel launch."""
+    c = op.collective
+    if c is None:
+        raise ValueError(f"op {op.name} is not a collective")
+    return collective_s(c.kind, hardware, c.full_bytes, c.group_size) + hardware.launch_s
+
+
+@per_program
+def _collectives(program: Program) -> tuple[Op, ...]:
+    """The program's collective ops, found once per program."""
+    return tuple(op for op in program.ops if op.collective is not None)
+
+
+def network_time(program: Program, hardware: Hardware) -> float:
+    """Seconds the program's collectives occupy the network lane one after another (0 without collectives): no
+    plan of it steps faster, since every plan runs every collective and the network runs one at a time."""
+    return float(sum(collective_op_time(op, hardware) for op in _collectives(program)))
+
+
+def side_op_time(op: Op, hardware: Hardware) -> float:
+    """Seconds an op that runs beside the compute stream occupies its own stream alone: a lane op its copy lane
+    (``lane_op_time``), a collective the network (``collective_op_time``)."""
+    return collective_op_time(op, hardware) if op.collective is not None else lane_op_time(op, hardware)
 
 
 def op_times(program: Program, hardware: Hardware) -> tuple[float, ...]:

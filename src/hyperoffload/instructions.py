@@ -10,7 +10,8 @@ them anew, so a new kind is described in one place (its validity rules stay in t
 simulator, its effect on tensors in the executor and the lowering, each a method per kind).
 
 Streams: ``COMPUTE`` (the compute stream), ``H2D`` (remote -> device copy lane), ``D2H`` (device ->
-remote copy lane). A compute of a lane op (``Op.lane``) runs on that op's copy lane instead.
+remote copy lane), ``NET`` (the network between ranks). A compute of a lane op (``Op.lane``) runs on that op's
+copy lane instead, and a compute of a collective (``Op.collective``) on the network (``Op.stream``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ if TYPE_CHECKING:  # annotations only: plans imports this module
     from hyperoffload.ir import Program
     from hyperoffload.plans import Instr, Plan
 
-COMPUTE, H2D, D2H = "compute", "h2d", "d2h"
-STREAMS = (COMPUTE, H2D, D2H)
+COMPUTE, H2D, D2H, NET = "compute", "h2d", "d2h", "net"
+STREAMS = (COMPUTE, H2D, D2H, NET)
 
 
 class Kind(str, Enum):
@@ -139,9 +140,9 @@ MOVES_TIER = frozenset(k for k, rule in RULES.items() if rule.on_device_after is
 
 
 def stream_of(program: Program, ins: Instr) -> str | None:
-    """The stream ``ins`` occupies in ``program`` (a lane op's compute: its copy lane)."""
+    """The stream ``ins`` occupies in ``program`` (a lane op's compute: its copy lane; a collective's: the network)."""
     if ins.kind is Kind.COMPUTE:
-        return program.ops[ins.target].lane or COMPUTE
+        return program.ops[ins.target].stream
     return RULES[ins.kind].stream
 
 
@@ -184,5 +185,5 @@ def inputs_end_on_device(plan: Plan) -> dict[int, bool]:
 
 
 __all__ = ["ALLOCATES_OUTPUTS", "ALLOCATES_TARGET", "COMPUTE", "COPIES", "COPIES_IN", "COPIES_OUT", "D2H",
-           "FREES_TARGET", "H2D", "Kind", "KindRule", "MOVES_TIER", "OUTPUTS", "RULES", "STREAMS", "TARGET", "Tier",
+           "FREES_TARGET", "H2D", "Kind", "KindRule", "MOVES_TIER", "NET", "OUTPUTS", "RULES", "STREAMS", "TARGET", "Tier",
            "WaitsOn", "alloc_bytes", "allocated_storages", "copy_traffic", "inputs_end_on_device", "stream_of"]

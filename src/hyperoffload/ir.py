@@ -137,7 +137,15 @@ class Op:
     def is_view(self) -> bool:
         """True for ops that only make aliases: they move no data and cost nothing."""
         return (self.flops == 0 and self.bytes_read == 0 and self.bytes_written == 0 and not self.mutates
-                and self.lane is None)
+                and self.lane is None and self.collective is None)
+
+    @property
+    def stream(self) -> str:
+        """Where the op runs: its copy lane (``"h2d"``, ``"d2h"``) for a lane op, the network (``"net"``) for a
+        collective, the compute stream (``"compute"``) for every other op (``instructions.STREAMS``)."""
+        if self.lane is not None:
+            return self.lane
+        return "compute" if self.collective is None else "net"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False, weakref_slot=True)
@@ -209,6 +217,11 @@ class Program:
     def has_lane_ops(self) -> bool:
         """Whether the step moves data itself (``Op.lane``)."""
         return any(op.lane is not None for op in self.ops)
+
+    def has_side_ops(self) -> bool:
+        """Whether some ops run beside the compute stream: lane ops on the copy lanes, collectives on the network
+        (``Op.stream``)."""
+        return any(op.lane is not None or op.collective is not None for op in self.ops)
 
     def _dependencies(self) -> tuple[tuple[int, ...], ...]:
         producer = self.producers()

@@ -1,4 +1,4 @@
-"""Discrete-event simulation of a Plan on a hardware profile: one compute stream, two copy lanes.
+"""Discrete-event simulation of a Plan on a hardware profile: one compute stream, two copy lanes, one network lane.
 
 Time advances from event to event (an op ends, a copy's latency ends, a copy's data has
 moved). Rules, in the order a real runtime would follow them:
@@ -20,6 +20,12 @@ moved). Rules, in the order a real runtime would follow them:
   on its lane of ``Op.transfer_bytes``, no faster than ``cost.lane_op_time``. It is issued, and its
   outputs allocated, when the compute stream reaches it; it starts once every op it depends on has
   finished; an op that depends on it waits for it (a copy stall).
+* A collective (``Op.collective``: FSDP's all-gathers and reduce-scatters) runs on the network lane, one at a
+  time in plan order, for ``cost.collective_op_time``, as NCCL runs one communicator's collectives in order on
+  streams of their own. It is issued, waits and holds its outputs as a lane op does; an op that depends on it
+  waits for it (a network stall). The network lane is independent of the copy lanes: the links between devices
+  (NVLink, a SuperPod's fabric) are not the host links (``docs/design.md``, "The network lane", says where this
+  holds and where it does not).
 
 The plan is checked first (``check_plan``); an invalid plan raises ``PlanError`` naming the
 instruction and is never simulated. Results are deterministic.
@@ -33,9 +39,9 @@ from typing import NamedTuple
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.dependency_bound import dependency_bound
-from hyperoffload.cost import lane_op_time, op_times
+from hyperoffload.cost import collective_op_time, lane_op_time, network_time, op_times
 from hyperoffload.hardware import Hardware, as_hardware
-from hyperoffload.instructions import COMPUTE, D2H, H2D, RULES, alloc_bytes, copy_traffic, inputs_end_on_device
+from hyperoffload.instructions import COMPUTE, D2H, H2D, NET, RULES, alloc_bytes, copy_traffic, inputs_end_on_device
 from hyperoffload.instructions import STREAMS  # noqa: F401 (re-exported)
 from hyperoffload.ir import Program
 from hyperoffload.memo import per_program
@@ -56,10 +62,10 @@ class Interval(NamedTuple):
 
 
 class Stall(NamedTuple):
-    """The compute stream waiting, with work left, on a copy or on memory (seconds)."""
+    """The compute stream waiting, with work left, on a copy, a collective or memory (seconds)."""
 
     cause: str
-    """``"copy"`` or ``"memory"``."""
+    """``"copy"``, ``"network"`` or ``"memory"``."""
     start: float
     end: float
     instruction: int
@@ -98,6 +104,11 @@ class Figures:
     steady_state: bool = False
     """True when the plan keeps state in remote memory between steps and ``step_s`` is the period of
     consecutive steps (two were simulated)."""
+    network_s: float = 0.0
+    """Seconds the step's collectives occupy the network lane, one after another (``cost.collective_op_time``);
+    0 for a step of one rank. No plan steps faster: ``lower_bound_s`` and ``bound_s`` count it."""
+    stall_network_s: float = 0.0
+    """Seconds the compute stream waited on collectives."""
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -166,11 +177,13 @@ def _figures(stalls: tuple[Stall, ...], m: _Measured) -> Figures:
     hardware, step, compute_s, step_s = m.hardware, m.per_step, m.compute_s, m.step_s
     counted = [st for st in stalls if st.instruction >= m.counted_from] if m.counted_from else stalls
     h2d_bytes, d2h_bytes = plan_traffic(step)
-    lower_bound = max(compute_s, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
+    network_s = network_time(step.program, hardware)
+    busiest = max(compute_s, network_s)  # the compute stream and the network lane each run their ops one at a time
+    lower_bound = max(busiest, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
     budget = step.budget_bytes
     excess = bound = duplex_bound = None
     if budget is not None:
-        excess, bound, duplex_bound = budget_bounds(step.program, hardware, compute_s, budget)
+        excess, bound, duplex_bound = budget_bounds(step.program, hardware, busiest, budget)
     return Figures(
         compute_s=compute_s, step_s=step_s, exposed_s=step_s - compute_s, lower_bound_s=lower_bound,
         slowdown=step_s / compute_s if compute_s else 1.0, peak_bytes=m.peak_bytes, h2d_bytes=h2d_bytes,
@@ -178,7 +191,8 @@ def _figures(stalls: tuple[Stall, ...], m: _Measured) -> Figures:
         stall_copy_s=sum(s.end - s.start for s in counted if s.cause == "copy"),
         stall_memory_s=sum(s.end - s.start for s in counted if s.cause == "memory"),
         budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound,
-        dependency_bound_s=dependency_bound(step.program, hardware, compute_s), steady_state=m.steady_state)
+        dependency_bound_s=dependency_bound(step.program, hardware, compute_s), steady_state=m.steady_state,
+        network_s=network_s, stall_network_s=sum(s.end - s.start for s in counted if s.cause == "network"))
 
 
 class _Copy:
@@ -328,7 +342,7 @@ class _Facts:
     the storages' history so far (last writer, last offload, readers, transfer in flight)."""
 
     __slots__ = ("program", "hardware", "values", "cost", "n", "budget", "issuing", "alloc", "op_reads", "op_writes",
-                 "after", "wait_for", "on_lane", "copy_bytes", "queues", "compute_stream", "has_lanes", "op_instr",
+                 "after", "wait_for", "on_lane", "on_net", "net_s", "copy_bytes", "queues", "compute_stream", "has_lanes", "op_instr",
                  "deps", "lane_deps", "frees_after", "deferred_frees", "last_writer", "last_offload", "readers_since",
                  "pending_transfer", "last_transfer", "allocating", "blocked_releases", "outstanding", "freed_bytes",
                  "release_bytes", "is_wait", "release_waits")
@@ -345,17 +359,20 @@ class _Facts:
         self.alloc = alloc = alloc_bytes(program, instrs, op_alloc)
         self.after = [-1] * n  # a copy's data dependency (instruction that must finish first)
         self.wait_for = [-1] * n  # the transfer a WAIT (or, with ``release_waits``, a release) stops the stream for
-        self.on_lane = [False] * n  # copies: prefetches, offloads and lane ops
+        self.on_lane = [False] * n  # beside the compute stream: prefetches, offloads, lane ops and collectives
+        self.on_net = [False] * n  # collectives
+        self.net_s = [0.0] * n  # a collective's seconds on the network lane
         self.copy_bytes = [0] * n
-        self.queues = ([], [])  # the instructions of the copy lanes H2D and D2H, in plan order
+        self.queues = ([], [], [])  # the instructions of the copy lanes H2D and D2H and the network, in plan order
         self.compute_stream: list[int] = []
-        # Lane ops wait for the ops they depend on, and compute ops for the lane ops they depend on; a step
-        # without lane ops (every training step) needs none of this bookkeeping.
-        self.has_lanes = has_lanes = program.has_lane_ops()
+        # Lane ops and collectives wait for the ops they depend on, and compute ops for the lane ops and collectives
+        # they depend on; a step without either (every unsharded training step) needs none of this bookkeeping.
+        self.has_lanes = has_lanes = program.has_side_ops()
         self.op_instr = ({ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE}
                          if has_lanes else {})
-        self.deps = program.dependencies() if has_lanes else ()
-        self.lane_deps: list[tuple[int, ...]] = [()] * n  # lane op: the ops it waits for; compute op: the lane ops
+        self.deps = _side_waits(program) if has_lanes else ()
+        # Lane op or collective: the ops it waits for; compute op: the lane ops and collectives it waits for.
+        self.lane_deps: list[tuple[int, ...]] = [()] * n
         # Storages each instruction frees once it finishes (check_plan's automatic frees after a last use); an
         # offload that is a storage's last use frees it only once its last reader has finished too (``offload``).
         self.frees_after = list(check.frees_after)
@@ -403,20 +420,24 @@ class _Facts:
         for s in self.op_writes[op_id]:
             self.last_writer[s] = i
         op = self.program.ops[op_id]
-        if op.lane is None:
+        if op.lane is None and op.collective is None:
             self.compute_stream.append(i)
             if self.has_lanes:
-                ops, op_instr = self.program.ops, self.op_instr
-                self.lane_deps[i] = tuple(op_instr[d] for d in self.deps[op_id] if ops[d].lane is not None)
+                self.lane_deps[i] = tuple(self.op_instr[d] for d in self.deps[op_id])
+            return
+        self.on_lane[i] = True
+        self.lane_deps[i] = tuple(self.op_instr[d] for d in self.deps[op_id])
+        if op.collective is not None:
+            self.on_net[i] = True
+            self.net_s[i] = collective_op_time(op, self.hardware)
+            self.queues[2].append(i)
             return
         # A lane op moves its bytes, or, where the profile measured its kernel as slower than the link (a Python
         # kernel on an emulated link), takes that long: as many bytes as the lane moves then.
         hardware = self.hardware
         lane_bw, lane_latency = ((hardware.h2d_bw, hardware.h2d_latency_s) if op.lane == "h2d"
                                  else (hardware.d2h_bw, hardware.d2h_latency_s))
-        self.on_lane[i] = True
         self.copy_bytes[i] = max(op.transfer_bytes, (lane_op_time(op, hardware) - lane_latency) * lane_bw)
-        self.lane_deps[i] = tuple(self.op_instr[d] for d in self.deps[op_id])
         self.queues[0 if op.lane == "h2d" else 1].append(i)
 
     def wait(self, i: int, s: int) -> None:
@@ -450,6 +471,30 @@ class _Facts:
         if self.release_waits and offload >= 0:
             self.wait_for[i] = offload  # the compute stream stops here until the offload has landed
             self.compute_stream.append(i)
+
+
+@per_program
+def _side_waits(program: Program) -> tuple[tuple[int, ...], ...]:
+    """Per op id, the ops it waits for to finish before it starts where the step has side ops (lane ops,
+    collectives): a side op waits for every op it depends on; a compute op for the side ops it depends on. A view
+    (``Op.is_view``) reads no bytes and waits for nothing, so the side ops it depends on are waited for by the ops
+    that read it (as on a device, where a view is made on the host and only a kernel waits for its input's copy).
+    Op ids are a valid order, so a view's waits are known before its readers'."""
+    ops, deps = program.ops, program.dependencies()
+    through_view: list[tuple[int, ...]] = [()] * len(ops)  # a view: the side ops its readers wait for
+    waits: list[tuple[int, ...]] = []
+    for op in ops:
+        side = op.lane is not None or op.collective is not None
+        found = dict.fromkeys(d for d in deps[op.id] if side or ops[d].lane is not None
+                              or ops[d].collective is not None)
+        for d in deps[op.id]:
+            found.update(dict.fromkeys(through_view[d]))
+        if op.is_view and not side:
+            through_view[op.id] = tuple(found)
+            waits.append(())
+        else:
+            waits.append(tuple(found))
+    return tuple(waits)
 
 
 def _issue_delays(instrs, issue_s: float) -> list[float]:
@@ -507,7 +552,7 @@ def _run_events(plan: Plan, hardware: Hardware, facts: _Facts, initial_bytes: in
         if not needs:  # released before anything read or copied it this step: free from the start
             free(facts.values[storage].alloc_bytes, 0.0)
     cs = _Stream(facts.compute_stream[::-1], n)
-    active: list[_Copy | None] = [None, None]  # the copy on each lane (0: H2D, 1: D2H)
+    active: list[_Copy | None] = [None, None, None]  # what runs on each lane (0: H2D, 1: D2H, 2: the network)
     issued = [not nbytes for nbytes in facts.alloc]  # whether each instruction's buffer is allocated (or needs none)
     issue_copies = _copy_issuer(facts, run.memory, to_allocate, allocate, issued, cs)
     start_compute = _compute_starter(plan, facts, run, to_allocate, allocate, cs)
@@ -532,8 +577,8 @@ def _run_events(plan: Plan, hardware: Hardware, facts: _Facts, initial_bytes: in
                 last = 1
             elif last == 1:
                 break
-            # 2. Copy lanes start their next copies.
-            if (active[0] is None or active[1] is None) and start_copies(t):
+            # 2. Copy lanes start their next copies, the network its next collective.
+            if None in active and start_copies(t):
                 last = 2
             elif last == 2:
                 break
@@ -544,8 +589,8 @@ def _run_events(plan: Plan, hardware: Hardware, facts: _Facts, initial_bytes: in
                 last = 3
             elif last == 3:
                 break
-            # 4. Copies finish.
-            if (active[0] is not None or active[1] is not None) and finish_copies(t):
+            # 4. Copies and collectives finish.
+            if (active[0] is not None or active[1] is not None or active[2] is not None) and finish_copies(t):
                 last = 4
             elif last in (4, -1):  # -1: a whole first round without change
                 break
@@ -614,6 +659,7 @@ def _compute_starter(plan: Plan, facts: _Facts, run: _Run, to_allocate: list[int
     stall on a copy or on memory, closed when the instruction starts or the reason changes); whether it started."""
     program, instrs = plan.program, plan.instructions
     is_wait, wait_for, has_lanes, lane_deps = facts.is_wait, facts.wait_for, facts.has_lanes, facts.lane_deps
+    on_net = facts.on_net
     alloc, budget, cost, issuing, ops = facts.alloc, facts.budget, facts.cost, facts.issuing, program.ops
     finish, memory, intervals, stalls, todo, end = run.finish, run.memory, run.intervals, run.stalls, cs.todo, cs.end
     stall_since: float | None = None
@@ -625,7 +671,7 @@ def _compute_starter(plan: Plan, facts: _Facts, run: _Run, to_allocate: list[int
         if is_wait[i]:
             why = "copy" if finish[wait_for[i]] < 0 else ""
         elif has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
-            why = "copy"
+            why = "network" if any(finish[d] < 0 and on_net[d] for d in lane_deps[i]) else "copy"
         elif alloc[i] and (to_allocate[-1] != i or (budget is not None and memory[-1][1] + alloc[i] > budget)):
             why = "memory"  # no room under the budget, or an earlier prefetch waits for room first
         else:
@@ -660,17 +706,18 @@ def _compute_starter(plan: Plan, facts: _Facts, run: _Run, to_allocate: list[int
 
 
 def _copy_starter(facts: _Facts, finish: list[float], issued: list[bool], active: list[_Copy | None], cs: _Stream):
-    """Step 2, ``start_copies(t)``: each idle copy lane starts its next copy once the compute stream has reached it,
-    its buffer is issued and what it waits for has finished; whether either lane started one."""
+    """Step 2, ``start_copies(t)``: each idle copy lane starts its next copy, and an idle network its next collective,
+    once the compute stream has reached it, its buffer is issued and what it waits for has finished; whether any
+    lane started one. A collective is a ``_Copy`` of no bytes whose fixed part is its whole time."""
     queues, after, has_lanes, lane_deps = facts.queues, facts.after, facts.has_lanes, facts.lane_deps
-    copy_bytes, hardware = facts.copy_bytes, facts.hardware
+    copy_bytes, hardware, net_s = facts.copy_bytes, facts.hardware, facts.net_s
     latency = (hardware.h2d_latency_s, hardware.d2h_latency_s)
-    lane_pos = [0, 0]
+    lane_pos = [0, 0, 0]
 
     def start_copies(t: float) -> bool:
         changed = False
         reach = cs.reach
-        for lane in (0, 1):
+        for lane in (0, 1, 2):
             if active[lane] is not None:
                 continue
             queue = queues[lane]
@@ -682,7 +729,7 @@ def _copy_starter(facts: _Facts, finish: list[float], issued: list[bool], active
             if has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
                 continue
             lane_pos[lane] += 1
-            active[lane] = _Copy(i, t, t + latency[lane], float(copy_bytes[i]))
+            active[lane] = _Copy(i, t, t + (latency[lane] if lane < 2 else net_s[i]), float(copy_bytes[i]))
             changed = True
         return changed
 
@@ -690,14 +737,14 @@ def _copy_starter(facts: _Facts, finish: list[float], issued: list[bool], active
 
 
 def _copy_finisher(plan: Plan, intervals: list[Interval], active: list[_Copy | None], finished):
-    """Step 4, ``finish_copies(t)``: the copies whose latency has passed and whose data has moved end; whether any
-    did."""
+    """Step 4, ``finish_copies(t)``: the copies whose latency has passed and whose data has moved end, and the
+    collective whose time has passed; whether any did."""
     program, instrs = plan.program, plan.instructions
-    lanes = (H2D, D2H)
+    lanes = (H2D, D2H, NET)
 
     def finish_copies(t: float) -> bool:
         changed = False
-        for lane in (0, 1):
+        for lane in (0, 1, 2):
             copy = active[lane]
             if copy is not None and copy.latency_end <= t + _EPS and copy.remaining <= _EPS:
                 intervals.append(Interval(lanes[lane], copy.start, t, copy.instr, instrs[copy.instr].describe(program)))
@@ -711,7 +758,8 @@ def _copy_finisher(plan: Plan, intervals: list[Interval], active: list[_Copy | N
 
 def _clock(plan: Plan, hardware: Hardware, active: list[_Copy | None], cs: _Stream):
     """``next_event(t)``: the time of the next event after ``t`` (the running compute ends, a copy's latency ends,
-    or a copy's data phase ends, both lanes moving data sharing the link), with the copies' data moved until then;
+    a copy's data phase ends, both lanes moving data sharing the link, or a collective ends), with the copies' data
+    moved until then;
     None once nothing runs. Raises ``PlanError`` (``_stuck``) where time would not advance to a finite time."""
     bandwidth = (hardware.h2d_bw, hardware.d2h_bw)
     duplex_share = hardware.duplex_share
@@ -722,11 +770,13 @@ def _clock(plan: Plan, hardware: Hardware, active: list[_Copy | None], cs: _Stre
 
     def next_event(t: float) -> float | None:
         nonlocal events_left
-        h2d, d2h = active
+        h2d, d2h, net = active
         moving_h2d = h2d is not None and h2d.latency_end <= t + _EPS
         moving_d2h = d2h is not None and d2h.latency_end <= t + _EPS
         share = duplex_share if moving_h2d and moving_d2h else 1.0
         nxt = cs.until if cs.running >= 0 else None
+        if net is not None:
+            nxt = net.latency_end if nxt is None or net.latency_end < nxt else nxt
         for copy, moving, bw in ((h2d, moving_h2d, bandwidth[0]), (d2h, moving_d2h, bandwidth[1])):
             if copy is not None:
                 end = t + copy.remaining / (bw * share) if moving else copy.latency_end

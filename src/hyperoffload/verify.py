@@ -13,7 +13,7 @@ the budget. Errors name the policy that made the plan.
 from __future__ import annotations
 
 from hyperoffload.hardware import Hardware
-from hyperoffload.instructions import RULES, Tier, WaitsOn, stream_of
+from hyperoffload.instructions import COMPUTE, RULES, Tier, WaitsOn, stream_of
 from hyperoffload.layout import LayoutError, check_layout, residencies
 from hyperoffload.plans import Kind, Plan, PlanCheck, PlanError, check_plan
 from hyperoffload.simulate import Timeline, simulate
@@ -80,12 +80,13 @@ def _check_timeline(plan: Plan, timeline: Timeline) -> None:
             if rule.waits_on is WaitsOn.FILLER and filled is not None and interval.start + _TOLERANCE_S < filled[0]:
                 raise fail(i, f"the {ins.kind.value} starts before the {filled[1].value} it reads from has landed")
             landed[(rule.writes, ins.target)] = (interval.end, ins.kind)
-        elif ins.kind is Kind.COMPUTE and program.ops[ins.target].lane is not None:
+        elif ins.kind is Kind.COMPUTE and program.ops[ins.target].stream != COMPUTE:
             op = program.ops[ins.target]
+            what = "collective" if op.collective is not None else "lane op"
             for d in program.dependencies()[op.id]:
                 before = finished_op.get(d)
                 if before is not None and interval.start + _TOLERANCE_S < before:
-                    raise fail(i, f"the lane op starts before {program.ops[d].name}, which it depends on, has finished")
+                    raise fail(i, f"the {what} starts before {program.ops[d].name}, which it depends on, has finished")
             finished_op[op.id] = interval.end
             for v in op.outputs:
                 landed[(rule.writes, program.values[v].storage)] = (interval.end, ins.kind)

@@ -110,16 +110,19 @@ def test_a_world_that_is_not_a_count_of_ranks_is_refused(world, message):
         capture_sharded_train_step(model, (tokens,), tokens, world=world)
 
 
-def test_a_collective_costs_its_time_on_the_interconnect(sharded):
+def test_a_collective_costs_its_time_on_the_network_lane_not_the_compute_stream(sharded):
     from hyperoffload.collectives import collective_s
-    from hyperoffload.cost import op_time
+    from hyperoffload.cost import network_time, op_time, side_op_time
     from hyperoffload.hardware import get_hardware
 
     world, program = sharded
     dgx = get_hardware("dgx-h100")
-    for op in (op for op in program.ops if op.collective):
+    collectives = [op for op in program.ops if op.collective]
+    for op in collectives:
         network = collective_s(op.collective.kind, dgx, op.collective.full_bytes, world)
-        assert network > 0 and op_time(op, program, dgx) == network + dgx.launch_s
+        assert network > 0 and side_op_time(op, dgx) == network + dgx.launch_s
+        assert op_time(op, program, dgx) == 0.0 and op.stream == "net"
+    assert network_time(program, dgx) == pytest.approx(sum(side_op_time(op, dgx) for op in collectives))
 
 
 def test_the_sharded_bench_plans_each_budget_within_it():

@@ -55,7 +55,11 @@ update), those second prefetches raise the bound above the one at the peak alone
 small linear program (one row per storage and rule, solved with HiGHS). It lets every copy share the link,
 without the phases of the one-op bound: looser there, and kept for the parameters it counts twice.
 
-The bound is the larger of the step's compute time and that copy time. It holds for every plan of
+The bound is the largest of the step's compute time, that copy time, the time its collectives take on the network
+one after another (``cost.network_time``: every plan runs each collective, and the network lane runs one at a time)
+and the dependency bound (``dependency_bound``: a chain of lane ops and collectives with the compute between them).
+Compute, copies and collectives run on separate streams, each of which the step has to finish, so each alone
+bounds the step, and so does their largest. It holds for every plan of
 the program (every op on the device, each storage moved whole) because it depends on neither the
 order nor the schedule; the window bound (``window_bound``) is usually tighter for one order, since it
 also knows when the copies can run. It is what rules out ``step_s <= 1.05 x bound_s`` on a link-bound
@@ -73,7 +77,8 @@ import numpy as np
 
 from hyperoffload.analysis.lifetimes import memory_profile
 from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows, solved
-from hyperoffload.cost import op_times
+from hyperoffload.analysis.dependency_bound import dependency_bound
+from hyperoffload.cost import network_time, op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
 from hyperoffload.memo import per_program
@@ -105,6 +110,10 @@ class LinkBound:
     second_op: int = -1
     """Where the bound is taken at two ops (see the module docstring), the second (after ``peak_op`` in every
     order; ``d2h_bytes`` and ``h2d_bytes`` are then the least a step moves for both); -1 where one op sets it."""
+    network_s: float = 0.0
+    """The step's collectives one after another on the network (0 for a step of one rank)."""
+    dependency_s: float = 0.0
+    """The dependency bound (``analysis.dependency_bound``; the compute time for a step without side ops)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +412,10 @@ def link_bound(program: Program, hardware: Hardware | str, budget_bytes: int) ->
     """The link bound of ``program`` under ``budget_bytes`` on ``hardware`` (see the module docstring)."""
     hardware = as_hardware(hardware)
     compute_s = float(sum(op_times(program, hardware)))
+    network_s = network_time(program, hardware)
+    dependency_s = dependency_bound(program, hardware, compute_s)
+    floor = max(compute_s, network_s, dependency_s)  # each stream alone, and the chains across them
+    streams = {"compute_s": compute_s, "network_s": network_s, "dependency_s": dependency_s}
     best: LinkBound | None = None
     times = op_times(program, hardware)
     for f in _forced(program):  # the argument holds at every op: the bound is the largest
@@ -411,14 +424,14 @@ def link_bound(program: Program, hardware: Hardware | str, budget_bytes: int) ->
         if phased is None:  # even every storage that may leave would not do: no plan meets the budget
             phased = (float("inf"), 0.0, 0.0)
         copies, d2h, h2d = phased
-        bound = LinkBound(seconds=max(compute_s, copies), compute_s=compute_s, peak_op=f.peak_op,
-                          forced_bytes=f.forced, excess_bytes=excess, d2h_bytes=round(d2h), h2d_bytes=round(h2d))
+        bound = LinkBound(seconds=max(floor, copies), peak_op=f.peak_op, forced_bytes=f.forced, excess_bytes=excess,
+                          d2h_bytes=round(d2h), h2d_bytes=round(h2d), **streams)
         if best is None or bound.seconds > best.seconds:
             best = bound
     for pair in _pairs(program):
         copies = _pair_copies(pair, hardware, budget_bytes)
         if copies is not None and copies[0] > best.seconds:
-            best = LinkBound(seconds=copies[0], compute_s=compute_s, peak_op=pair.first, second_op=pair.second,
+            best = LinkBound(seconds=copies[0], peak_op=pair.first, second_op=pair.second,
                              forced_bytes=pair.forced_first, excess_bytes=max(0, pair.forced_first - budget_bytes),
-                             d2h_bytes=int(copies[1]), h2d_bytes=int(copies[2]))
+                             d2h_bytes=int(copies[1]), h2d_bytes=int(copies[2]), **streams)
     return best

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hyperoffload.capture.graph_to_program import CaptureError, program_from_graph
-from hyperoffload.capture.sharded_passes import drop_profiler_calls, lift_constants, separate_regathers
+from hyperoffload.capture.sharded_passes import drop_profiler_calls, issue_gathers_ahead, lift_constants, separate_regathers
 from hyperoffload.capture.steps import AdamW, Captured, _batch, _batch_names, _rebuild, adamw_update, lm_loss
 from hyperoffload.capture.tags import mark_phase, tag_values
 from hyperoffload.ir import Phase, ValueKind
@@ -183,7 +183,7 @@ def _capture(model: nn.Module, args: Any, kwargs: dict | None, target: torch.Ten
         except Exception as error:  # tracing runs arbitrary model code under FSDP's hooks
             raise CaptureError(f"tracing the sharded {mode} step of {name} over {world} ranks failed: "
                                f"{type(error).__name__}: {error}") from error
-    gm = separate_regathers(drop_profiler_calls(gm))
+    gm = issue_gathers_ahead(separate_regathers(drop_profiler_calls(gm)))
     gm, lifted, lifted_names = lift_constants(gm, {id(t): n for n, t in state})
     missing = [n for n, _ in shards if n not in lifted_names]
     if missing:

@@ -7,6 +7,14 @@ backward, which would count the whole gathered module as held across the step. `
 each gather after the first a buffer of its own, so that the forward's gathered parameters die after their
 last forward use and the backward's are made where the backward gathers them, as in the real run.
 
+On real ranks FSDP2 gathers a module's parameters on a stream of its own while the compute stream still runs the
+module before: its pre-forward hook issues the next gather as soon as the host reaches it, which is well ahead of
+the device, and the gather waits only for the module two back to have freed its parameters. A trace records the
+gather where the host issued it, right before the module, and a plan's order is the device's: ``issue_gathers_ahead``
+puts each forward gather (its copy-in and the collective) right after the previous gather's ``split_with_sizes_copy``,
+where the previous module starts, so that two modules' gathered parameters are live at once, as in FSDP2's forward.
+The backward needs no such pass: FSDP2 prefetches its next gather itself there, and the trace records it so.
+
 The sharded parameters a rank holds are tensors the trace took as constants (FSDP reads them from its own
 state, not from the step's arguments); ``lift_constants`` makes them inputs of the step, so they are planned
 like any parameter. ``drop_profiler_calls`` removes the ``record_function`` ranges FSDP2 marks its phases with.
@@ -138,6 +146,50 @@ def _move_storage(graph: torch.fx.Graph, gather: torch.fx.Node, storage: int, no
             graph.erase_node(node)
 
 
+_GATHER = "c10d._allgather_base_"
+
+
+def issue_gathers_ahead(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with each forward all-gather after the first, and the nodes it depends on that the trace put after the
+    previous gather's ``split_with_sizes_copy``, moved to right after that copy (module docstring). A gather that
+    depends on anything the previous module computes is left where it is. The forward is the graph up to the first
+    phase mark (``capture.tags.PHASE_KEY``), or the whole graph for a step without one."""
+    result = _copied(gm)
+    graph = result.graph
+    nodes = list(graph.nodes)
+    end = next((i for i, n in enumerate(nodes) if PHASE_KEY in n.meta), len(nodes))
+    forward = nodes[:end + 1]
+    gathers = [n for n in forward if _packet(n) == _GATHER]
+    for before, gather in zip(gathers, gathers[1:]):
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        anchor = next((n for n in list(graph.nodes)[position[before]:position[gather]] if _packet(n) == _SPLIT_COPY),
+                      None)
+        if anchor is None:
+            continue
+        group = _ancestors_after(gather, position[anchor], position)
+        if any(position[a] > position[anchor] and a not in group for node in group for a in node.all_input_nodes):
+            continue  # it reads what the previous module made: it cannot go earlier
+        for node in sorted(group, key=position.__getitem__):
+            anchor.append(node)
+            anchor = node
+    graph.lint()
+    result.recompile()
+    return result
+
+
+def _ancestors_after(node: torch.fx.Node, floor: int, position: dict[torch.fx.Node, int]) -> set[torch.fx.Node]:
+    """``node`` and the nodes it depends on, directly or not, that stand after position ``floor``."""
+    found: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in found or position[n] <= floor:
+            continue
+        found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
 def lift_constants(gm: torch.fx.GraphModule, names: Mapping[int, str]) -> tuple[torch.fx.GraphModule,
                                                                                  list[torch.Tensor], list[str]]:
     """``gm`` with each constant whose tensor ``names`` lists (keyed by ``id(tensor)``) read from a new input
@@ -170,4 +222,4 @@ def _identifier(name: str, index: int) -> str:
     return f"shard_{index}_" + "".join(c if c.isalnum() else "_" for c in name)
 
 
-__all__ = ["drop_profiler_calls", "lift_constants", "separate_regathers"]
+__all__ = ["drop_profiler_calls", "issue_gathers_ahead", "lift_constants", "separate_regathers"]

@@ -44,18 +44,23 @@ def figures_table(figures: Figures, *, title: str, hardware: Hardware) -> Table:
     table.add_column("value", justify="right")
     table.add_column("meaning")
     rows = [
-        ("compute_s", format_seconds(figures.compute_s), "sum of op times: the step with unlimited memory"),
+        ("compute_s", format_seconds(figures.compute_s), "sum of op times on the compute stream: the step with unlimited memory"),
         ("step_s", format_seconds(figures.step_s), "simulated step time"),
         ("exposed_s", format_seconds(figures.exposed_s), "transfer time not hidden behind compute"),
         ("slowdown", f"{figures.slowdown:.3f}", "step_s / compute_s"),
-        ("lower_bound_s", format_seconds(figures.lower_bound_s), "max(compute, this plan's traffic at full speed)"),
+        ("lower_bound_s", format_seconds(figures.lower_bound_s), "max(compute, collectives, this plan's traffic at full speed)"),
         ("peak_bytes", format_bytes(figures.peak_bytes),
          f"device memory at the peak ({format_bytes(hardware.memory_bytes)} on {hardware.name})"),
         ("h2d_bytes", format_bytes(figures.h2d_bytes), "moved remote -> device per step"),
         ("d2h_bytes", format_bytes(figures.d2h_bytes), "moved device -> remote per step"),
         ("stalls", str(figures.stalls), f"compute waited {format_seconds(figures.stall_copy_s)} on copies, "
-                                         f"{format_seconds(figures.stall_memory_s)} on memory"),
+                                         f"{format_seconds(figures.stall_memory_s)} on memory"
+                                         + (f", {format_seconds(figures.stall_network_s)} on collectives"
+                                            if figures.network_s else "")),
     ]
+    if figures.network_s:
+        rows.append(("network_s", format_seconds(figures.network_s),
+                     "the step's collectives one after another on the network, beside compute"))
     if figures.budget_bytes is not None:
         rows += [
             ("budget_bytes", format_bytes(figures.budget_bytes), "the plan's device-memory budget"),

@@ -14,12 +14,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from hyperoffload.simulate import COMPUTE, D2H, H2D, Timeline
+from hyperoffload.simulate import COMPUTE, D2H, H2D, NET, Timeline
 from hyperoffload.units import format_bytes
 
 _ROWS = ((COMPUTE, "compute"), (H2D, "H2D\nprefetch"), (D2H, "D2H\noffload"))
-_COLOURS = {COMPUTE: "#4c72b0", H2D: "#55a868", D2H: "#dd8452"}
-_STALL_COLOURS = {"copy": "#d62728", "memory": "#8b0000"}
+_NET_ROW = (NET, "network\ncollectives")
+"""Shown below the copy lanes for a timeline with collectives (a sharded step)."""
+_COLOURS = {COMPUTE: "#4c72b0", H2D: "#55a868", D2H: "#dd8452", NET: "#8172b2"}
+_STALL_COLOURS = {"copy": "#d62728", "network": "#e377c2", "memory": "#8b0000"}
 _MEMORY_COLOUR = "#6a3d9a"
 _FIGSIZE_IN = (11.0, 6.0)
 _DPI = 120
@@ -123,8 +125,9 @@ def _draw_activity(ax, timeline: Timeline, scale: float, span: float) -> None:
     pixel = span / _PLOT_WIDTH_PX
     height = 0.7
     ticks, labels, handles = [], [], []
-    for row, (stream, label) in enumerate(_ROWS):
-        y = len(_ROWS) - 1 - row  # compute on top
+    rows = (*_ROWS, _NET_ROW) if any(iv.stream == NET for iv in timeline.intervals) else _ROWS
+    for row, (stream, label) in enumerate(rows):
+        y = len(rows) - 1 - row  # compute on top
         spans = [(iv.start * scale, iv.end * scale) for iv in timeline.intervals if iv.stream == stream]
         busy = sum(e - s for s, e in spans)
         ax.broken_barh(_bars(spans, pixel), (y - height / 2, height), facecolors=_COLOURS[stream], linewidth=0)
@@ -134,17 +137,18 @@ def _draw_activity(ax, timeline: Timeline, scale: float, span: float) -> None:
     causes = sorted({s.cause for s in timeline.stalls})
     for cause in causes:
         spans = [(s.start * scale, s.end * scale) for s in timeline.stalls if s.cause == cause]
-        ax.broken_barh(_bars(spans, pixel), (len(_ROWS) - 1 - height / 2, height),
+        ax.broken_barh(_bars(spans, pixel), (len(rows) - 1 - height / 2, height),
                        facecolors=_STALL_COLOURS.get(cause, "#d62728"), linewidth=0)
         handles.append(Patch(color=_STALL_COLOURS.get(cause, "#d62728"), label=f"compute stalled on {cause}"))
     ax.set_yticks(ticks, labels, fontsize=9)
-    ax.set_ylim(-0.6, len(_ROWS) - 0.4)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
 
 
 def _legend_label(stream: str) -> str:
-    return {COMPUTE: "op running", H2D: "prefetch (host to device)", D2H: "offload (device to host)"}[stream]
+    return {COMPUTE: "op running", H2D: "prefetch (host to device)", D2H: "offload (device to host)",
+            NET: "collective (between ranks)"}[stream]
 
 
 def _bars(spans: Iterable[tuple[float, float]], pixel: float) -> list[tuple[float, float]]:

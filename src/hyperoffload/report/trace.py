@@ -11,16 +11,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hyperoffload.simulate import COMPUTE, D2H, H2D, Timeline
+from hyperoffload.simulate import COMPUTE, D2H, H2D, NET, Timeline
 
 _PID = 1
 STALLS = "stalls"
 # Track ids and the order tracks are shown in: the stalls track sits under compute because every
 # stall is the compute stream waiting.
-_TRACKS = ((COMPUTE, 1, 0), (STALLS, 4, 1), (H2D, 2, 2), (D2H, 3, 3))
+_TRACKS = ((COMPUTE, 1, 0), (STALLS, 4, 1), (H2D, 2, 2), (D2H, 3, 3), (NET, 5, 4))
 _TID = {stream: tid for stream, tid, _ in _TRACKS}
 _TRACK_NAMES = {COMPUTE: "compute", STALLS: "stalls (compute waiting)", H2D: "h2d (prefetch)",
-                D2H: "d2h (offload)"}
+                D2H: "d2h (offload)", NET: "net (collectives)"}
 MEMORY_COUNTER = "device memory"
 BUDGET_COUNTER = "memory budget"
 
@@ -51,7 +51,10 @@ def timeline_to_trace(timeline: Timeline, *, name: str, budget_bytes: int | None
         {"ph": "M", "name": "process_name", "pid": _PID, "tid": 0, "args": {"name": name}},
         {"ph": "M", "name": "process_sort_index", "pid": _PID, "tid": 0, "args": {"sort_index": 0}},
     ]
+    has_net = any(iv.stream == NET for iv in timeline.intervals)  # a sharded step's collectives
     for stream, tid, order in _TRACKS:
+        if stream == NET and not has_net:
+            continue
         events.append({"ph": "M", "name": "thread_name", "pid": _PID, "tid": tid,
                        "args": {"name": _TRACK_NAMES[stream]}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": _PID, "tid": tid,
