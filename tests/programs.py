@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 from hyperoffload.hardware import Hardware
-from hyperoffload.ir import Op, Phase, Program, Value, ValueKind
+from hyperoffload.ir import Collective, CollectiveKind, Op, Phase, Program, Value, ValueKind
 
 
 def value(vid: int, nbytes: int, kind: ValueKind = ValueKind.TEMPORARY, storage: int | None = None,
@@ -70,11 +70,20 @@ def simple_hardware(*, bw=1e9, latency=0.0, duplex=1.0) -> Hardware:
                     launch_s=0.0, compute_efficiency=1.0, memory_efficiency=1.0)
 
 
+def two_rank_hardware(*, bw=1e9, latency=0.0, duplex=1.0, network_bw=1e4) -> Hardware:
+    """``simple_hardware`` as two devices of one node, ``network_bw`` bytes/s between them."""
+    import dataclasses
+
+    return dataclasses.replace(simple_hardware(bw=bw, latency=latency, duplex=duplex), devices_per_node=2,
+                               intra_node_bw=network_bw)
+
+
 @st.composite
-def random_training_programs(draw):
+def random_training_programs(draw, sharded: bool = False):
     """Random steps shaped like training: state inputs (parameters, optimizer state) that ops update in place,
     forward, backward and optimizer phases, views, ops that draw random numbers, and activations and gradients
-    that later ops read; so plans may keep state in remote memory between steps."""
+    that later ops read; so plans may keep state in remote memory between steps. ``sharded``: some ops that make a
+    new tensor are collectives over 2 ranks instead (gathers, reductions; run them on ``two_rank_hardware``)."""
     state_kinds = [ValueKind.PARAMETER, ValueKind.OPTIMIZER_STATE, ValueKind.INPUT]
     n_inputs = draw(st.integers(1, 4))
     values = [value(i, draw(st.integers(1, 64)) * 4, draw(st.sampled_from(state_kinds))) for i in range(n_inputs)]
@@ -100,9 +109,13 @@ def random_training_programs(draw):
                 kind = draw(st.sampled_from([ValueKind.ACTIVATION, ValueKind.TEMPORARY, ValueKind.GRADIENT]))
                 values.append(value(vid, draw(st.integers(0, 64)) * 4, kind))
             outs.append(vid)
+        collective = None
+        if sharded and not mutates and draw(st.integers(0, 2)) == 0:
+            kind = draw(st.sampled_from(list(CollectiveKind)))
+            collective = Collective(kind=kind, full_bytes=draw(st.sampled_from([8, 800, 8000, 80000])), group_size=2)
         ops.append(Op(id=oid, name=f"op{oid}", target="test.op", inputs=tuple(reads), outputs=tuple(outs),
                       mutates=tuple(mutates), phase=phase, flops=draw(st.sampled_from([1, 10, 100, 1000, 10000])),
-                      bytes_read=1, bytes_written=1, random=draw(st.integers(0, 9)) == 0))
+                      bytes_read=1, bytes_written=1, random=draw(st.integers(0, 9)) == 0, collective=collective))
     made = list(range(n_inputs, len(values)))
     outputs = draw(st.lists(st.sampled_from(made), min_size=1, max_size=2, unique=True))
     return program(values, ops, list(range(n_inputs)), sorted(outputs))

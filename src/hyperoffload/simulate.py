@@ -257,11 +257,16 @@ def simulate(plan: Plan, hardware: Hardware | str, *, release_waits: bool = Fals
     except PlanError:
         check_plan(plan)  # report the error against the plan as given, where it can be found
         raise
-    ends = [max((iv.end for iv in timeline.intervals if iv.stream == COMPUTE and lo <= iv.instruction < hi),
-                default=0.0) for lo, hi in ((starts[0], starts[1]), (starts[1], len(doubled.instructions)))]
+    # A step's ops end with its last op, on whichever stream it ran (a collective on the network, a lane op on its
+    # copy lane, the rest on the compute stream).
+    instrs = doubled.instructions
+    ends = [max((iv.end for iv in timeline.intervals
+                 if lo <= iv.instruction < hi and instrs[iv.instruction].kind is Kind.COMPUTE), default=0.0)
+            for lo, hi in ((starts[0], starts[1]), (starts[1], len(instrs)))]
     m = timeline.measured
     # The steady step's own stalls are those from the second step's first instruction on.
-    steady = m._replace(step_s=max(ends[1] - ends[0], m.compute_s), steady_state=True, counted_from=starts[1])
+    steady = m._replace(step_s=max(ends[1] - ends[0], m.compute_s, network_time(single.program, hardware)),
+                        steady_state=True, counted_from=starts[1])
     return Timeline(intervals=timeline.intervals, memory=timeline.memory, stalls=timeline.stalls,
                     plan=timeline.plan, measured=steady)
 

@@ -6,7 +6,8 @@ import pytest
 from helpers import assert_no_plan_beats
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from programs import op, program, random_programs, random_training_programs, simple_hardware, value
+from programs import (op, program, random_programs, random_training_programs, simple_hardware, two_rank_hardware,
+                      value)
 
 from hyperoffload.analysis import link_bound, memory_profile
 from hyperoffload.ir import Phase, ValueKind
@@ -103,6 +104,19 @@ def test_no_plan_of_any_policy_beats_the_bound_on_training_like_steps(prog, shar
     budget = int(memory_profile(prog).peak_bytes * share)
     seconds = link_bound(prog, hardware, budget).seconds
     assert_no_plan_beats(lambda order: seconds, prog, hardware, budget)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_training_programs(sharded=True), st.sampled_from([0.9, 0.6]), st.sampled_from([1e3, 1e6]),
+       st.sampled_from([1e3, 1e5]))
+def test_no_plan_of_any_policy_beats_the_bound_extended_to_the_network(prog, share, bandwidth, network_bw):
+    """Steps with collectives on the network lane (one rank of a sharded step): the bound counts the network's own
+    total; no policy's plan, in any order it tries, beats it, also timed in steady state."""
+    hardware = two_rank_hardware(bw=bandwidth, network_bw=network_bw)
+    budget = int(memory_profile(prog).peak_bytes * share)
+    bound = link_bound(prog, hardware, budget)
+    assert bound.seconds >= max(bound.network_s, bound.compute_s)
+    assert_no_plan_beats(lambda order: bound.seconds, prog, hardware, budget)
 
 
 def test_a_parameter_off_at_the_peak_and_at_a_later_large_op_comes_in_twice():

@@ -55,11 +55,12 @@ update), those second prefetches raise the bound above the one at the peak alone
 small linear program (one row per storage and rule, solved with HiGHS). It lets every copy share the link,
 without the phases of the one-op bound: looser there, and kept for the parameters it counts twice.
 
-The bound is the largest of the step's compute time, that copy time, the time its collectives take on the network
-one after another (``cost.network_time``: every plan runs each collective, and the network lane runs one at a time)
-and the dependency bound (``dependency_bound``: a chain of lane ops and collectives with the compute between them).
-Compute, copies and collectives run on separate streams, each of which the step has to finish, so each alone
-bounds the step, and so does their largest. It holds for every plan of
+The bound is the largest of the step's compute time, that copy time and the time its collectives take on the
+network one after another (``cost.network_time``: every plan runs each collective, and the network lane runs one at
+a time). Compute, copies and collectives run on separate streams, each of which runs all of its share of every step
+one thing at a time, so each alone bounds the step, also in steady state (a step's period), and so does their
+largest. (A chain of collectives and the compute between them, ``dependency_bound``, bounds one step's makespan but
+not a period: consecutive steps may overlap one's tail with the next one's head.) It holds for every plan of
 the program (every op on the device, each storage moved whole) because it depends on neither the
 order nor the schedule; the window bound (``window_bound``) is usually tighter for one order, since it
 also knows when the copies can run. It is what rules out ``step_s <= 1.05 x bound_s`` on a link-bound
@@ -77,7 +78,6 @@ import numpy as np
 
 from hyperoffload.analysis.lifetimes import memory_profile
 from hyperoffload.analysis.lp import SOLVER_MARGIN, link_rows, solved
-from hyperoffload.analysis.dependency_bound import dependency_bound
 from hyperoffload.cost import network_time, op_times
 from hyperoffload.hardware import Hardware, as_hardware
 from hyperoffload.ir import Program
@@ -112,8 +112,6 @@ class LinkBound:
     order; ``d2h_bytes`` and ``h2d_bytes`` are then the least a step moves for both); -1 where one op sets it."""
     network_s: float = 0.0
     """The step's collectives one after another on the network (0 for a step of one rank)."""
-    dependency_s: float = 0.0
-    """The dependency bound (``analysis.dependency_bound``; the compute time for a step without side ops)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,9 +411,8 @@ def link_bound(program: Program, hardware: Hardware | str, budget_bytes: int) ->
     hardware = as_hardware(hardware)
     compute_s = float(sum(op_times(program, hardware)))
     network_s = network_time(program, hardware)
-    dependency_s = dependency_bound(program, hardware, compute_s)
-    floor = max(compute_s, network_s, dependency_s)  # each stream alone, and the chains across them
-    streams = {"compute_s": compute_s, "network_s": network_s, "dependency_s": dependency_s}
+    floor = max(compute_s, network_s)  # each stream alone
+    streams = {"compute_s": compute_s, "network_s": network_s}
     best: LinkBound | None = None
     times = op_times(program, hardware)
     for f in _forced(program):  # the argument holds at every op: the bound is the largest
