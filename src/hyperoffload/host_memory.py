@@ -4,7 +4,9 @@ A plan keeps a copy in host memory of every storage it offloads or starts remote
 ranks of a node each run the same plan, so a node holds ``remote_bytes x ranks_per_node``; the profile states one
 node's host memory (``host_memory_bytes``, 0: not stated; ``--host-memory`` overrides it). ``host_memory_need``
 says what a plan needs against it, and ``check_host_memory`` refuses a plan that needs more, naming what would
-fit.
+fit and the least any plan under the same device budget needs (``least_host_bytes``: the bytes some op forces off
+the device in every order, ``analysis.link_bound.least_off_device``). The hyperoffload planner prefers, of the
+plans it tries, those that fit a rank's share of the node (``host_bytes_per_rank``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyperoffload.hardware import Hardware
+from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, remote_bytes
 from hyperoffload.units import format_bytes
 
@@ -33,6 +36,9 @@ class HostMemoryNeed:
     """Ranks of the step's world on one node: ``min(world, devices_per_node)``."""
     host_memory_bytes: int
     """One node's host memory (0: not stated, no limit)."""
+    least_per_rank: int = 0
+    """What every plan of the step under the plan's device budget keeps in host memory per rank, at least (0 where
+    the plan has no budget or nothing must leave)."""
 
     @property
     def per_node(self) -> int:
@@ -43,11 +49,29 @@ class HostMemoryNeed:
         return self.host_memory_bytes == 0 or self.per_node <= self.host_memory_bytes
 
 
+def ranks_per_node(program: Program, hardware: Hardware) -> int:
+    """Ranks of ``program``'s world (``meta["world"]``, 1 when unsharded) on one node of ``hardware``."""
+    return max(1, min(program.meta.get("world", 1), hardware.devices_per_node))
+
+
+def host_bytes_per_rank(program: Program, hardware: Hardware) -> int:
+    """One rank's share of a node's host memory (bytes); 0 where the profile states none (no limit)."""
+    return hardware.host_memory_bytes // ranks_per_node(program, hardware)
+
+
+def least_host_bytes(program: Program, budget_bytes: int) -> int:
+    """Bytes every plan of ``program`` under ``budget_bytes`` keeps in host memory per rank, at least: what some op
+    forces off the device in every order (``analysis.link_bound.least_off_device``)."""
+    from hyperoffload.analysis.link_bound import least_off_device  # the analysis imports the planner's helpers
+
+    return least_off_device(program, budget_bytes)[0]
+
+
 def host_memory_need(plan: Plan, hardware: Hardware) -> HostMemoryNeed:
     """What ``plan`` keeps in host memory on ``hardware``'s nodes (the step's world from ``program.meta``)."""
-    world = plan.program.meta.get("world", 1)
-    return HostMemoryNeed(per_rank=remote_bytes(plan), ranks_per_node=max(1, min(world, hardware.devices_per_node)),
-                          host_memory_bytes=hardware.host_memory_bytes)
+    least = least_host_bytes(plan.program, plan.budget_bytes) if plan.budget_bytes is not None else 0
+    return HostMemoryNeed(per_rank=remote_bytes(plan), ranks_per_node=ranks_per_node(plan.program, hardware),
+                          host_memory_bytes=hardware.host_memory_bytes, least_per_rank=least)
 
 
 def check_host_memory(plan: Plan, hardware: Hardware) -> HostMemoryNeed:
@@ -56,12 +80,21 @@ def check_host_memory(plan: Plan, hardware: Hardware) -> HostMemoryNeed:
     if need.fits:
         return need
     ranks = f"the {need.ranks_per_node} ranks of a node" if need.ranks_per_node > 1 else "its node"
+    least = need.least_per_rank * need.ranks_per_node
+    if least > need.host_memory_bytes:
+        floor = (f"; no plan under this device budget keeps less than {format_bytes(need.least_per_rank)} per rank "
+                 f"({format_bytes(least)} a node): that much must be off the device at one point of the step in "
+                 f"every order, so a node needs at least --host-memory {least} whatever the plan")
+    else:
+        floor = (f"; the least any plan under this device budget keeps is {format_bytes(need.least_per_rank)} per "
+                 f"rank, which a node holds, but the planner found no plan that keeps so little")
     raise HostMemoryExceeded(
         f"the plan keeps {format_bytes(need.per_rank)} of the step in host memory per rank, "
         f"{format_bytes(need.per_node)} for {ranks}, more than a node's {format_bytes(need.host_memory_bytes)} "
-        f"of host memory on {hardware.name}; give a node at least that much (--host-memory {need.per_node}, in "
-        f"bytes, or host_memory in the profile), or a larger device budget, whose plans keep less in host memory",
-        need)
+        f"of host memory on {hardware.name}{floor}. Give a node at least {format_bytes(need.per_node)} (--host-memory "
+        f"{need.per_node}, in bytes, or host_memory in the profile), or a larger device budget, whose plans keep "
+        f"less in host memory", need)
 
 
-__all__ = ["HostMemoryExceeded", "HostMemoryNeed", "check_host_memory", "host_memory_need"]
+__all__ = ["HostMemoryExceeded", "HostMemoryNeed", "check_host_memory", "host_bytes_per_rank", "host_memory_need",
+           "least_host_bytes", "ranks_per_node"]

@@ -38,3 +38,43 @@ def test_more_than_a_node_holds_is_refused_with_what_would_fit():
 
 def test_a_profile_stating_no_host_memory_limits_nothing():
     assert check_host_memory(_plan(world=1), get_hardware("dgx-h100").replace(host_memory_bytes=0)).fits
+
+
+def _one_rank_of_two():
+    """x (1000 bytes, made by op0 and read by op1, so every order makes it before op2) idles until op4 reads it;
+    op2 runs with x + 200 + 4000 bytes live; one rank of two."""
+    values = [value(0, 0, ValueKind.INPUT), value(1, 1000), value(2, 200), value(3, 4000), value(4, 100),
+              value(5, 100)]
+    ops = [op(0, [0], [1], flops=1000), op(1, [0, 1], [2], flops=2000), op(2, [2], [3], flops=3000),
+           op(3, [3], [4], flops=4000), op(4, [1, 4], [5], flops=5000)]
+    return replace(program(values, ops, [0], [5]), meta={"world": 2})
+
+
+def test_no_plan_keeps_less_in_host_memory_than_an_op_forces_off_the_device():
+    from hyperoffload.host_memory import least_host_bytes
+    from hyperoffload.planning import plan_checked
+
+    step = _one_rank_of_two()
+    assert least_host_bytes(step, 4200) == 1000  # op2's 5200 live bytes in every order, less the budget
+    assert least_host_bytes(step, 6000) == 0
+    node = get_hardware("dgx-h100").replace(host_memory_bytes=2 * 1000 - 2)  # 999 bytes a rank
+    with pytest.raises(HostMemoryExceeded, match=r"no plan under this device budget keeps less than 1000 B per rank"):
+        plan_checked(step, node, 4200)
+    assert plan_checked(step, node.replace(host_memory_bytes=2000), 4200).plan.budget_bytes == 4200
+
+
+def test_the_planner_keeps_within_a_ranks_share_of_host_memory_where_a_plan_does():
+    """tiny-llama sharded over 2 ranks at 50%: with a node's host memory just below what the fastest plan keeps, the
+    planner finds another that fits, a little slower."""
+    from hyperoffload.planning import plan_checked
+    from hyperoffload.workloads import capture_workload, get_workload
+
+    step = capture_workload(get_workload("tiny-llama"), "train", world=2).program
+    node = get_hardware("dgx-h100")
+    free = plan_checked(step, node, "50%")
+    need = host_memory_need(free.plan, node)
+    tight = node.replace(host_memory_bytes=need.per_node - 1)
+    kept = plan_checked(step, tight, "50%")
+    assert host_memory_need(kept.plan, tight).fits and host_memory_need(kept.plan, tight).per_node < need.per_node
+    assert kept.timeline.step_s >= free.timeline.step_s  # the fastest plan did not fit
+    assert need.least_per_rank <= host_memory_need(kept.plan, tight).per_rank

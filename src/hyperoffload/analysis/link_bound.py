@@ -406,6 +406,15 @@ def _pair_copies(pair: _Pair, hardware: Hardware, budget_bytes: int) -> tuple[fl
     return seconds, float(result.x[d:h].sum()) * unit, float(result.x[h:copy].sum()) * unit
 
 
+def least_off_device(program: Program, budget_bytes: int) -> tuple[int, int]:
+    """``(bytes, op id)``: the most bytes that every plan of ``program`` under ``budget_bytes``, in every order, has
+    off the device while that op runs (its forced bytes above the budget; module docstring, first point). Live data
+    off the device is in remote memory, so no plan keeps fewer bytes there. (0, -1) where nothing must leave."""
+    fullest = max(_forced(program), key=lambda f: f.forced)
+    excess = fullest.forced - budget_bytes
+    return (excess, fullest.peak_op) if excess > 0 else (0, -1)
+
+
 def link_bound(program: Program, hardware: Hardware | str, budget_bytes: int) -> LinkBound:
     """The link bound of ``program`` under ``budget_bytes`` on ``hardware`` (see the module docstring)."""
     hardware = as_hardware(hardware)

@@ -12,7 +12,7 @@ import numpy as np
 from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import Plan
+from hyperoffload.plans import Plan, remote_bytes
 from hyperoffload.policies.hyperoffload.config import PlannerConfig, PositionBudget
 from hyperoffload.policies.hyperoffload.context import PassContext, StepProfile, back_to_back
 from hyperoffload.policies.hyperoffload.minimum import OrderFacts
@@ -52,6 +52,9 @@ class SearchContext:
     """Each op's time on ``hardware`` (seconds, by op id; ``cost.op_times``)."""
     simulations: Simulations
     """The plans the search has simulated so far."""
+    host_bytes: int = 0
+    """A rank's share of a node's host memory (bytes; 0: no limit): a plan that keeps more in host memory ranks
+    after every plan that fits it (``Tried.rank``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +67,18 @@ class Tried:
     margin: float
     stretched: bool = False
     state_first: bool = False
+    over_host_bytes: int = 0
+    """What the plan keeps in host memory beyond a rank's share of its node (bytes; ``SearchContext.host_bytes``)."""
 
     @property
     def step_s(self) -> float:
         return self.timeline.step_s
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        """What the search keeps the least of: first what the plan keeps beyond the host memory it has, then the
+        step time."""
+        return self.over_host_bytes, self.timeline.step_s
 
     @property
     def start(self) -> tuple[float, bool, bool]:
@@ -108,7 +119,7 @@ def plan_in_order(search: SearchContext, facts: OrderFacts, seeds: Sequence[Trie
     # state-first start had been the best before.
     refined = [_refined(search, facts, [t for t in tried if t.state_first is family]) for family in (False, True)
                if any(t.state_first is family for t in tried)]
-    return OrderOutcome(min(refined, key=lambda t: t.step_s), tuple(tried), facts)
+    return OrderOutcome(min(refined, key=lambda t: t.rank), tuple(tried), facts)
 
 
 def _attempt(search: SearchContext, facts: OrderFacts, step: StepProfile, margin: float, stretched: bool,
@@ -117,7 +128,8 @@ def _attempt(search: SearchContext, facts: OrderFacts, step: StepProfile, margin
     plan = plan_selection_pass(PassContext(
         program=search.program, hardware=search.hardware, budget=search.budget, step=step, spans=facts.spans,
         writes=facts.uses.writes, order=facts.order, margin=margin, config=search.config, state_first=state_first))
-    return Tried(plan, search.simulations.timeline(plan), margin, stretched, state_first)
+    over = max(0, remote_bytes(plan) - search.host_bytes) if search.host_bytes else 0
+    return Tried(plan, search.simulations.timeline(plan), margin, stretched, state_first, over)
 
 
 def _starts(search: SearchContext, facts: OrderFacts, times: np.ndarray,
@@ -159,13 +171,13 @@ def _refined(search: SearchContext, facts: OrderFacts, family: list[Tried]) -> T
     order = facts.order
     position = np.empty(len(order), dtype=np.int64)
     position[order] = np.arange(len(order))
-    best = min(family, key=lambda t: t.step_s)
+    best = min(family, key=lambda t: t.rank)
     for _ in range(search.config.refinements):
         observed = _observed_step(best.timeline, facts.live, position)
         if observed is None:
             break
         refined = _attempt(search, facts, observed, best.margin, best.stretched, best.state_first)
-        if refined.step_s >= best.step_s:
+        if refined.rank >= best.rank:
             break
         best = refined
     return best

@@ -1,5 +1,7 @@
 """The search for the fastest plan: over execution orders and sets of candidate storages, then in each order over
-its starts (``order_search``). Every candidate is simulated and the fastest kept.
+its starts (``order_search``). Every candidate is simulated and the fastest kept; where the profile states a
+node's host memory, the fastest of those that keep no more in host memory than a rank's share of it
+(``Tried.rank``), or, where none does, the one that keeps the least.
 
 Every order gets one quick pass (the first margin, no refinement); the full search runs in the order whose quick
 plan was fastest and in any within ``PlannerConfig.quick_tolerance`` of it: one or two full passes instead of one
@@ -16,6 +18,7 @@ import numpy as np
 from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.cost import op_times
 from hyperoffload.hardware import Hardware
+from hyperoffload.host_memory import host_bytes_per_rank
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.policies.hyperoffload.config import POLICY, PlannerConfig, PositionBudget
@@ -50,7 +53,7 @@ def search_plan(program: Program, hardware: Hardware, budget: PositionBudget, co
     feasible = _feasible(_candidates(program, facts, budget, config, hint), budget)
     search = SearchContext(program=program, hardware=hardware, budget=budget, config=config,
                            times_by_op=np.asarray(op_times(program, hardware), dtype=np.float64),
-                           simulations=Simulations(hardware))
+                           simulations=Simulations(hardware), host_bytes=host_bytes_per_rank(program, hardware))
     if hint:
         return _search_hinted(search, hint, feasible[0])
     return _search_orders(search, leading, feasible)
@@ -115,10 +118,12 @@ def _search_orders(search: SearchContext, captured: OrderFacts,
         # never won; it would cost a pass of its own.
         search = replace(search, config=replace(search.config, stretch_to_window_bound=False))
     quick = _quick_passes(search, considered)
-    fastest = min(outcome.best.step_s for outcome in quick)
+    fits = min(outcome.best.over_host_bytes for outcome in quick)  # 0 where some plan fits the host memory
+    fastest = min(outcome.best.step_s for outcome in quick if outcome.best.over_host_bytes == fits)
     full = [plan_in_order(search, outcome.facts, seeds=outcome.tried) for outcome in _faster_per_order(quick)
-            if outcome.best.step_s <= fastest * (1 + search.config.quick_tolerance)]
-    best = min(full, key=lambda outcome: outcome.best.step_s)
+            if outcome.best.over_host_bytes == fits
+            and outcome.best.step_s <= fastest * (1 + search.config.quick_tolerance)]
+    best = min(full, key=lambda outcome: outcome.best.rank)
     return best.best.plan, _hint_of(best)
 
 
@@ -154,7 +159,7 @@ def _quick_passes(search: SearchContext, considered: list[OrderFacts]) -> list[O
     for f in considered:
         firsts.setdefault(tuple(f.order), f)
     passes = [plan_in_order(quick, f) for f in firsts.values()]
-    leader = tuple(min(passes, key=lambda outcome: outcome.best.step_s).facts.order)
+    leader = tuple(min(passes, key=lambda outcome: outcome.best.rank).facts.order)
     seconds = [plan_in_order(quick, f) for f in considered if tuple(f.order) == leader and f is not firsts[leader]]
     return passes + seconds
 
@@ -165,7 +170,7 @@ def _faster_per_order(quick: list[OrderOutcome]) -> list[OrderOutcome]:
     by_order: dict[Order, OrderOutcome] = {}
     for outcome in quick:
         kept = by_order.get(tuple(outcome.facts.order))
-        if kept is None or outcome.best.step_s < kept.best.step_s:
+        if kept is None or outcome.best.rank < kept.best.rank:
             by_order[tuple(outcome.facts.order)] = outcome
     return list(by_order.values())
 
