@@ -119,6 +119,31 @@ def all_reduce_s(hardware: Hardware, nbytes: float, group_size: int, *, ranks_pe
     return collective_s(CollectiveKind.ALL_REDUCE, hardware, nbytes, group_size, ranks_per_node=ranks_per_node)
 
 
+def check_world(hardware: Hardware, world: int) -> None:
+    """Refuse a sharded step's world of ``world`` ranks that ``hardware`` cannot place, packed into whole nodes as
+    FSDP2 over one mesh dimension places them (``CollectiveError`` naming ``--world`` and ``--hardware``): more
+    ranks than its devices, a profile of one device, or more ranks than a node holds that do not fill whole nodes."""
+    world = _checked_count("world", world)
+    if world == 1:
+        return
+    per_node, devices = hardware.devices_per_node, hardware.device_count
+    if devices == 1:
+        raise CollectiveError(
+            f"--world {world} shards the step over {world} ranks, but --hardware {hardware.name} describes one device "
+            f"with no network between devices; choose a multi-device profile (dgx-h100, hgx-h200, gh200-nvl, "
+            f"ascend-910c-superpod), or drop --world")
+    if world > devices:
+        raise CollectiveError(
+            f"--world {world} is more ranks than the {devices} devices of --hardware {hardware.name} ({per_node} per "
+            f"node x {hardware.nodes} nodes); give at most {devices} ranks")
+    if world > per_node and world % per_node:
+        fits = sorted({per_node * k for k in (world // per_node, world // per_node + 1) if per_node * k <= devices})
+        raise CollectiveError(
+            f"--world {world} ranks do not fill whole nodes of {per_node} devices of --hardware {hardware.name}: a "
+            f"sharded step's ranks fill one node, or several whole ones; give --world at most {per_node} or a "
+            f"multiple of it ({' or '.join(str(f) for f in fits)})")
+
+
 def _checked_bytes(nbytes: float) -> float:
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not math.isfinite(nbytes) or nbytes < 0:
         raise CollectiveError(f"nbytes must be a finite number of bytes >= 0 (the full, unsharded tensor's size), "
@@ -173,5 +198,5 @@ def _divisors(number: int, most: int) -> list[int]:
     return [d for d in range(1, min(number, most) + 1) if number % d == 0]
 
 
-__all__ = ["CollectiveError", "RingStage", "all_gather_s", "all_reduce_s", "collective_s",
+__all__ = ["CollectiveError", "RingStage", "all_gather_s", "all_reduce_s", "check_world", "collective_s",
            "reduce_scatter_s", "ring_stages"]

@@ -18,6 +18,7 @@ from rich.console import Console
 from hyperoffload.capture import CaptureError
 from hyperoffload.capture.hf_tasks import get_task, task_of_model
 from hyperoffload.cli import _positive
+from hyperoffload.collectives import check_world
 from hyperoffload.hardware import Hardware, HardwareError, get_hardware
 from hyperoffload.hardware.profile import field_problem
 from hyperoffload.plans import PlanError
@@ -44,7 +45,9 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
         ("h2d_bw", args.h2d_bw), ("d2h_bw", args.d2h_bw), ("h2d_latency_s", args.copy_latency),
         ("d2h_latency_s", args.copy_latency), ("memory_bytes", args.device_memory),
         ("host_memory_bytes", args.host_memory)) if value is not None}
-    return hardware.replace(**overrides) if overrides else hardware
+    hardware = hardware.replace(**overrides) if overrides else hardware
+    check_world(hardware, getattr(args, "world", 1))  # before a capture that would take minutes
+    return hardware
 
 
 def _planner_config(args: argparse.Namespace, without_layout: str):

@@ -3,6 +3,7 @@ collectives and refuses what it cannot shard, ``plan --world`` plans on a multi-
 every process."""
 
 import json
+import re
 
 import pytest
 from cli_checks import TINY, user_error
@@ -40,7 +41,18 @@ def test_plan_world_plans_the_ranks_step_on_a_multi_device_profile(capsys):
     assert figures["peak_bytes"] <= figures["budget_bytes"]
     assert figures["h2d_bytes"] > 0 and figures["step_s"] >= figures["compute_s"]
     error = user_error(capsys, ["simulate", *TINY, "--world", "2", "--hardware", "h100-sxm"])
-    assert "one device with no network" in error and "dgx-h100" in error
+    assert "one device with no network" in error and "dgx-h100" in error and "drop --world" in error
+
+
+@pytest.mark.parametrize("command, args, message", [
+    ("plan", ["--world", "12", "--hardware", "dgx-h100", "--budget", "50%"],
+     "--world 12 ranks do not fill whole nodes of 8 devices of --hardware dgx-h100.*8 or 16"),
+    ("simulate", ["--world", "512", "--hardware", "gh200-nvl"], "--world 512 is more ranks than the 32 devices"),
+    ("compare", ["--world", "2", "--hardware", "h100-sxm", "--budget", "50%"],
+     "--hardware h100-sxm describes one device.*drop --world"),
+])
+def test_a_world_the_profile_cannot_place_is_refused_before_the_capture(capsys, command, args, message):
+    assert re.search(message, user_error(capsys, [command, *TINY, *args]))
 
 
 def test_plan_json_says_the_remote_memory_of_a_rank_and_of_its_node(capsys):
@@ -52,16 +64,20 @@ def test_plan_json_says_the_remote_memory_of_a_rank_and_of_its_node(capsys):
 
 
 def test_a_plan_that_keeps_more_than_a_nodes_host_memory_is_refused_naming_what_would_fit(capsys):
-    """--host-memory overrides the profile's; the refusal names the plan's need per rank and per node, in bytes a
-    --host-memory can take, and a node of exactly that much plans."""
+    """--host-memory overrides the profile's. Just below what the fastest plan keeps, the planner finds one that keeps
+    less; below what any plan must keep, the refusal says so, naming the plan's need per rank and per node in bytes
+    a --host-memory can take, and a node of that much plans."""
     argv = ["plan", *TINY, "--world", "2", "--hardware", "dgx-h100", "--budget", "50%"]
     assert main([*argv, "--json"]) == 0
     need = json.loads(capsys.readouterr().out)["remote_bytes_per_node"]
-    error = user_error(capsys, [*argv, "--host-memory", str(need - 1)])
+    assert main([*argv, "--host-memory", str(need - 1), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["remote_bytes_per_node"] <= need - 1
+    error = user_error(capsys, [*argv, "--host-memory", "1MiB"])
     assert "more than a node's" in error and "for the 2 ranks of a node" in error
-    assert f"--host-memory {need}" in error and "larger device budget" in error
-    assert main([*argv, "--host-memory", str(need), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["host_memory_bytes"] == need
+    assert "no plan under this device budget keeps less than" in error and "larger device budget" in error
+    kept = int(re.search(r"--host-memory (\d+), in bytes", error).group(1))
+    assert main([*argv, "--host-memory", str(kept), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_memory_bytes"] == kept
 
 
 def test_compare_and_sweep_world_run_every_policy_on_the_ranks_step(capsys):
