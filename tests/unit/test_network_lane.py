@@ -12,7 +12,6 @@ from hyperoffload.analysis.link_bound import link_bound
 from hyperoffload.cost import network_time, op_time, side_op_time
 from hyperoffload.ir import Collective, CollectiveKind, Op, Phase
 from hyperoffload.plans import plan_without_offload
-from hyperoffload.policies.reorder import overlap_lane_ops
 from hyperoffload.simulate import simulate
 from hyperoffload.verify import verify
 from programs import op, program, simple_hardware, value
@@ -63,15 +62,6 @@ def test_a_collective_runs_on_the_network_beside_compute_and_its_reader_waits():
     # The view does not hold back the op after it: op4 runs [1, 2] while the gather lands, op3 [2, 3].
     after_view = simulate(plan_without_offload(prog, order=(0, 1, 2, 4, 3)), hw).figures
     assert after_view.step_s == pytest.approx(3.0) and after_view.stall_network_s == 0.0
-
-
-def test_overlapping_a_collective_runs_independent_compute_while_it_is_in_flight():
-    prog = gather_step(4 * GB)
-    hw = two_ranks()
-    order = overlap_lane_ops(prog)
-    assert order.index(4) < order.index(3)  # op4, independent of the gather, goes before its reader
-    timeline = simulate(plan_without_offload(prog, order=order), hw)
-    assert timeline.figures.step_s == pytest.approx(3.0) and timeline.figures.stall_network_s == 0.0
 
 
 def test_collectives_run_one_at_a_time_in_plan_order():

@@ -170,20 +170,19 @@ def sink_views(program: Program, order: Sequence[int] | None = None) -> tuple[in
 
 def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
                      lookahead: int = LOOKAHEAD_OPS) -> tuple[int, ...]:
-    """``order`` (default: captured) with the step's lane ops and collectives given compute to hide behind.
+    """``order`` (default: captured) with the step's lane ops given compute to hide behind.
 
-    A lane op (``Op.lane``: an indexed fetch of KV blocks, a write to a remote cache) or a collective
-    (``Op.collective``: an FSDP gather or gradient reduction) runs as soon as the ops it depends on have run, but no
-    more than ``lookahead`` positions earlier than ``order`` has it (a speculative prefetch, which depends on nothing
-    in the step, would otherwise hold every layer's blocks from the start), and an op that reads what a remote ->
-    device lane op or a collective produced is put after every ready op up to ``lookahead`` positions further in
-    ``order`` that does not (NSA's window branch and gates run while the selected blocks arrive; the rest of a
-    module's backward while its gradients are reduced). Otherwise ops keep their order;
-    ``Program.dependencies()`` keeps the result valid. Equal to ``order`` for a step without either.
+    A lane op (``Op.lane``: an indexed fetch of KV blocks, a write to a remote cache) runs as soon as
+    the ops it depends on have run, but no more than ``lookahead`` positions earlier than ``order`` has
+    it (a speculative prefetch, which depends on nothing in the step, would otherwise hold every layer's
+    blocks from the start), and an op that reads what a remote -> device lane op produced is put after
+    every ready op up to ``lookahead`` positions further in ``order`` that does not (NSA's window branch
+    and gates run while the selected blocks arrive). Otherwise ops keep their order;
+    ``Program.dependencies()`` keeps the result valid. Equal to ``order`` for a step without lane ops.
     The planner's lookahead is ``PlannerConfig.lane_lookahead_ops``.
     """
     order = tuple(range(len(program.ops))) if order is None else tuple(order)
-    if not program.has_side_ops():
+    if not program.has_lane_ops():
         return order
     position = {op_id: p for p, op_id in enumerate(order)}
     lanes = _LaneQueues(program, position)
@@ -205,25 +204,24 @@ def overlap_lane_ops(program: Program, order: Sequence[int] | None = None,
 
 
 class _LaneQueues:
-    """Each side stream's ops (a copy lane's, the network's) not issued yet, by deadline (the position of their
-    first reader in the order): a lane's copies run in issue order, and so do the network's collectives, so one
-    needed later must not be issued ahead of one needed sooner."""
+    """Each lane's ops not issued yet, by deadline (the position of their first reader in the order): a lane's
+    copies run in issue order, so a copy needed later must not be issued ahead of one needed sooner."""
 
     def __init__(self, program: Program, position: dict[int, int]) -> None:
         self.ops = program.ops
         dependents = program.dependents()
         self.unissued: dict[str, list[tuple[int, int]]] = {}
         for i, op in enumerate(self.ops):
-            if op.stream != "compute":
+            if op.lane:
                 deadline = min((position[d] for d in dependents[i]), default=len(position))
-                self.unissued.setdefault(op.stream, []).append((deadline, i))
+                self.unissued.setdefault(op.lane, []).append((deadline, i))
         for queue in self.unissued.values():
             heapq.heapify(queue)
         self.issued = [False] * len(self.ops)
 
     def most_urgent(self, i: int) -> bool:
-        """Whether op i is the side op its stream needs soonest among those not issued."""
-        queue = self.unissued[self.ops[i].stream]
+        """Whether op i is the lane op its lane needs soonest among those not issued."""
+        queue = self.unissued[self.ops[i].lane]
         while queue and self.issued[queue[0][1]]:
             heapq.heappop(queue)
         return queue[0][1] == i
@@ -233,23 +231,21 @@ class _LaneQueues:
 
 
 def _reads_a_fetch(program: Program) -> list[bool]:
-    """Per op: whether it is compute that reads a storage a remote -> device lane op or a collective fills."""
+    """Per op: whether it is compute that reads a storage a remote -> device lane op fills."""
     ops, values = program.ops, program.values
-    fetched_storages = {values[v].storage for op in ops if op.lane == "h2d" or op.collective is not None
-                        for v in (*op.outputs, *op.mutates)}
-    return [op.stream == "compute" and any(values[v].storage in fetched_storages for v in op.inputs) for op in ops]
+    fetched_storages = {values[v].storage for op in ops if op.lane == "h2d" for v in op.outputs}
+    return [op.lane is None and any(values[v].storage in fetched_storages for v in op.inputs) for op in ops]
 
 
 def _next_within(ready: list[tuple[int, int]], lookahead: int, lanes: _LaneQueues, deferred: list[bool]) -> int:
     """The op to run next, taken off the heap ``ready`` ((position, op id)): of the ready ops within ``lookahead``
-    positions of the earliest, the side op its stream needs soonest (a copy or collective issued early hides best),
-    then the earliest op that does not wait for a fetch or a collective, then the earliest op."""
+    positions of the earliest, the lane op its lane needs soonest (a copy issued early hides best), then the
+    earliest op that does not wait for a fetch, then the earliest op."""
     frontier = ready[0][0]
     near: list[tuple[int, int]] = []
     while ready and ready[0][0] < frontier + lookahead:
         near.append(heapq.heappop(ready))
-    chosen = next((item for item in near if lanes.ops[item[1]].stream != "compute" and lanes.most_urgent(item[1])),
-                  None) \
+    chosen = next((item for item in near if lanes.ops[item[1]].lane is not None and lanes.most_urgent(item[1])), None) \
         or next((item for item in near if not deferred[item[1]]), None) or near[0]
     lanes.issue(chosen[1])
     for item in near:

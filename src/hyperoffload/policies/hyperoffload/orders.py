@@ -44,8 +44,7 @@ def candidate_orders(program: Program, config: PlannerConfig = PlannerConfig()) 
     """Execution orders the planner starts from: the captured one, then the refined ones that differ
     from it (optimizer updates hoisted into the backward pass, see ``reorder``): each update in one piece
     where its gradient is final, and each op as early as its inputs allow. In all, the step's own lane
-    ops (a decode step's block fetches) and collectives (a sharded step's gathers and reductions) get independent
-    compute to overlap (``overlap_lane_ops``), and each
+    ops (a decode step's block fetches) get independent compute to overlap (``overlap_lane_ops``), and each
     view op runs just before the first op that needs it (``sink_views``: a captured step detaches every
     parameter at its start, which would count as a use there).
 
