@@ -131,13 +131,17 @@ def test_the_sharded_bench_plans_each_budget_within_it():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(root / "bench" / "sharded.py"), "--workload", "tiny-llama", "--world",
-                           "2", "--budgets", "90%,50%", "--json"], cwd=root, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(root / "bench" / "sharded.py"), "--cases", "tiny-llama:2:dgx-h100",
+                           "--budgets", "90%,50%,smallest", "--json"], cwd=root, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["world"] == 2 and len(result["rows"]) == 2
-    for row in result["rows"]:
-        assert row["peak_bytes"] <= row["budget_bytes"] < result["unplanned_peak_bytes"]
+    case, = json.loads(done.stdout)["cases"]
+    assert case["world"] == 2 and len(case["rows"]) == 3
+    assert case["rows"][2]["budget_bytes"] == case["smallest_budget_bytes"] < case["rows"][1]["budget_bytes"]
+    for row in case["rows"]:
+        assert row["peak_bytes"] <= row["budget_bytes"] < case["unplanned_peak_bytes"]
         assert row["step / link_bound"] >= 1 - 1e-9 and row["step_s"] >= row["compute_s"] * (1 - 1e-9) > 0
-    assert result["rows"][1]["h2d_bytes"] > result["rows"][0]["h2d_bytes"]
+        assert row["step_s"] >= row["network_s"] > 0
+        for base in row["baselines"]:  # every registered sharded baseline, at the same budget
+            assert base["step_s"] > 0 and base["hyperoffload / baseline"] == row["step_s"] / base["step_s"]
+    assert case["rows"][1]["h2d_bytes"] > case["rows"][0]["h2d_bytes"]
