@@ -107,3 +107,9 @@ def test_every_process_makes_the_same_plan_of_a_sharded_step():
 
     first = digest("50%", "1")
     assert first == digest("50%", "2") != digest("70%", "1")
+
+
+def test_a_world_of_more_ranks_than_the_largest_parameter_has_rows_is_refused(capsys):
+    # tiny-llama's largest parameters (the embedding and the output projection) have 512 rows.
+    error = user_error(capsys, ["inspect", *TINY, "--world", "513"])
+    assert "--world 513 is more ranks than the model can be sharded over" in error and "at most 512" in error

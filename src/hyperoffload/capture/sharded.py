@@ -83,12 +83,24 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def check_rows(model: nn.Module, world: int) -> None:
+    """Refuse a ``world`` of more ranks than the rows of ``model``'s largest parameter: FSDP2 shards each parameter
+    along its first dimension, so ranks past that many would hold no row of any parameter (only padding)."""
+    rows = [(p.shape[0], name) for name, p in model.named_parameters() if p.dim() > 0]
+    if rows and world > max(rows)[0]:
+        most, name = max(rows)
+        raise CaptureError(f"--world {world} is more ranks than the model can be sharded over: FSDP2 splits each "
+                           f"parameter along its first dimension, and the largest, {name}, has {most} rows, so ranks "
+                           f"from {most} on would hold nothing; give --world at most {most}")
+
+
 def shard_model(model: nn.Module, mesh: Any, units: Callable[[nn.Module], Sequence[nn.Module]] = default_units
                 ) -> nn.Module:
     """``model`` sharded in place with ``fully_shard`` over ``mesh``: each of ``units(model)`` on its own, then the
     root."""
     from torch.distributed.fsdp import fully_shard
 
+    check_rows(model, mesh.size())
     sharded = model
     try:
         for unit in units(sharded):
