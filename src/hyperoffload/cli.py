@@ -245,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--static-layout", action="store_true",
                      help="hyperoffload only: plan with a static layout and run the planned steps from its one "
                           "arena (every device tensor a view into it)")
+    run.add_argument("--world", type=_positive, default=1, metavar="RANKS",
+                     help="shard the model with FSDP2 over this many ranks, each a process of this machine on the "
+                          "gloo backend, and run every rank's planned step (train or prefill; --threads is split "
+                          "between them)")
     hardware = commands.add_parser("hardware", help="list hardware profiles, or show one with its sources")
     hardware.add_argument("name", nargs="?", metavar="NAME|FILE.toml", help="the profile to show")
     hardware.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -249,9 +249,10 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
 def _note_policies(names, program, err: Console) -> None:
     """Say so (on stderr) when a policy named by the user does not apply to the step (``kv-naive`` and ``paged``
     move only a decode step's KV cache): it then plans as ``none``, which a table alone would not explain."""
-    from hyperoffload.policies import policies_for
+    from hyperoffload.policies import KV_ONLY, policies_for
 
-    idle = [name for name in names if name not in policies_for(program)]
+    # (A policy of sharded training steps on another step refuses it, saying why: no note for it here.)
+    idle = [name for name in names if name in KV_ONLY and name not in policies_for(program)]
     if idle:
         err.print(f"[yellow]note: {', '.join(idle)} {'moves' if len(idle) == 1 else 'move'} only a decode step's KV "
                   f"cache (paged: its remote-KV form); this {program.mode} step has none, so "
@@ -449,6 +450,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.runtime import BudgetExceeded, TransferError
     from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor
 
+    if args.world > 1:
+        return _run_world(args, out, err)
     threads = _run_threads(args)
     torch.set_num_threads(threads)
     config = _planner_config(args, "has no static layout to run from")
@@ -478,6 +481,53 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     else:
         out.print(run_summary(report, budget_text=args.budget))
     return 0 if report.exact else 1
+
+
+RANK_PROCESS_BYTES = 512 << 20
+"""What one rank's process holds beside its step's tensors (Python, torch, gloo's buffers), bytes, for ``run
+--world``'s host-room check: a tiny-llama rank peaks at about 450 MiB resident in all."""
+
+
+def _run_world(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """``run --world N``: the step sharded with FSDP2 over N gloo ranks of this machine, each rank's planned step
+    measured (``report.sharded_run_report``)."""
+    from hyperoffload.analysis import memory_profile
+    from hyperoffload.report.sharded_run_report import (ShardedRunConfig, profile_fields, sharded_run_report,
+                                                        sharded_run_summary)
+    from hyperoffload.runtime.measure import RunConfig
+    from hyperoffload.runtime.ranks import RankFailed
+
+    cores = os.cpu_count() or 1
+    if args.world > cores:
+        raise ValueError(f"run --world {args.world} starts {args.world} rank processes, more than this machine's "
+                         f"{cores} cores; give --world {cores} or less (plan, compare and simulate take any --world "
+                         f"without running it)")
+    threads = max(1, _run_threads(args) // args.world)
+    _planner_config(args, "has no static layout to run from")
+    # Rank 0's step on a fake group first: refuses what cannot be sharded, and sizes each rank's run.
+    peak = memory_profile(_capture(args, err).program).peak_bytes
+    _check_host_room(args.world * (6 * peak + RANK_PROCESS_BYTES), f"run --world {args.world}", "run")
+    torch.set_num_threads(threads)
+    with err.status("Loading the cpu-emulated profile (calibrates this machine once per thread count)..."):
+        cache = cpu_cache_path().with_name(f"cpu-calibration-{threads}-threads.json")
+        hardware = get_hardware("cpu-emulated", cpu_cache=cache).replace(
+            h2d_bw=args.link, d2h_bw=args.link, h2d_latency_s=args.copy_latency, d2h_latency_s=args.copy_latency)
+    config = ShardedRunConfig(workload=args.workload, mode=args.mode, world=args.world, budget=args.budget,
+                              hardware=profile_fields(hardware), batch=args.batch, seq=args.seq, policy=args.policy,
+                              static_layout=args.static_layout, threads=threads,
+                              run_config=RunConfig(steps=args.steps, warmup=args.warmup, arena=args.static_layout))
+    err.print(f"starting {args.world} gloo ranks, {threads} compute thread(s) each...", highlight=False)
+    try:
+        report = sharded_run_report(config, on_line=lambda rank, text: err.print(f"rank {rank}: {text}",
+                                                                                  highlight=False, soft_wrap=True))
+    except RankFailed as error:
+        err.print(f"[red]run failed:[/red] {error}", highlight=False, soft_wrap=True)
+        return 1
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        out.print(sharded_run_summary(report, budget_text=args.budget))
+    return 0 if report.exact and report.feasible else 1
 
 
 def _run_threads(args: argparse.Namespace) -> int:

@@ -13,6 +13,11 @@ The model is sharded in place (``fully_shard`` turns its parameters into DTensor
 under ``fake_build`` for a model of any size. Each module of every ``nn.ModuleList`` in it (a transformer's
 blocks) is one FSDP unit, and the root module another, as FSDP2's documentation shows. A process group must not already exist in the process: the fake one is made and destroyed
 around the capture.
+
+Given ``mesh`` (a 1-D CPU ``DeviceMesh`` over a real process group, e.g. gloo, of which this process is one rank),
+the same capture runs on that group instead: the trace is still made in fake mode, so nothing is communicated
+while tracing, but the c10d calls in the graph hold the real group, and running the graph on real tensors (the plan
+executor does) communicates with the other ranks. Every rank captures and runs its own step, in the same order.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from hyperoffload.capture.graph_to_program import CaptureError, program_from_graph
+from hyperoffload.capture.input_views import constants_as_views
 from hyperoffload.capture.sharded_passes import drop_profiler_calls, issue_gathers_ahead, lift_constants, separate_regathers
 from hyperoffload.capture.steps import AdamW, Captured, _batch, _batch_names, _rebuild, adamw_update, lm_loss
 from hyperoffload.capture.tags import mark_phase, tag_values
@@ -67,6 +73,22 @@ def fake_world(world: int) -> Iterator[Any]:
         yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def real_world(mesh: Any, world: int) -> Iterator[Any]:
+    """``mesh`` itself, once it is a 1-D mesh of ``world`` ranks over an initialized process group (this process is
+    one of its ranks); the group is the caller's, left as it is after the block."""
+    import torch.distributed as dist
+
+    check_world(world)
+    if not dist.is_available() or not dist.is_initialized():
+        raise CaptureError("a step captured on a real group needs torch.distributed initialized "
+                           "(dist.init_process_group) in every rank's process first")
+    if mesh.ndim != 1 or mesh.size() != world:
+        raise CaptureError(f"the mesh to capture on must be 1-D with {world} ranks (world), got shape "
+                           f"{tuple(mesh.shape)}")
+    yield mesh
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -114,30 +136,33 @@ def shard_model(model: nn.Module, mesh: Any, units: Callable[[nn.Module], Sequen
 def capture_sharded_train_step(model: nn.Module, args: Any, target: torch.Tensor | None = None, *, world: int,
                                kwargs: dict | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss,
                                optimizer: AdamW = AdamW(), name: str | None = None,
-                               meta: dict | None = None) -> Captured:
+                               meta: dict | None = None, mesh: Any = None) -> Captured:
     """Capture rank 0's training step of ``model`` sharded with FSDP2 over ``world`` ranks: forward, loss,
     backward (with FSDP's gathers and gradient reduce-scatters) and an AdamW update of this rank's shards.
 
     As ``steps.capture_train_step`` otherwise: ``args``/``kwargs`` are the model's example inputs (build the
     model and them under ``fake_build`` for a model of any size), ``target`` what ``loss_fn(output, target)``
     compares against. The Program's ``meta["world"]`` is ``world``. The captured step cannot be run eagerly
-    (its process group is fake): ``Captured.step`` says so."""
+    (its process group is fake): ``Captured.step`` says so. With ``mesh`` (a 1-D DeviceMesh of ``world`` ranks over
+    a real process group), this rank's step is captured on that group and its graph communicates when run (the
+    module docstring says how)."""
     if optimizer.master_weights:
         raise CaptureError("master_weights (--master-weights) is not supported for a sharded step yet; FSDP2 keeps "
                            "float32 shards itself with MixedPrecisionPolicy")
     return _capture(model, args, kwargs, target, world=world, mode="train", loss_fn=loss_fn, optimizer=optimizer,
-                    name=name, meta=meta)
+                    name=name, meta=meta, mesh=mesh)
 
 
 def capture_sharded_prefill_step(model: nn.Module, args: Any, *, world: int, kwargs: dict | None = None,
-                                 name: str | None = None, meta: dict | None = None) -> Captured:
-    """Capture rank 0's forward pass without gradients of ``model`` sharded with FSDP2 over ``world`` ranks."""
+                                 name: str | None = None, meta: dict | None = None, mesh: Any = None) -> Captured:
+    """Capture rank 0's forward pass without gradients of ``model`` sharded with FSDP2 over ``world`` ranks (this
+    rank's, on a real group, given ``mesh``: as ``capture_sharded_train_step``)."""
     return _capture(model, args, kwargs, None, world=world, mode="prefill", loss_fn=lm_loss, optimizer=AdamW(),
-                    name=name, meta=meta)
+                    name=name, meta=meta, mesh=mesh)
 
 
 def _capture(model: nn.Module, args: Any, kwargs: dict | None, target: torch.Tensor | None, *, world: int, mode: str,
-             loss_fn: Callable, optimizer: AdamW, name: str | None, meta: dict | None) -> Captured:
+             loss_fn: Callable, optimizer: AdamW, name: str | None, meta: dict | None, mesh: Any = None) -> Captured:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     if check_world(world) < 2:
@@ -147,7 +172,8 @@ def _capture(model: nn.Module, args: Any, kwargs: dict | None, target: torch.Ten
     name = name or type(model).__name__
     batch, spec, leaves = _batch(args, kwargs)
     targets = [target] if target is not None else []
-    with fake_world(world) as mesh:
+    real = mesh is not None
+    with real_world(mesh, world) if real else fake_world(world) as mesh:
         sharded = shard_model(model, mesh)
         params = [(n, p) for n, p in sharded.named_parameters()]
         if mode == "train" and not any(p.requires_grad for _, p in params):
@@ -196,6 +222,8 @@ def _capture(model: nn.Module, args: Any, kwargs: dict | None, target: torch.Ten
             raise CaptureError(f"tracing the sharded {mode} step of {name} over {world} ranks failed: "
                                f"{type(error).__name__}: {error}") from error
     gm = issue_gathers_ahead(separate_regathers(drop_profiler_calls(gm)))
+    if real:  # the shards' other tensors, as views of the shards (capture.input_views says why)
+        gm = constants_as_views(gm, [t for _, t in state])
     gm, lifted, lifted_names = lift_constants(gm, {id(t): n for n, t in state})
     missing = [n for n, _ in shards if n not in lifted_names]
     if missing:
@@ -208,7 +236,7 @@ def _capture(model: nn.Module, args: Any, kwargs: dict | None, target: torch.Ten
     info = {"mode": mode, "world": world, **({"optimizer": "adamw", "master_weights": False} if trained else {}),
             **(meta or {})}
     program = program_from_graph(gm, kinds, name=name, mode=mode, input_names=names, meta=info)
-    return Captured(program=program, inputs=(*lifted, *flat), step=_not_runnable(world),
+    return Captured(program=program, inputs=(*lifted, *flat), step=_not_runnable(world, real=real),
                     capture_s=time.perf_counter() - start)
 
 
@@ -219,8 +247,11 @@ def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
     return grad._local_tensor if hasattr(grad, "_local_tensor") else grad
 
 
-def _not_runnable(world: int) -> Callable[..., Any]:
+def _not_runnable(world: int, *, real: bool = False) -> Callable[..., Any]:
     def step(*inputs: torch.Tensor) -> Any:
+        if real:
+            raise CaptureError(f"a step captured on a real group of {world} ranks runs as a plan on every rank at "
+                               f"once (hyperoffload.runtime.run_plan in each rank's process), not eagerly")
         raise CaptureError(f"a sharded step captured over {world} fake ranks cannot run in this process: its "
                            f"collectives would move nothing; it is for inspecting, planning and simulating")
 
@@ -228,4 +259,4 @@ def _not_runnable(world: int) -> Callable[..., Any]:
 
 
 __all__ = ["MAX_WORLD", "capture_sharded_prefill_step", "capture_sharded_train_step", "check_world",
-           "default_units", "fake_world", "shard_model"]
+           "default_units", "fake_world", "real_world", "shard_model"]

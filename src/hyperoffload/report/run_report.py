@@ -81,15 +81,20 @@ def run_report(captured: Captured, hardware: Hardware, uncalibrated: Hardware, b
                policy: str = "hyperoffload", config: PlannerConfig | None = None,
                run_config: RunConfig = RunConfig(), threads: int,
                stage: Callable[[str], None] = lambda text: None,
-               progress: Callable[[str, int, int], None] | None = None) -> RunReport:
+               progress: Callable[[str, int, int], None] | None = None,
+               check_plan: Callable[[Plan], object] | None = None) -> RunReport:
     """Plan ``captured``'s step on ``hardware`` (the profile with the executor's dispatch costs;
     ``uncalibrated`` without them) under ``budget`` with ``policy``, and measure it over an emulated link of
     ``hardware``'s bandwidths. ``stage(text)`` hears each step as it starts, ``progress(phase, done, total)`` the
-    timed steps. Raises ``BudgetExceeded`` or ``TransferError`` if the run does."""
+    timed steps. ``check_plan(plan)``, if given, is called with the plan before anything runs (the ranks of a
+    sharded step check that they all hold the same one: ``same_plan.check_same_plan``). Raises ``BudgetExceeded``
+    or ``TransferError`` if the run does."""
     program = captured.program
     stage(f"Planning {len(program.ops):,} ops with {policy}...")
     planned = plan_checked(program, hardware, budget, policy=policy, config=config)
     plan = planned.plan
+    if check_plan is not None:
+        check_plan(plan)
     # A decode plan may run the step's remote-KV form: its inputs are that capture's.
     form = find_captured(plan.program, program) or captured
     stage("Running the planned and the unplanned step...")

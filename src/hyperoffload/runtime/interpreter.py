@@ -73,7 +73,7 @@ from hyperoffload.runtime.arena_step import _ArenaStep
 from hyperoffload.runtime.device_bytes import BudgetExceeded, _DeviceBytes
 from hyperoffload.runtime.lane_ops import _LaneFlight, _LaneOps
 from hyperoffload.runtime.prepared_plan import PreparedPlan, prepare_plan
-from hyperoffload.runtime.reference import run_op
+from hyperoffload.runtime.reference import graph_object, run_op
 from hyperoffload.runtime.step_results import PlanRun, _StepResults
 from hyperoffload.runtime.transfers import SyncTransfers, Transfers, _InFlight, _TransferTracking
 from hyperoffload.runtime.views import _ViewMeta
@@ -240,7 +240,8 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
         return self.env[next(iter(members))].untyped_storage()
 
     def lookup(self, node: torch.fx.Node) -> torch.Tensor:
-        return self.env[self.program.node_values[node.name]]
+        vid = self.program.node_values.get(node.name)
+        return self.env[vid] if vid is not None else graph_object(self.program, node)
 
     # --- the loop ---------------------------------------------------------------------------------
     def run(self, on_instruction: Callable[[int], None] | None) -> PlanRun:

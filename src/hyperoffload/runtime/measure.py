@@ -67,7 +67,7 @@ from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, plan_without_offload
 from hyperoffload.runtime.async_executor import AsyncExecutor
 from hyperoffload.runtime.interpreter import run_plan
-from hyperoffload.runtime.reference import replayed_random_numbers
+from hyperoffload.runtime.reference import replayed_random_numbers, wait_for_work
 from hyperoffload.runtime.step_results import PlanRun
 from hyperoffload.runtime.transfers import Transfers
 from hyperoffload.simulate import simulate
@@ -246,6 +246,8 @@ def custom_op_costs(program: Program, inputs: Sequence[torch.Tensor], repeats: i
             clock = time.thread_time if op.lane else time.perf_counter
             start = clock()
             result = self.call_function(node.target, args, kwargs)
+            if op.collective is not None:  # on a real group: done when the other ranks have taken part
+                wait_for_work(result)
             spent[op.target] += clock() - start
             return result
 

@@ -38,15 +38,30 @@ def op_arguments(node: torch.fx.Node, lookup) -> tuple[tuple, dict]:
     return torch.fx.node.map_arg(node.args, lookup), torch.fx.node.map_arg(node.kwargs, lookup)
 
 
+def graph_object(program: Program, node: torch.fx.Node) -> object:
+    """What the graph itself holds at ``node`` where it is no tensor of the Program: a collective's process group
+    (an fx ``get_attr`` of a TorchScript object), which the op that takes it needs as is. A ``KeyError`` for any
+    other node, as for a value the step does not hold."""
+    if node.op != "get_attr" or node.name in program.node_values:
+        raise KeyError(node.name)
+    return getattr(program.graph, node.target)
+
+
 def run_op(program: Program, op, node: torch.fx.Node, lookup) -> list[torch.Tensor]:
     """Run one captured op on real tensors (``lookup`` maps an fx node to its tensor); return the
     tensors it produced, in the order of ``op.outputs``. Shared by every executor of captured graphs.
 
     Outputs are matched to the capture's by their position in the op's result, as the capture recorded them
     (``program_from_graph``): an output the trace had as None and the kernel returns is dropped, and an empty
-    one the trace had and the kernel leaves out (None) is an empty tensor of the recorded shape and dtype."""
+    one the trace had and the kernel leaves out (None) is an empty tensor of the recorded shape and dtype.
+
+    A collective (``op.collective``) on a real process group returns the tensor it writes and its ``Work``, and
+    the backend may still be writing it: the op waits for the work, so the ops after it read what it wrote, in
+    every executor alike."""
     args, kwargs = op_arguments(node, lookup)
     result = node.target(*args, **kwargs)
+    if op.collective is not None:
+        wait_for_work(result)
     # Most ops return one tensor: skip matching positions (a few microseconds an op, which the executor pays on
     # every op of every step).
     if isinstance(result, torch.Tensor):
@@ -61,6 +76,14 @@ def run_op(program: Program, op, node: torch.fx.Node, lookup) -> list[torch.Tens
     if len(produced) != len(op.outputs):
         raise RuntimeError(f"{op.name} produced {len(produced)} tensors, the capture recorded {len(op.outputs)}")
     return produced
+
+
+def wait_for_work(result) -> None:
+    """Wait for each ``Work`` (a c10d collective's handle: anything with ``wait`` that is no tensor) in
+    ``result``."""
+    for item in result if isinstance(result, (tuple, list)) else (result,):
+        if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None)):
+            item.wait()
 
 
 def _output_at(op, node: torch.fx.Node, position: int, got, recorded: torch.Tensor, result) -> torch.Tensor:
@@ -111,7 +134,8 @@ def run_reference(program: Program, inputs: Sequence[torch.Tensor], order: Seque
         env[vid] = getattr(program.graph, nodes[program.values[vid].name].target)
 
     def lookup(node: torch.fx.Node) -> torch.Tensor:
-        return env[program.node_values[node.name]]
+        vid = program.node_values.get(node.name)
+        return env[vid] if vid is not None else graph_object(program, node)
 
     live: list[int] = []
     with torch.no_grad():

@@ -20,7 +20,8 @@ from hyperoffload.workloads.presets import Workload
 def capture_workload(workload: Workload, mode: str, *, batch: int | None = None, seq: int | None = None,
                      context: int | None = None, fake: bool = True, master_weights: bool = False,
                      seed: int = 0, remote_kv: bool = False, pool_blocks: int | None = None,
-                     reselection: float | None = None, speculative: bool = False, world: int = 1) -> Captured:
+                     reselection: float | None = None, speculative: bool = False, world: int = 1,
+                     mesh=None) -> Captured:
     """Capture ``mode`` ("train", "prefill" or "decode") of ``workload``.
 
     ``fake=True`` builds the model and batch as fake tensors (no memory: any size can be
@@ -36,7 +37,8 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
     device says how to capture those forms in its Program (``Program.remote_kv``, a ``variants.RemoteKvForms``).
 
     ``world`` > 1 captures rank 0's step of the model sharded with FSDP2 over that many ranks
-    (``capture.sharded``), train or prefill.
+    (``capture.sharded``), train or prefill; on a fake process group, or with ``mesh`` (a 1-D DeviceMesh of
+    ``world`` ranks over a real group) this rank's step on that group, whose graph communicates when run.
     """
     _refuse_what_the_mode_does_not_take(mode, remote_kv=remote_kv, seq=seq, context=context, world=world,
                                         master_weights=master_weights)
@@ -45,10 +47,10 @@ def capture_workload(workload: Workload, mode: str, *, batch: int | None = None,
     model, tokens, targets = _built(workload, mode, batch=batch, seq=seq, fake=fake, seed=seed)
     if world > 1 and mode == "train":
         return capture_sharded_train_step(model, (tokens,), targets, world=world, name=workload.name,
-                                          meta={**meta, "seq": seq})
+                                          meta={**meta, "seq": seq}, mesh=mesh)
     if world > 1:
         return capture_sharded_prefill_step(model, (tokens,), world=world, name=workload.name,
-                                            meta={**meta, "seq": seq})
+                                            meta={**meta, "seq": seq}, mesh=mesh)
     if mode == "train":
         return capture_train_step(model, (tokens,), targets, optimizer=AdamW(master_weights=master_weights),
                                   name=workload.name, meta={**meta, "seq": seq})
