@@ -451,6 +451,12 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from hyperoffload.runtime.measure import RunConfig, executor_dispatch_s, executor_issue_s, for_executor
 
     if args.world > 1:
+        from hyperoffload.policies import HOST_COMPUTE
+
+        if args.policy in HOST_COMPUTE and args.mode == "train":
+            raise ValueError(f"--policy {args.policy} runs a sharded training step's optimizer on the host CPU, which "
+                             f"the runtime cannot do yet: it is simulated only (plan, simulate, compare --world "
+                             f"{args.world}); run another policy, such as hyperoffload")
         return _run_world(args, out, err)
     threads = _run_threads(args)
     torch.set_num_threads(threads)

@@ -135,19 +135,21 @@ def _with_budget_figures(timeline: Timeline, plan: Plan, program: Program, hardw
     if f.budget_bytes == budget:
         return timeline
     peak = memory_profile(program).peak_bytes if peak_bytes is None else peak_bytes
-    excess, bound, duplex = budget_bounds(plan.program, hardware, f.compute_s, budget, peak)
+    # The compute stream, the network and the host each run their ops one at a time (as ``simulate`` bounds them).
+    busiest = max(f.compute_s, f.network_s, f.host_s)
+    excess, bound, duplex = budget_bounds(plan.program, hardware, busiest, budget, peak)
     return replace(timeline, figures=replace(f, budget_bytes=budget, excess_bytes=excess, bound_s=bound,
                                              duplex_bound_s=duplex))
 
 
 def compare(program: Program, hardware: Hardware | str, budget: int | str,
             policies: Sequence[str] | None = None) -> list[PolicyResult]:
-    """Every policy in ``policies`` (default: all registered, less those that move only a KV cache when the
-    step has none) for the same budget, in that order. ``hardware`` is a profile or its name; ``budget`` is
+    """Every policy in ``policies`` (default: those that apply to the step on ``hardware``, ``policies_for``) for
+    the same budget, in that order. ``hardware`` is a profile or its name; ``budget`` is
     bytes, or text as ``plan`` takes it (``"40GiB"``, ``"50%"``, ``"hideable"``)."""
     hardware = as_hardware(hardware)
     budget_bytes = parse_budget(budget, program, hardware)
-    names = policies_for(program) if policies is None else list(policies)
+    names = policies_for(program, hardware) if policies is None else list(policies)
     peak = memory_profile(program).peak_bytes
     return [run_policy(program, hardware, budget_bytes, name, peak) for name in names]
 

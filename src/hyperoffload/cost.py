@@ -9,6 +9,14 @@ costs the compute stream nothing (``op_time`` 0) and takes its ring time on the 
 a registry override the default. A transfer takes a fixed latency plus bytes over the link
 bandwidth; the simulator slows the data phase while both directions copy at once.
 
+**Host ops.** An op on the host lane (``Op.lane`` ``"host"``: an optimizer step run on the CPU over host state, as
+FSDP2's ``CPUOffloadPolicy`` and DeepSpeed's CPU Adam run it) takes the bytes it reads and writes over the host
+memory bandwidth one rank gets, plus one eager op's dispatch on the CPU (``host_op_time``). FLOPs are ignored:
+AdamW does a handful of FLOPs per 4-byte element it streams, far below what a server CPU computes per byte of
+memory bandwidth, so it is memory-bound there. The bandwidth is the theoretical peak of the node's memory channels
+(``Hardware.host_mem_bw``), shared by the node's ranks that step at the same time: the host ops come out faster
+than a real CPU runs them, and a baseline that uses them is optimistic.
+
 **Measured op costs.** A roofline describes an aten kernel; an operator implemented in Python (a
 custom op running many aten calls and loops) costs far more than its FLOPs and bytes say. A profile
 made by ``with_measured_op_costs`` charges such targets what they were measured to take on that
@@ -27,7 +35,7 @@ from types import MappingProxyType
 
 from hyperoffload.collectives import collective_s
 from hyperoffload.hardware import Hardware
-from hyperoffload.ir import Op, Program
+from hyperoffload.ir import HOST_LANE, Op, Program
 from hyperoffload.memo import per_program
 
 CostRule = Callable[[Op, Program, Hardware], float]
@@ -171,10 +179,70 @@ def network_time(program: Program, hardware: Hardware) -> float:
     return float(sum(collective_op_time(op, hardware) for op in _collectives(program)))
 
 
-def side_op_time(op: Op, hardware: Hardware) -> float:
+HOST_DISPATCH_S = 3e-6
+"""Seconds of host CPU time each host op costs beside its memory traffic: the dispatch of one eager PyTorch op on
+the CPU (a CPU AdamW with ``foreach`` off, the default for CPU tensors, dispatches a handful of ops per parameter).
+PyTorch's operator micro-benchmarks time a split of an 8x8 CPU tensor, almost all dispatch, at 3.3-3.5 us
+(pytorch/pytorch#32194, docs/references.md); 3 us."""
+
+
+class HostBandwidthMissing(ValueError):
+    """A host op was to be timed on a profile that states no host memory bandwidth (``Hardware.host_mem_bw`` 0)."""
+
+
+def missing_host_bandwidth(hardware: Hardware,
+                           what: str = "a host op runs on the host CPU, which") -> HostBandwidthMissing:
+    """The error for timing host ops on ``hardware`` without a host memory bandwidth (``what`` begins the message and
+    ends on "which"): names the field and how to give it."""
+    return HostBandwidthMissing(
+        f"{what} the profile {hardware.name!r} gives no memory bandwidth for "
+        f"(host_mem_bw = 0, not stated): give one with hardware.replace(host_mem_bw=...) (bytes/s, the node's memory "
+        f"channels together, e.g. 614.4e9 for two Xeon Platinum 8480C), or host_mem_bw = \"614.4GB/s\" in a "
+        f"profile file")
+
+
+def host_ranks(program: Program, hardware: Hardware) -> int:
+    """Ranks of ``program``'s world (``meta["world"]``, 1 unsharded) on one node of ``hardware``: those that run
+    their optimizer step on the host at the same time and share the node's host memory bandwidth,
+    ``min(world, devices_per_node)`` (as ``host_memory.ranks_per_node`` shares its capacity)."""
+    return max(1, min(int(program.meta.get("world", 1)), hardware.devices_per_node))
+
+
+def host_op_time(op: Op, hardware: Hardware, ranks: int = 1) -> float:
+    """Seconds a host op (``Op.lane`` ``"host"``) occupies the host lane: the bytes it reads and writes over the
+    bandwidth one of ``ranks`` ranks gets of the node's host memory (``host_mem_bw / ranks``), plus
+    ``HOST_DISPATCH_S``; FLOPs ignored (module docstring). Raises ``HostBandwidthMissing`` on a profile with no
+    ``host_mem_bw``."""
+    if op.lane != HOST_LANE:
+        raise ValueError(f"op {op.name} is not a host op")
+    if not hardware.host_mem_bw:
+        raise missing_host_bandwidth(hardware, f"host op {op.name} ({op.target}) runs on the host CPU, which")
+    return (op.bytes_read + op.bytes_written) * ranks / hardware.host_mem_bw + HOST_DISPATCH_S
+
+
+@per_program
+def _host_ops(program: Program) -> tuple[Op, ...]:
+    """The program's host ops, found once per program."""
+    return tuple(op for op in program.ops if op.lane == HOST_LANE)
+
+
+def host_time(program: Program, hardware: Hardware) -> float:
+    """Seconds the program's host ops occupy the host lane one after another (0 without host ops): no plan of it
+    steps faster, since the host lane runs one at a time."""
+    ops = _host_ops(program)
+    if not ops:
+        return 0.0
+    ranks = host_ranks(program, hardware)
+    return float(sum(host_op_time(op, hardware, ranks) for op in ops))
+
+
+def side_op_time(op: Op, hardware: Hardware, host_ranks: int = 1) -> float:
     """Seconds an op that runs beside the compute stream occupies its own stream alone: a lane op its copy lane
-    (``lane_op_time``), a collective the network (``collective_op_time``)."""
-    return collective_op_time(op, hardware) if op.collective is not None else lane_op_time(op, hardware)
+    (``lane_op_time``), a host op the host lane (``host_op_time``, ``host_ranks`` sharing the node's host memory),
+    a collective the network (``collective_op_time``)."""
+    if op.collective is not None:
+        return collective_op_time(op, hardware)
+    return host_op_time(op, hardware, host_ranks) if op.lane == HOST_LANE else lane_op_time(op, hardware)
 
 
 def op_times(program: Program, hardware: Hardware) -> tuple[float, ...]:

@@ -10,8 +10,9 @@ them anew, so a new kind is described in one place (its validity rules stay in t
 simulator, its effect on tensors in the executor and the lowering, each a method per kind).
 
 Streams: ``COMPUTE`` (the compute stream), ``H2D`` (remote -> device copy lane), ``D2H`` (device ->
-remote copy lane), ``NET`` (the network between ranks). A compute of a lane op (``Op.lane``) runs on that op's
-copy lane instead, and a compute of a collective (``Op.collective``) on the network (``Op.stream``).
+remote copy lane), ``NET`` (the network between ranks), ``HOST`` (the host CPU). A compute of a lane op
+(``Op.lane``) runs on that op's lane instead (a copy lane, or the host for a host op), and a compute of a
+collective (``Op.collective``) on the network (``Op.stream``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ if TYPE_CHECKING:  # annotations only: plans imports this module
     from hyperoffload.ir import Program
     from hyperoffload.plans import Instr, Plan
 
-COMPUTE, H2D, D2H, NET = "compute", "h2d", "d2h", "net"
-STREAMS = (COMPUTE, H2D, D2H, NET)
+COMPUTE, H2D, D2H, NET, HOST = "compute", "h2d", "d2h", "net", "host"
+STREAMS = (COMPUTE, H2D, D2H, NET, HOST)
 
 
 class Kind(str, Enum):

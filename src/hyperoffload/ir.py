@@ -65,11 +65,19 @@ class Value:
     """Bytes of the storage allocation if this value owns it, else 0."""
     remote: bool = False
     """True for a storage that lives in remote memory for the whole step (a step input such as a
-    remote KV cache): it takes no device memory (``alloc_bytes`` is 0) and only lane ops touch it."""
+    remote KV cache, or what a lane op makes there: the host copy of a gradient, a host op's result), and for
+    views of one: it takes no device memory (``alloc_bytes`` is 0) and only lane ops read its data (a view of
+    it on the compute stream reads none)."""
 
     @property
     def owns_storage(self) -> bool:
         return self.storage == self.id
+
+
+LANES = ("h2d", "d2h", "host")
+"""What ``Op.lane`` may be (besides None): the two copy lanes, and the host CPU."""
+HOST_LANE = "host"
+"""``Op.lane`` of an op that runs on the host CPU over host memory."""
 
 
 class CollectiveKind(str, Enum):
@@ -121,7 +129,9 @@ class Op:
     lane: str | None = None
     """``"h2d"`` or ``"d2h"`` for a *lane op*: an op that moves data between remote memory and the
     device (an indexed prefetch of KV blocks, a write of new rows to a remote cache). It runs on that
-    copy lane, not on the compute stream, once the ops it depends on have finished. None for compute."""
+    copy lane, not on the compute stream, once the ops it depends on have finished. ``"host"`` (``HOST_LANE``)
+    for a lane op that computes on the host CPU over host (remote) memory only, such as an optimizer step
+    over host state: it runs on the host lane (``cost.host_op_time``). None for compute."""
     transfer_bytes: int = 0
     """For a lane op, the bytes it moves over the link per step (for a data-dependent fetch, the
     expected bytes under the capture's stated statistics); 0 for compute ops."""
@@ -141,8 +151,8 @@ class Op:
 
     @property
     def stream(self) -> str:
-        """Where the op runs: its copy lane (``"h2d"``, ``"d2h"``) for a lane op, the network (``"net"``) for a
-        collective, the compute stream (``"compute"``) for every other op (``instructions.STREAMS``)."""
+        """Where the op runs: its lane (``"h2d"``, ``"d2h"``, ``"host"``) for a lane op, the network (``"net"``) for
+        a collective, the compute stream (``"compute"``) for every other op (``instructions.STREAMS``)."""
         if self.lane is not None:
             return self.lane
         return "compute" if self.collective is None else "net"
@@ -218,6 +228,12 @@ class Program:
         """Whether the step moves data itself (``Op.lane``)."""
         return any(op.lane is not None for op in self.ops)
 
+    @per_program
+    def has_host_ops(self) -> bool:
+        """Whether some ops run on the host CPU (``Op.lane`` ``"host"``): such a step can be simulated, not run
+        (the runtime has no host lane). Found once per program (every simulation asks)."""
+        return any(op.lane == HOST_LANE for op in self.ops)
+
     def has_side_ops(self) -> bool:
         """Whether some ops run beside the compute stream: lane ops on the copy lanes, collectives on the network
         (``Op.stream``)."""
@@ -279,6 +295,8 @@ def verify_program(program: Program) -> None:
             raise ValueError(f"value {v.name} has inconsistent byte counts")
         if v.remote and (v.alloc_bytes or not values[v.storage].remote):
             raise ValueError(f"remote value {v.name} must take no device memory and alias only remote storage")
+        if not v.remote and values[v.storage].remote:
+            raise ValueError(f"value {v.name} aliases remote storage {values[v.storage].name}: mark it remote too")
     defined = [False] * len(values)
     for i in (*program.inputs, *program.constants):
         defined[i] = True
@@ -290,28 +308,48 @@ def verify_program(program: Program) -> None:
                 raise ValueError(f"op {op.name} reads {values[v].name} before it is produced")
         if not set(op.mutates) <= set(op.inputs):
             raise ValueError(f"op {op.name} mutates a value it does not read")
-        if op.lane not in (None, "h2d", "d2h"):
-            raise ValueError(f"op {op.name} has lane {op.lane!r}; a lane is 'h2d', 'd2h' or None")
+        if op.lane is not None and op.lane not in LANES:
+            raise ValueError(f"op {op.name} has lane {op.lane!r}; a lane is 'h2d', 'd2h', 'host' or None")
         if op.collective is not None and (op.collective.group_size < 1 or op.collective.full_bytes < 0):
             raise ValueError(f"op {op.name} has a collective over {op.collective.group_size} ranks of "
                              f"{op.collective.full_bytes} bytes; a group has >= 1 rank and bytes are >= 0")
-        touches_remote = any(values[v].remote for v in op.inputs)
-        if touches_remote and op.lane is None:
-            raise ValueError(f"op {op.name} ({op.target}) reads a remote value on the compute stream; only lane "
-                             f"ops (an indexed prefetch, a remote write) may touch remote memory")
+        _check_remote_access(op, values)
         for v in op.outputs:
             if defined[v]:
                 raise ValueError(f"value {values[v].name} is produced twice (again by {op.name})")
             defined[v] = True
-    stray = [v.name for v in values if v.remote and v.id not in set(program.inputs)]
+    made_remote = {v for op in ops if op.lane is not None for v in op.outputs}
+    held = set(program.inputs) | set(program.constants)
+    stray = [v.name for v in values if v.remote and v.owns_storage and v.id not in held and v.id not in made_remote]
     if stray:
-        raise ValueError(f"remote values must be step inputs (lane ops take them whole), not {stray[:5]}")
+        raise ValueError(f"remote storages must be step inputs or made by lane ops, not {stray[:5]}")
     missing = [values[v].name for v in program.outputs if not defined[v]]
     if missing:
         raise ValueError(f"step outputs never produced: {missing}")
     undefined = [v.name for v, d in zip(values, defined) if not d]
     if undefined:
         raise ValueError(f"values neither step inputs nor produced by an op: {undefined[:5]}")
+
+
+def _check_remote_access(op: Op, values: Sequence[Value]) -> None:
+    """Only lane ops touch remote data: an op on the compute stream (or the network) reads no remote value but
+    through a view (which reads no data) and makes no remote storage; a host op (``HOST_LANE``) reads and writes
+    host memory only."""
+    if op.lane == HOST_LANE:
+        device = [values[v].name for v in (*op.inputs, *op.outputs) if not values[v].remote]
+        if device:
+            raise ValueError(f"host op {op.name} ({op.target}) touches device values {device[:3]}; a host op reads "
+                             f"and writes host (remote) memory only: copy them over a copy lane first")
+        return
+    if op.lane is not None or op.is_view:
+        return
+    if any(values[v].remote for v in op.inputs):
+        raise ValueError(f"op {op.name} ({op.target}) reads a remote value on the compute stream; only lane "
+                         f"ops (an indexed prefetch, a remote write, a host op) may touch remote memory")
+    made = [values[v].name for v in op.outputs if values[v].remote and values[v].owns_storage]
+    if made:
+        raise ValueError(f"op {op.name} ({op.target}) makes remote storage {made[:3]} on the compute stream; only "
+                         f"lane ops make storages in remote memory")
 
 
 def kind_bytes(program: Program, kinds: Iterable[ValueKind]) -> int:

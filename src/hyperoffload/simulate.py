@@ -1,4 +1,5 @@
-"""Discrete-event simulation of a Plan on a hardware profile: one compute stream, two copy lanes, one network lane.
+"""Discrete-event simulation of a Plan on a hardware profile: one compute stream, two copy lanes, one network lane
+and, for a step with host ops, the host CPU.
 
 Time advances from event to event (an op ends, a copy's latency ends, a copy's data has
 moved). Rules, in the order a real runtime would follow them:
@@ -26,6 +27,10 @@ moved). Rules, in the order a real runtime would follow them:
   waits for it (a network stall). The network lane is independent of the copy lanes: the links between devices
   (NVLink, a SuperPod's fabric) are not the host links (``docs/design.md``, "The network lane", says where this
   holds and where it does not).
+* A host op (``Op.lane`` ``"host"``: an optimizer step on the CPU over host state) runs on the host lane, one at a
+  time in plan order, for ``cost.host_op_time``. It is issued and waits as a lane op does, and an op that depends on
+  it waits for it (a host stall). The host lane is independent of the compute stream, the copy lanes and the
+  network (``docs/design.md``, "Host compute"). A step without host ops has no host lane.
 
 The plan is checked first (``check_plan``); an invalid plan raises ``PlanError`` naming the
 instruction and is never simulated. Results are deterministic.
@@ -39,9 +44,11 @@ from typing import NamedTuple
 
 from hyperoffload.analysis import memory_profile
 from hyperoffload.analysis.dependency_bound import dependency_bound
-from hyperoffload.cost import collective_op_time, lane_op_time, network_time, op_times
+from hyperoffload.cost import (collective_op_time, host_op_time, host_ranks, host_time, lane_op_time, network_time,
+                               op_times)
 from hyperoffload.hardware import Hardware, as_hardware
-from hyperoffload.instructions import COMPUTE, D2H, H2D, NET, RULES, alloc_bytes, copy_traffic, inputs_end_on_device
+from hyperoffload.instructions import (COMPUTE, D2H, H2D, HOST, NET, RULES, alloc_bytes, copy_traffic,
+                                      inputs_end_on_device)
 from hyperoffload.instructions import STREAMS  # noqa: F401 (re-exported)
 from hyperoffload.ir import Program
 from hyperoffload.memo import per_program
@@ -62,10 +69,10 @@ class Interval(NamedTuple):
 
 
 class Stall(NamedTuple):
-    """The compute stream waiting, with work left, on a copy, a collective or memory (seconds)."""
+    """The compute stream waiting, with work left, on a copy, a collective, a host op or memory (seconds)."""
 
     cause: str
-    """``"copy"``, ``"network"`` or ``"memory"``."""
+    """``"copy"``, ``"network"``, ``"host"`` or ``"memory"``."""
     start: float
     end: float
     instruction: int
@@ -109,6 +116,11 @@ class Figures:
     0 for a step of one rank. No plan steps faster: ``lower_bound_s`` and ``bound_s`` count it."""
     stall_network_s: float = 0.0
     """Seconds the compute stream waited on collectives."""
+    host_s: float = 0.0
+    """Seconds the step's host ops occupy the host lane, one after another (``cost.host_op_time``); 0 for a step
+    without host ops. No plan steps faster: ``lower_bound_s`` and ``bound_s`` count it."""
+    stall_host_s: float = 0.0
+    """Seconds the compute stream waited on host ops."""
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -178,7 +190,9 @@ def _figures(stalls: tuple[Stall, ...], m: _Measured) -> Figures:
     counted = [st for st in stalls if st.instruction >= m.counted_from] if m.counted_from else stalls
     h2d_bytes, d2h_bytes = plan_traffic(step)
     network_s = network_time(step.program, hardware)
-    busiest = max(compute_s, network_s)  # the compute stream and the network lane each run their ops one at a time
+    host_s = host_time(step.program, hardware)
+    # The compute stream, the network lane and the host lane each run their ops one at a time.
+    busiest = max(compute_s, network_s, host_s)
     lower_bound = max(busiest, h2d_bytes / hardware.h2d_bw, d2h_bytes / hardware.d2h_bw)
     budget = step.budget_bytes
     excess = bound = duplex_bound = None
@@ -192,7 +206,8 @@ def _figures(stalls: tuple[Stall, ...], m: _Measured) -> Figures:
         stall_memory_s=sum(s.end - s.start for s in counted if s.cause == "memory"),
         budget_bytes=budget, excess_bytes=excess, bound_s=bound, duplex_bound_s=duplex_bound,
         dependency_bound_s=dependency_bound(step.program, hardware, compute_s), steady_state=m.steady_state,
-        network_s=network_s, stall_network_s=sum(s.end - s.start for s in counted if s.cause == "network"))
+        network_s=network_s, stall_network_s=sum(s.end - s.start for s in counted if s.cause == "network"),
+        host_s=host_s, stall_host_s=sum(s.end - s.start for s in counted if s.cause == "host"))
 
 
 class _Copy:
@@ -265,7 +280,8 @@ def simulate(plan: Plan, hardware: Hardware | str, *, release_waits: bool = Fals
             for lo, hi in ((starts[0], starts[1]), (starts[1], len(instrs)))]
     m = timeline.measured
     # The steady step's own stalls are those from the second step's first instruction on.
-    steady = m._replace(step_s=max(ends[1] - ends[0], m.compute_s, network_time(single.program, hardware)),
+    steady = m._replace(step_s=max(ends[1] - ends[0], m.compute_s, network_time(single.program, hardware),
+                                   host_time(single.program, hardware)),
                         steady_state=True, counted_from=starts[1])
     return Timeline(intervals=timeline.intervals, memory=timeline.memory, stalls=timeline.stalls,
                     plan=timeline.plan, measured=steady)
@@ -347,7 +363,8 @@ class _Facts:
     the storages' history so far (last writer, last offload, readers, transfer in flight)."""
 
     __slots__ = ("program", "hardware", "values", "cost", "n", "budget", "issuing", "alloc", "op_reads", "op_writes",
-                 "after", "wait_for", "on_lane", "on_net", "net_s", "copy_bytes", "queues", "compute_stream", "has_lanes", "op_instr",
+                 "after", "wait_for", "on_lane", "on_net", "on_host", "fixed_s", "copy_bytes", "queues",
+                 "compute_stream", "has_lanes", "has_host", "host_ranks", "lanes", "op_instr",
                  "deps", "lane_deps", "frees_after", "deferred_frees", "last_writer", "last_offload", "readers_since",
                  "pending_transfer", "last_transfer", "allocating", "blocked_releases", "outstanding", "freed_bytes",
                  "release_bytes", "is_wait", "release_waits")
@@ -366,9 +383,15 @@ class _Facts:
         self.wait_for = [-1] * n  # the transfer a WAIT (or, with ``release_waits``, a release) stops the stream for
         self.on_lane = [False] * n  # beside the compute stream: prefetches, offloads, lane ops and collectives
         self.on_net = [False] * n  # collectives
-        self.net_s = [0.0] * n  # a collective's seconds on the network lane
+        self.on_host = [False] * n  # host ops
+        self.fixed_s = [0.0] * n  # a collective's seconds on the network lane, a host op's on the host lane
         self.copy_bytes = [0] * n
-        self.queues = ([], [], [])  # the instructions of the copy lanes H2D and D2H and the network, in plan order
+        # The instructions of the copy lanes H2D and D2H, the network and the host, in plan order; the lanes the
+        # event loop visits (the host only where the step has host ops).
+        self.queues = ([], [], [], [])
+        self.has_host = program.has_host_ops()
+        self.lanes = (0, 1, 2, 3) if self.has_host else (0, 1, 2)
+        self.host_ranks = host_ranks(program, hardware) if self.has_host else 1
         self.compute_stream: list[int] = []
         # Lane ops and collectives wait for the ops they depend on, and compute ops for the lane ops and collectives
         # they depend on; a step without either (every unsharded training step) needs none of this bookkeeping.
@@ -434,8 +457,13 @@ class _Facts:
         self.lane_deps[i] = tuple(self.op_instr[d] for d in self.deps[op_id])
         if op.collective is not None:
             self.on_net[i] = True
-            self.net_s[i] = collective_op_time(op, self.hardware)
+            self.fixed_s[i] = collective_op_time(op, self.hardware)
             self.queues[2].append(i)
+            return
+        if op.lane == HOST:
+            self.on_host[i] = True
+            self.fixed_s[i] = host_op_time(op, self.hardware, self.host_ranks)
+            self.queues[3].append(i)
             return
         # A lane op moves its bytes, or, where the profile measured its kernel as slower than the link (a Python
         # kernel on an emulated link), takes that long: as many bytes as the lane moves then.
@@ -476,6 +504,15 @@ class _Facts:
         if self.release_waits and offload >= 0:
             self.wait_for[i] = offload  # the compute stream stops here until the offload has landed
             self.compute_stream.append(i)
+
+
+def _side_stall(finish: list[float], deps: tuple[int, ...], on_net: list[bool], on_host: list[bool]) -> str:
+    """Why the compute stream waits for the unfinished side ops among ``deps``: ``"network"`` if a collective is among
+    them, else ``"host"`` if a host op is, else ``"copy"``."""
+    waiting = [d for d in deps if finish[d] < 0]
+    if any(on_net[d] for d in waiting):
+        return "network"
+    return "host" if any(on_host[d] for d in waiting) else "copy"
 
 
 @per_program
@@ -557,7 +594,9 @@ def _run_events(plan: Plan, hardware: Hardware, facts: _Facts, initial_bytes: in
         if not needs:  # released before anything read or copied it this step: free from the start
             free(facts.values[storage].alloc_bytes, 0.0)
     cs = _Stream(facts.compute_stream[::-1], n)
-    active: list[_Copy | None] = [None, None, None]  # what runs on each lane (0: H2D, 1: D2H, 2: the network)
+    # What runs on each lane (0: H2D, 1: D2H, 2: the network, 3: the host, only for a step with host ops).
+    active: list[_Copy | None] = [None, None, None, None] if facts.has_host else [None, None, None]
+    has_host = facts.has_host
     issued = [not nbytes for nbytes in facts.alloc]  # whether each instruction's buffer is allocated (or needs none)
     issue_copies = _copy_issuer(facts, run.memory, to_allocate, allocate, issued, cs)
     start_compute = _compute_starter(plan, facts, run, to_allocate, allocate, cs)
@@ -582,7 +621,7 @@ def _run_events(plan: Plan, hardware: Hardware, facts: _Facts, initial_bytes: in
                 last = 1
             elif last == 1:
                 break
-            # 2. Copy lanes start their next copies, the network its next collective.
+            # 2. Copy lanes start their next copies, the network its next collective, the host its next host op.
             if None in active and start_copies(t):
                 last = 2
             elif last == 2:
@@ -594,8 +633,9 @@ def _run_events(plan: Plan, hardware: Hardware, facts: _Facts, initial_bytes: in
                 last = 3
             elif last == 3:
                 break
-            # 4. Copies and collectives finish.
-            if (active[0] is not None or active[1] is not None or active[2] is not None) and finish_copies(t):
+            # 4. Copies, collectives and host ops finish.
+            if (active[0] is not None or active[1] is not None or active[2] is not None
+                    or (has_host and active[3] is not None)) and finish_copies(t):
                 last = 4
             elif last in (4, -1):  # -1: a whole first round without change
                 break
@@ -664,7 +704,7 @@ def _compute_starter(plan: Plan, facts: _Facts, run: _Run, to_allocate: list[int
     stall on a copy or on memory, closed when the instruction starts or the reason changes); whether it started."""
     program, instrs = plan.program, plan.instructions
     is_wait, wait_for, has_lanes, lane_deps = facts.is_wait, facts.wait_for, facts.has_lanes, facts.lane_deps
-    on_net = facts.on_net
+    on_net, on_host = facts.on_net, facts.on_host
     alloc, budget, cost, issuing, ops = facts.alloc, facts.budget, facts.cost, facts.issuing, program.ops
     finish, memory, intervals, stalls, todo, end = run.finish, run.memory, run.intervals, run.stalls, cs.todo, cs.end
     stall_since: float | None = None
@@ -676,7 +716,7 @@ def _compute_starter(plan: Plan, facts: _Facts, run: _Run, to_allocate: list[int
         if is_wait[i]:
             why = "copy" if finish[wait_for[i]] < 0 else ""
         elif has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
-            why = "network" if any(finish[d] < 0 and on_net[d] for d in lane_deps[i]) else "copy"
+            why = _side_stall(finish, lane_deps[i], on_net, on_host)
         elif alloc[i] and (to_allocate[-1] != i or (budget is not None and memory[-1][1] + alloc[i] > budget)):
             why = "memory"  # no room under the budget, or an earlier prefetch waits for room first
         else:
@@ -711,18 +751,19 @@ def _compute_starter(plan: Plan, facts: _Facts, run: _Run, to_allocate: list[int
 
 
 def _copy_starter(facts: _Facts, finish: list[float], issued: list[bool], active: list[_Copy | None], cs: _Stream):
-    """Step 2, ``start_copies(t)``: each idle copy lane starts its next copy, and an idle network its next collective,
-    once the compute stream has reached it, its buffer is issued and what it waits for has finished; whether any
-    lane started one. A collective is a ``_Copy`` of no bytes whose fixed part is its whole time."""
+    """Step 2, ``start_copies(t)``: each idle copy lane starts its next copy, an idle network its next collective and
+    an idle host its next host op, once the compute stream has reached it, its buffer is issued and what it waits
+    for has finished; whether any lane started one. A collective or a host op is a ``_Copy`` of no bytes whose fixed
+    part is its whole time."""
     queues, after, has_lanes, lane_deps = facts.queues, facts.after, facts.has_lanes, facts.lane_deps
-    copy_bytes, hardware, net_s = facts.copy_bytes, facts.hardware, facts.net_s
+    copy_bytes, hardware, fixed_s, lanes = facts.copy_bytes, facts.hardware, facts.fixed_s, facts.lanes
     latency = (hardware.h2d_latency_s, hardware.d2h_latency_s)
-    lane_pos = [0, 0, 0]
+    lane_pos = [0, 0, 0, 0]
 
     def start_copies(t: float) -> bool:
         changed = False
         reach = cs.reach
-        for lane in (0, 1, 2):
+        for lane in lanes:
             if active[lane] is not None:
                 continue
             queue = queues[lane]
@@ -734,7 +775,7 @@ def _copy_starter(facts: _Facts, finish: list[float], issued: list[bool], active
             if has_lanes and any(finish[d] < 0 for d in lane_deps[i]):
                 continue
             lane_pos[lane] += 1
-            active[lane] = _Copy(i, t, t + (latency[lane] if lane < 2 else net_s[i]), float(copy_bytes[i]))
+            active[lane] = _Copy(i, t, t + (latency[lane] if lane < 2 else fixed_s[i]), float(copy_bytes[i]))
             changed = True
         return changed
 
@@ -743,16 +784,18 @@ def _copy_starter(facts: _Facts, finish: list[float], issued: list[bool], active
 
 def _copy_finisher(plan: Plan, intervals: list[Interval], active: list[_Copy | None], finished):
     """Step 4, ``finish_copies(t)``: the copies whose latency has passed and whose data has moved end, and the
-    collective whose time has passed; whether any did."""
+    collective and host op whose time has passed; whether any did."""
     program, instrs = plan.program, plan.instructions
-    lanes = (H2D, D2H, NET)
+    streams = (H2D, D2H, NET, HOST)
+    lanes = tuple(range(len(active)))
 
     def finish_copies(t: float) -> bool:
         changed = False
-        for lane in (0, 1, 2):
+        for lane in lanes:
             copy = active[lane]
             if copy is not None and copy.latency_end <= t + _EPS and copy.remaining <= _EPS:
-                intervals.append(Interval(lanes[lane], copy.start, t, copy.instr, instrs[copy.instr].describe(program)))
+                intervals.append(Interval(streams[lane], copy.start, t, copy.instr,
+                                          instrs[copy.instr].describe(program)))
                 active[lane] = None
                 finished(copy.instr, t)
                 changed = True
@@ -763,8 +806,8 @@ def _copy_finisher(plan: Plan, intervals: list[Interval], active: list[_Copy | N
 
 def _clock(plan: Plan, hardware: Hardware, active: list[_Copy | None], cs: _Stream):
     """``next_event(t)``: the time of the next event after ``t`` (the running compute ends, a copy's latency ends,
-    a copy's data phase ends, both lanes moving data sharing the link, or a collective ends), with the copies' data
-    moved until then;
+    a copy's data phase ends, both lanes moving data sharing the link, a collective or a host op ends), with the
+    copies' data moved until then;
     None once nothing runs. Raises ``PlanError`` (``_stuck``) where time would not advance to a finite time."""
     bandwidth = (hardware.h2d_bw, hardware.d2h_bw)
     duplex_share = hardware.duplex_share
@@ -772,16 +815,21 @@ def _clock(plan: Plan, hardware: Hardware, active: list[_Copy | None], cs: _Stre
     # More means a time that never advances (NaN, or an infinite latency that slipped past the profile's checks):
     # refuse it rather than loop for ever.
     events_left = 4 * _EVENTS_PER_INSTRUCTION * len(plan.instructions) + 16
+    has_host = len(active) > 3
 
     def next_event(t: float) -> float | None:
         nonlocal events_left
-        h2d, d2h, net = active
+        h2d, d2h, net = active[0], active[1], active[2]
         moving_h2d = h2d is not None and h2d.latency_end <= t + _EPS
         moving_d2h = d2h is not None and d2h.latency_end <= t + _EPS
         share = duplex_share if moving_h2d and moving_d2h else 1.0
         nxt = cs.until if cs.running >= 0 else None
         if net is not None:
             nxt = net.latency_end if nxt is None or net.latency_end < nxt else nxt
+        if has_host:
+            host = active[3]
+            if host is not None:
+                nxt = host.latency_end if nxt is None or host.latency_end < nxt else nxt
         for copy, moving, bw in ((h2d, moving_h2d, bandwidth[0]), (d2h, moving_d2h, bandwidth[1])):
             if copy is not None:
                 end = t + copy.remaining / (bw * share) if moving else copy.latency_end

@@ -8,7 +8,7 @@ import pytest
 from output_checks import FIGURES
 
 from hyperoffload.cli import main
-from hyperoffload.policies import KV_ONLY, POLICIES
+from hyperoffload.policies import KV_ONLY, POLICIES, SHARDED_ONLY
 
 STEP = ["--workload", "tiny-llama", "--mode", "train", "--hardware", "h100-sxm"]
 
@@ -17,7 +17,7 @@ def test_compare_command_json_table_and_plot(tmp_path, capsys):
     plot = tmp_path / "compare.png"
     assert main(["compare", *STEP, "--budget", "60%", "--json", "--plot", str(plot)]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["policy"] for r in rows] == [n for n in POLICIES if n not in KV_ONLY]
+    assert [r["policy"] for r in rows] == [n for n in POLICIES if n not in KV_ONLY | SHARDED_ONLY]
     for row in rows:
         assert set(FIGURES) <= set(row)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

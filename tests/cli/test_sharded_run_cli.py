@@ -53,6 +53,8 @@ def test_a_rank_that_fails_mid_step_stops_every_rank_and_is_named(capsys, tmp_pa
     (["--world", str((os.cpu_count() or 1) + 1)], "more than this machine's"),
     (["--mode", "decode"], "decode step cannot be captured sharded"),
     (["--master-weights"], "master weights"),
+    (["--policy", "fsdp-cpu-offload"], "it is simulated only"),
+    (["--policy", "zero-infinity"], "it is simulated only"),
 ])
 def test_run_world_refuses_what_it_cannot_run(capsys, extra, message):
     argv = ["run", "--workload", "tiny-llama", "--mode", "train", "--world", "2", "--budget", "50%", *extra]

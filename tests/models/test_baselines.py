@@ -20,6 +20,7 @@ from hyperoffload.plans import Instr, Kind, check_plan
 from hyperoffload.policies import (
     BASELINES,
     POLICIES,
+    SHARDED_ONLY,
     DistanceConfig,
     ReactiveConfig,
     ZeroInfinityConfig,
@@ -40,7 +41,7 @@ H100 = get_hardware("h100-sxm")
 TINY_ZERO = ZeroInfinityConfig(persistence_threshold=10_000, prefetch_bucket_elements=100_000,
                                max_live_elements=400_000, max_reuse_distance=100_000)
 VARIANTS = {
-    **{name: POLICIES[name] for name in BASELINES},
+    **{name: POLICIES[name] for name in BASELINES if name not in SHARDED_ONLY},  # these steps are of one rank
     "reactive lookahead 3": lambda p, h, b: plan_reactive(p, h, b, ReactiveConfig(lookahead=3)),
     "zero-infinity scaled": lambda p, h, b: plan_zero_infinity(p, h, b, TINY_ZERO),
     "distance short": lambda p, h, b: plan_distance(p, h, b, DistanceConfig(select_distance=4, prefetch_distance=2,

@@ -10,7 +10,7 @@ from hyperoffload.analysis import memory_profile
 from hyperoffload.budgets import parse_budget
 from hyperoffload.compare import compare, sweep
 from hyperoffload.hardware import get_hardware
-from hyperoffload.policies import KV_ONLY, POLICIES, minimum_budget
+from hyperoffload.policies import KV_ONLY, POLICIES, SHARDED_ONLY, minimum_budget
 from hyperoffload.report.compare import compare_table, verdict
 from hyperoffload.workloads import capture_workload, get_workload
 
@@ -42,7 +42,8 @@ def test_compare_and_simulate_take_profile_names_and_budget_text_as_plan_does(ti
 def test_compare_has_a_row_per_policy_at_the_same_budget(tiny):
     budget = parse_budget("50%", tiny, H100)
     results = compare(tiny, H100, budget)
-    assert [r.policy for r in results] == [n for n in POLICIES if n not in KV_ONLY]  # a training step: no cache
+    # A training step of one rank: no cache, and no policy of sharded steps.
+    assert [r.policy for r in results] == [n for n in POLICIES if n not in KV_ONLY | SHARDED_ONLY]
     peak = memory_profile(tiny).peak_bytes
     for r in results:
         row = r.as_dict()

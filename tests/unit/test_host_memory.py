@@ -64,17 +64,18 @@ def test_no_plan_keeps_less_in_host_memory_than_an_op_forces_off_the_device():
 
 
 def test_the_planner_keeps_within_a_ranks_share_of_host_memory_where_a_plan_does():
-    """tiny-llama sharded over 2 ranks at 50%: with a node's host memory just below what the fastest plan keeps, the
-    planner finds another that fits, a little slower."""
+    """tiny-llama sharded over 2 ranks at 20%: with a node's host memory just below what the fastest plan keeps, the
+    planner finds another that fits, no faster. (At this budget such a plan exists among those the planner tries; at
+    others, 30% to 80%, none keeps less than the fastest, and the refusal says so.)"""
     from hyperoffload.planning import plan_checked
     from hyperoffload.workloads import capture_workload, get_workload
 
     step = capture_workload(get_workload("tiny-llama"), "train", world=2).program
     node = get_hardware("dgx-h100")
-    free = plan_checked(step, node, "50%")
+    free = plan_checked(step, node, "20%")
     need = host_memory_need(free.plan, node)
     tight = node.replace(host_memory_bytes=need.per_node - 1)
-    kept = plan_checked(step, tight, "50%")
+    kept = plan_checked(step, tight, "20%")
     assert host_memory_need(kept.plan, tight).fits and host_memory_need(kept.plan, tight).per_node < need.per_node
     assert kept.timeline.step_s >= free.timeline.step_s  # the fastest plan did not fit
     assert need.least_per_rank <= host_memory_need(kept.plan, tight).per_rank

@@ -15,7 +15,8 @@ where ``t`` is a side op's time alone on its stream (``cost.side_op_time``). The
 chains of side ops (a longest path over the side ops, weighted by the compute between them), and at least the
 step's compute. What it leaves out is exactly what can overlap a transfer or a collective: the ops independent of
 it. (The network lane's own total, every collective one after another, is a bound of its own:
-``simulate.network_time``.)
+``simulate.network_time``.) Host ops (``Op.lane`` ``"host"``: an optimizer step on the CPU) are left out of the
+chains, which only loosens the bound: the host lane's total is a bound of its own too (``cost.host_time``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from hyperoffload.cost import op_times, side_op_time
 from hyperoffload.hardware import Hardware
-from hyperoffload.ir import Program
+from hyperoffload.ir import HOST_LANE, Program
 from hyperoffload.memo import per_program
 
 @per_program
@@ -34,7 +35,7 @@ def _reach(program: Program) -> tuple[list[int], np.ndarray, np.ndarray]:
     (boolean rows)."""
     deps, dependents = program.dependencies(), program.dependents()
     n = len(program.ops)
-    lanes = [op.id for op in program.ops if op.lane is not None or op.collective is not None]
+    lanes = [op.id for op in program.ops if (op.lane is not None and op.lane != HOST_LANE) or op.collective is not None]
     ancestors = np.zeros((len(lanes), n), dtype=bool)
     descendants = np.zeros((len(lanes), n), dtype=bool)
     for row, lane in enumerate(lanes):
@@ -67,4 +68,4 @@ def dependency_bound(program: Program, hardware: Hardware, compute_s: float | No
                 start = max(start, best[j] + float(compute[descendants[j] & ancestors[k]].sum()))
         best[k] = start + transfer[k]
     ends = [best[k] + float(compute[descendants[k]].sum()) for k in range(len(lanes))]
-    return max(total, *ends)
+    return max([total, *ends])  # (no chains where the step's only side ops are host ops)

@@ -70,6 +70,7 @@ _RULES: dict[str, _Rule] = {
     "intra_node_latency_s": _EVENT, "inter_node_latency_s": _EVENT,
     "host_memory_bytes": _Rule("a whole number of bytes >= 0 (0: not stated) and at most 2**62 (4 EiB)",
                                lambda v: 0 <= v <= MAX_MEMORY_BYTES, whole=True),
+    "host_mem_bw": _Rule("a finite number >= 0 bytes/s (0: not stated)", lambda v: v >= 0),
 }
 """Field name -> the rule its number follows (``peak_flops``, a table, has its own check)."""
 
@@ -153,6 +154,11 @@ class Hardware:
     """Fixed cost of one step of a collective between devices of different nodes (seconds)."""
     host_memory_bytes: int = 0
     """Host memory of one node, shared by its devices (bytes). 0: not stated."""
+    host_mem_bw: float = 0.0
+    """Host memory bandwidth of one node, its CPUs' memory channels together (bytes/s; theoretical peak, e.g. two
+    Xeon Platinum 8480C with eight DDR5-4800 channels each, 614.4e9). The ranks of a node that run their optimizer
+    step on the host at once share it (``cost.host_op_time``). 0: not stated; a policy that computes on the host
+    refuses such a profile."""
     host_link_shared_by: int = 1
     """Devices behind one host link (2 where two GPUs sit behind one PCIe switch; 1 on GH200, each with its own
     NVLink-C2C): ``h2d_bw`` and ``d2h_bw`` are one device's figures with its link to itself, and that many devices
@@ -263,6 +269,13 @@ _read_host_memory = _size_reader("host_memory", "2TiB", zero_ok=True)
 """``host_memory``: one node's host memory; 0 says it is not stated."""
 
 
+def _read_host_bandwidth(value: Any) -> float:
+    """``host_mem_bw``: a bandwidth (``"614.4GB/s"``), or a bare 0, which says it is not stated."""
+    if isinstance(value, str) and unitless(value) == 0 or not isinstance(value, (str, bool)) and value == 0:
+        return 0.0
+    return parse_bandwidth(value)
+
+
 def _read_count(value: Any) -> int:
     """A count (``devices_per_node``, ``nodes``, ``host_link_shared_by``): a TOML integer, or text that is one
     ("8", as ``hyperoffload hardware NAME`` shows it); not a bool (``true`` would read as 1), nor 8.5."""
@@ -311,6 +324,7 @@ _OPTIONAL = {
     "inter_node_bw": ("inter_node_bw", parse_bandwidth),
     "inter_node_latency": ("inter_node_latency_s", parse_duration),
     "host_memory": ("host_memory_bytes", _read_host_memory),
+    "host_mem_bw": ("host_mem_bw", _read_host_bandwidth),
     "host_link_shared_by": ("host_link_shared_by", _read_count),
 }
 FILE_KEYS = {name: key for key, (name, _) in {**_READERS, **_OPTIONAL}.items()}

@@ -10,8 +10,9 @@ parameter is released after its module ran unless the trace says it is used agai
 optimizer step) live off the device; gradients are moved off the device as the backward pass
 produces them.
 
-How faithful: the IR has no host compute, so the optimizer step runs on the device here: each
-moment and gradient is fetched before its update and the moments are sent back after it. DeepSpeed
+How faithful: on one device the optimizer step runs on the device here (a step of one rank has no
+host-optimizer form; a sharded step's is below): each moment and gradient is fetched before its
+update and the moments are sent back after it. DeepSpeed
 runs the step on the CPU and moves only gradients out and updated parameters in, so this model moves
 more bytes than the real system in the optimizer phase. A "module visit" is a run of uses of a
 storage within one phase (forward, backward, optimizer): that is when DeepSpeed gathers a parameter
@@ -22,6 +23,15 @@ the plan is timed in steady state.
 
 Budget: DeepSpeed has no device budget, only these limits. If the plan's peak is over the budget it
 is returned without one, and its peak is what the policy needs.
+
+On a sharded training step (``host_optimizer.is_sharded_training``: a rank's step of ZeRO-3 across several devices)
+the model is DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer``: the rank's parameter partitions and
+optimizer state live in host memory and CPU Adam steps there. The plan is the step's host-optimizer form (the one
+``fsdp-cpu-offload`` plans: the optimizer step on the host lane, each gradient sent to the host after its
+reduce-scatter) with each partition's fetch moved ahead by the prefetcher: after each op, the next fetches in trace
+order are issued while fewer than ``prefetch_bucket_elements`` fetched ahead are not yet used (``_prefetched_order``).
+The other limits (``max_live_elements``, ``max_reuse_distance``, ``persistence_threshold``) are not modelled there:
+every partition is fetched for each gather that reads it. It refuses a profile with no host memory bandwidth.
 """
 
 from __future__ import annotations
@@ -31,9 +41,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hyperoffload.hardware import Hardware
+from hyperoffload.host_optimizer import HostOptimizerForm, host_form_for, is_sharded_training
 from hyperoffload.ir import Program, ValueKind
-from hyperoffload.plans import Kind, Plan
-from hyperoffload.policies.common import Placed, elements, emit_plan, written_between
+from hyperoffload.plans import Instr, Kind, Plan
+from hyperoffload.policies.common import Placed, elements, emit_plan, fit_budget, written_between
 from hyperoffload.policies.spans import storage_uses
 
 POLICY = "zero-infinity"
@@ -58,7 +69,13 @@ _OFFLOADED = (ValueKind.PARAMETER, ValueKind.OPTIMIZER_STATE, ValueKind.GRADIENT
 
 def plan_zero_infinity(program: Program, hardware: Hardware, budget_bytes: int,
                        config: ZeroInfinityConfig = ZeroInfinityConfig()) -> Plan:
-    """Parameters, optimizer state and gradients off the device between visits, fetched ahead by trace."""
+    """Parameters, optimizer state and gradients off the device between visits, fetched ahead by trace; on a sharded
+    training step, the host-optimizer form with its fetches ahead (module docstring)."""
+    if is_sharded_training(program):
+        form = host_form_for(program, hardware, POLICY)
+        order = _prefetched_order(form, config.prefetch_bucket_elements)
+        plan = Plan(program=form.program, instructions=tuple(Instr(Kind.COMPUTE, i) for i in order), policy=POLICY)
+        return fit_budget(plan, budget_bytes)
     values = program.values
     inputs = {values[v].storage for v in program.inputs} - {values[v].storage for v in program.constants}
     managed = {s for s in range(len(values)) if values[s].owns_storage and values[s].kind in _OFFLOADED
@@ -81,6 +98,41 @@ def plan_zero_infinity(program: Program, hardware: Hardware, budget_bytes: int,
     placed += _schedule_fetches(fetches, leaves, len(program.ops), config)
     remote = frozenset(s for s in managed if s in inputs)
     return emit_plan(program, placed, policy=POLICY, budget_bytes=budget_bytes, initial_remote=remote)
+
+
+def _prefetched_order(form: HostOptimizerForm, bucket_elements: int) -> list[int]:
+    """The form's ops in captured order with its fetches moved ahead: after each op, the next fetches in op order
+    (the trace) whose inputs are made are issued while fewer than ``bucket_elements`` fetched ahead are not yet
+    used; a fetch not issued ahead runs where the form has it, right before its reader."""
+    program = form.program
+    deps = program.dependencies()
+    fetches = form.fetches
+    is_fetch = {f.op for f in fetches}
+    done = [False] * len(program.ops)
+    order: list[int] = []
+    ahead: dict[int, int] = {}  # reader -> elements fetched ahead for it
+    flying = 0
+    k = 0  # the next fetch in op order not yet placed
+    for op in program.ops:
+        if done[op.id]:
+            continue
+        order.append(op.id)
+        done[op.id] = True
+        if op.id in is_fetch:
+            continue
+        flying -= ahead.pop(op.id, 0)
+        while k < len(fetches) and done[fetches[k].op]:
+            k += 1
+        while k < len(fetches) and flying < bucket_elements:
+            fetch = fetches[k]
+            if not all(done[d] for d in deps[fetch.op]):
+                break
+            order.append(fetch.op)
+            done[fetch.op] = True
+            flying += fetch.elements
+            ahead[fetch.reader] = ahead.get(fetch.reader, 0) + fetch.elements
+            k += 1
+    return order
 
 
 def _visits(program: Program, positions: Sequence[int]) -> list[list[int]]:

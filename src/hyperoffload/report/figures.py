@@ -48,7 +48,7 @@ def figures_table(figures: Figures, *, title: str, hardware: Hardware) -> Table:
         ("step_s", format_seconds(figures.step_s), "simulated step time"),
         ("exposed_s", format_seconds(figures.exposed_s), "transfer time not hidden behind compute"),
         ("slowdown", f"{figures.slowdown:.3f}", "step_s / compute_s"),
-        ("lower_bound_s", format_seconds(figures.lower_bound_s), "max(compute, collectives, this plan's traffic at full speed)"),
+        ("lower_bound_s", format_seconds(figures.lower_bound_s), "max(compute, collectives, host ops, this plan's traffic at full speed)"),
         ("peak_bytes", format_bytes(figures.peak_bytes),
          f"device memory at the peak ({format_bytes(hardware.memory_bytes)} on {hardware.name})"),
         ("h2d_bytes", format_bytes(figures.h2d_bytes), "moved remote -> device per step"),
@@ -56,11 +56,16 @@ def figures_table(figures: Figures, *, title: str, hardware: Hardware) -> Table:
         ("stalls", str(figures.stalls), f"compute waited {format_seconds(figures.stall_copy_s)} on copies, "
                                          f"{format_seconds(figures.stall_memory_s)} on memory"
                                          + (f", {format_seconds(figures.stall_network_s)} on collectives"
-                                            if figures.network_s else "")),
+                                            if figures.network_s else "")
+                                         + (f", {format_seconds(figures.stall_host_s)} on host ops"
+                                            if figures.host_s else "")),
     ]
     if figures.network_s:
         rows.append(("network_s", format_seconds(figures.network_s),
                      "the step's collectives one after another on the network, beside compute"))
+    if figures.host_s:
+        rows.append(("host_s", format_seconds(figures.host_s),
+                     "the step's host ops (its optimizer step on the CPU) one after another, beside compute"))
     if figures.budget_bytes is not None:
         rows += [
             ("budget_bytes", format_bytes(figures.budget_bytes), "the plan's device-memory budget"),

@@ -47,6 +47,7 @@ def _interconnect_rows(h: Hardware) -> list[tuple[str, str]]:
         ("inter_node_bw", format_bandwidth(h.inter_node_bw), h.inter_node_bw != 0),
         ("inter_node_latency_s", format_seconds(h.inter_node_latency_s), h.inter_node_latency_s != 0),
         ("host_memory_bytes", format_bytes(h.host_memory_bytes), h.host_memory_bytes != 0),
+        ("host_mem_bw", format_bandwidth(h.host_mem_bw), h.host_mem_bw != 0),
         ("host_link_shared_by", str(h.host_link_shared_by), h.host_link_shared_by != 1),
     ]
     return [(field, value) for field, value, shown in rows if shown or h.sources.get(field)]

@@ -14,14 +14,16 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from hyperoffload.simulate import COMPUTE, D2H, H2D, NET, Timeline
+from hyperoffload.simulate import COMPUTE, D2H, H2D, HOST, NET, Timeline
 from hyperoffload.units import format_bytes
 
 _ROWS = ((COMPUTE, "compute"), (H2D, "H2D\nprefetch"), (D2H, "D2H\noffload"))
 _NET_ROW = (NET, "network\ncollectives")
 """Shown below the copy lanes for a timeline with collectives (a sharded step)."""
-_COLOURS = {COMPUTE: "#4c72b0", H2D: "#55a868", D2H: "#dd8452", NET: "#8172b2"}
-_STALL_COLOURS = {"copy": "#d62728", "network": "#e377c2", "memory": "#8b0000"}
+_HOST_ROW = (HOST, "host\nCPU ops")
+"""Shown last for a timeline with host ops (an optimizer step on the host)."""
+_COLOURS = {COMPUTE: "#4c72b0", H2D: "#55a868", D2H: "#dd8452", NET: "#8172b2", HOST: "#937860"}
+_STALL_COLOURS = {"copy": "#d62728", "network": "#e377c2", "host": "#bcbd22", "memory": "#8b0000"}
 _MEMORY_COLOUR = "#6a3d9a"
 _FIGSIZE_IN = (11.0, 6.0)
 _DPI = 120
@@ -125,7 +127,8 @@ def _draw_activity(ax, timeline: Timeline, scale: float, span: float) -> None:
     pixel = span / _PLOT_WIDTH_PX
     height = 0.7
     ticks, labels, handles = [], [], []
-    rows = (*_ROWS, _NET_ROW) if any(iv.stream == NET for iv in timeline.intervals) else _ROWS
+    used = {iv.stream for iv in timeline.intervals}
+    rows = (*_ROWS, *(row for row in (_NET_ROW, _HOST_ROW) if row[0] in used))
     for row, (stream, label) in enumerate(rows):
         y = len(rows) - 1 - row  # compute on top
         spans = [(iv.start * scale, iv.end * scale) for iv in timeline.intervals if iv.stream == stream]
@@ -148,7 +151,7 @@ def _draw_activity(ax, timeline: Timeline, scale: float, span: float) -> None:
 
 def _legend_label(stream: str) -> str:
     return {COMPUTE: "op running", H2D: "prefetch (host to device)", D2H: "offload (device to host)",
-            NET: "collective (between ranks)"}[stream]
+            NET: "collective (between ranks)", HOST: "host op (on the CPU)"}[stream]
 
 
 def _bars(spans: Iterable[tuple[float, float]], pixel: float) -> list[tuple[float, float]]:

@@ -1,6 +1,7 @@
 """A simulated step as a Chrome / Perfetto trace (JSON), to browse in ui.perfetto.dev or chrome://tracing.
 
-One process named after the plan; one track per stream (compute, h2d, d2h) plus a "stalls" track
+One process named after the plan; one track per stream (compute, h2d, d2h; net and host where the step has
+collectives or host ops) plus a "stalls" track
 for the compute stream's waits; device memory (and the budget, if given) as counters. Times in the
 trace are microseconds from the start of the step, as the format requires.
 """
@@ -11,16 +12,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hyperoffload.simulate import COMPUTE, D2H, H2D, NET, Timeline
+from hyperoffload.simulate import COMPUTE, D2H, H2D, HOST, NET, Timeline
 
 _PID = 1
 STALLS = "stalls"
 # Track ids and the order tracks are shown in: the stalls track sits under compute because every
 # stall is the compute stream waiting.
-_TRACKS = ((COMPUTE, 1, 0), (STALLS, 4, 1), (H2D, 2, 2), (D2H, 3, 3), (NET, 5, 4))
+_TRACKS = ((COMPUTE, 1, 0), (STALLS, 4, 1), (H2D, 2, 2), (D2H, 3, 3), (NET, 5, 4), (HOST, 6, 5))
 _TID = {stream: tid for stream, tid, _ in _TRACKS}
 _TRACK_NAMES = {COMPUTE: "compute", STALLS: "stalls (compute waiting)", H2D: "h2d (prefetch)",
-                D2H: "d2h (offload)", NET: "net (collectives)"}
+                D2H: "d2h (offload)", NET: "net (collectives)", HOST: "host (CPU ops)"}
 MEMORY_COUNTER = "device memory"
 BUDGET_COUNTER = "memory budget"
 
@@ -51,9 +52,10 @@ def timeline_to_trace(timeline: Timeline, *, name: str, budget_bytes: int | None
         {"ph": "M", "name": "process_name", "pid": _PID, "tid": 0, "args": {"name": name}},
         {"ph": "M", "name": "process_sort_index", "pid": _PID, "tid": 0, "args": {"sort_index": 0}},
     ]
-    has_net = any(iv.stream == NET for iv in timeline.intervals)  # a sharded step's collectives
+    # A sharded step's collectives, a host-optimizer step's host ops: their tracks only where they ran.
+    used = {iv.stream for iv in timeline.intervals}
     for stream, tid, order in _TRACKS:
-        if stream == NET and not has_net:
+        if stream in (NET, HOST) and stream not in used:
             continue
         events.append({"ph": "M", "name": "thread_name", "pid": _PID, "tid": tid,
                        "args": {"name": _TRACK_NAMES[stream]}})

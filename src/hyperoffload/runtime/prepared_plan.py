@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from hyperoffload.host_optimizer import refuse_host_ops
 from hyperoffload.instructions import alloc_bytes, inputs_end_on_device
 from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan, owned_outputs
 from hyperoffload.runtime.arena import ArenaSlots
@@ -39,6 +40,7 @@ class PreparedPlan:
 def prepare_plan(plan: Plan) -> PreparedPlan:
     """Check ``plan`` (``PlanError`` if invalid) and precompute what running it needs; reuse it across steps."""
     program = plan.program
+    refuse_host_ops(plan)  # a host-optimizer form: simulated only, the runtime has no host lane
     if program.graph is None:
         raise ValueError(f"program {program.name} has no fx graph to execute; build it with a capture function")
     checked = check_plan(plan)
