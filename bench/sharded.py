@@ -10,7 +10,7 @@ the network's collectives each bound it, ``analysis.link_bound``), the host memo
 and each sharded baseline (``--baselines``, those registered: FSDP2's ``CPUOffloadPolicy`` as ``fsdp-cpu-offload``,
 DeepSpeed ZeRO-3 with offload as ``zero-infinity``) at the same budget: its step, and whether it meets the budget.
 
-    .venv/bin/python bench/sharded.py                                   # the four cases below, about 15 min
+    .venv/bin/python bench/sharded.py                                   # the four cases below, about 20 min
     .venv/bin/python bench/sharded.py --cases llama3-8b:8:dgx-h100 --budgets 90%,50%,smallest
     .venv/bin/python bench/sharded.py --cases tiny-llama:2:dgx-h100 --json
 
@@ -28,7 +28,7 @@ import time
 from hyperoffload.analysis import memory_profile
 from hyperoffload.compare import run_policy
 from hyperoffload.hardware import get_hardware
-from hyperoffload.host_memory import host_memory_need
+from hyperoffload.host_memory import HostMemoryExceeded, host_memory_need
 from hyperoffload.policies import POLICIES, InfeasibleBudget, minimum_budget
 from hyperoffload.report.plan_report import plan_report
 from hyperoffload.units import format_bytes, format_seconds
@@ -84,7 +84,14 @@ def case_rows(workload: str, world: int, hardware_name: str, budgets: list[str],
     for text in budgets:
         budget = budget_bytes(text, peak, smallest, hardware.memory_bytes)
         progress(f"{workload} x {world} on {hardware.name}: planning at {text} ({format_bytes(budget)})")
-        report = plan_report(program, hardware, budget)
+        try:
+            report = plan_report(program, hardware, budget)
+        except HostMemoryExceeded as error:  # a finding, not a failure: the node's host memory is too small
+            rows.append({"budget": text, "budget_bytes": budget, "host_bytes_per_node": error.need.per_node,
+                         "least_host_bytes_per_node": error.need.least_per_rank * error.need.ranks_per_node,
+                         "error": str(error), "baselines": []})
+            progress(f"  refused: {error}")
+            continue
         f = report.figures
         row = {"budget": text, "budget_bytes": budget, "peak_bytes": f.peak_bytes, "compute_s": f.compute_s,
                "network_s": f.network_s, "step_s": f.step_s, "link_bound_s": report.link_bound_s,
@@ -105,7 +112,7 @@ def case_rows(workload: str, world: int, hardware_name: str, budgets: list[str],
 
 
 def print_case(case: dict) -> None:
-    names = [b["policy"] for b in case["rows"][0]["baselines"]] if case["rows"] else []
+    names = next(([b["policy"] for b in r["baselines"]] for r in case["rows"] if r["baselines"]), [])
     print(f"{case['workload']} train, rank 0 of {case['world']} (FSDP2) on {case['hardware']}: no-offload peak "
           f"{format_bytes(case['unplanned_peak_bytes'])} per rank, smallest budget "
           f"{format_bytes(case['smallest_budget_bytes'])} ({format_bytes(case['device_memory_bytes'])} on the "
@@ -114,6 +121,10 @@ def print_case(case: dict) -> None:
             f"{'plan_s':>6}")
     print(head + "".join(f"  {name:>24}" for name in names))
     for r in case["rows"]:
+        if "error" in r:
+            print(f"  {r['budget']:>8} refused: needs {format_bytes(r['host_bytes_per_node'])} of host memory a node "
+                  f"(any plan at least {format_bytes(r['least_host_bytes_per_node'])}), more than the node has")
+            continue
         line = (f"  {r['budget']:>8} {format_bytes(r['peak_bytes']):>11} {format_seconds(r['step_s']):>9} "
                 f"{r['step / link_bound']:>9.3f} {format_seconds(r['network_s']):>9} "
                 f"{format_bytes(r['host_bytes_per_node']):>10} {r['plan_s']:>6.1f}")
@@ -130,7 +141,7 @@ def print_case(case: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=CASES, help=f"comma-separated WORKLOAD:WORLD:HARDWARE (default {CASES})")
-    parser.add_argument("--budgets", default="90%,70%,50%,smallest",
+    parser.add_argument("--budgets", default="90%,70%,50%,device,smallest",
                         help="comma-separated budgets: shares of the peak, 'smallest', 'device'")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help="comma-separated policies to run at each budget (those registered; '' for none)")
