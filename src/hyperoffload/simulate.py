@@ -398,7 +398,7 @@ class _Facts:
         self.has_lanes = has_lanes = program.has_side_ops()
         self.op_instr = ({ins.target: i for i, ins in enumerate(instrs) if ins.kind is Kind.COMPUTE}
                          if has_lanes else {})
-        self.deps = _side_waits(program) if has_lanes else ()
+        self.deps = side_waits(program) if has_lanes else ()
         # Lane op or collective: the ops it waits for; compute op: the lane ops and collectives it waits for.
         self.lane_deps: list[tuple[int, ...]] = [()] * n
         # Storages each instruction frees once it finishes (check_plan's automatic frees after a last use); an
@@ -516,11 +516,12 @@ def _side_stall(finish: list[float], deps: tuple[int, ...], on_net: list[bool], 
 
 
 @per_program
-def _side_waits(program: Program) -> tuple[tuple[int, ...], ...]:
+def side_waits(program: Program) -> tuple[tuple[int, ...], ...]:
     """Per op id, the ops it waits for to finish before it starts where the step has side ops (lane ops,
     collectives): a side op waits for every op it depends on; a compute op for the side ops it depends on. A view
     (``Op.is_view``) reads no bytes and waits for nothing, so the side ops it depends on are waited for by the ops
     that read it (as on a device, where a view is made on the host and only a kernel waits for its input's copy).
+    The interpreter waits for a running collective by the same rule.
     Op ids are a valid order, so a view's waits are known before its readers'."""
     ops, deps = program.ops, program.dependencies()
     through_view: list[tuple[int, ...]] = [()] * len(ops)  # a view: the side ops its readers wait for

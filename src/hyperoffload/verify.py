@@ -95,7 +95,7 @@ def _check_timeline(plan: Plan, timeline: Timeline) -> None:
             finished_op[op.id] = interval.end
             for s in {program.values[v].storage for v in op.inputs}:
                 filled = landed.get((rule.reads, s))
-                # A view waits for no side op (simulate._side_waits): the ops that read it wait instead.
+                # A view waits for no side op (simulate.side_waits): the ops that read it wait instead.
                 if op.is_view and filled is not None and filled[1] is Kind.COMPUTE:
                     continue
                 if filled is not None and interval.start + _TOLERANCE_S < filled[0]:

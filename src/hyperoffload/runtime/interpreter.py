@@ -67,7 +67,7 @@ import torch.fx
 
 from hyperoffload.instructions import COPIES_OUT
 from hyperoffload.layout import Layout
-from hyperoffload.plans import Kind, Plan
+from hyperoffload.plans import Kind, Plan, op_storages, op_writes
 from hyperoffload.runtime.arena import ArenaOverlap, with_arena
 from hyperoffload.runtime.arena_step import _ArenaStep
 from hyperoffload.runtime.device_bytes import BudgetExceeded, _DeviceBytes
@@ -77,6 +77,7 @@ from hyperoffload.runtime.reference import graph_object, run_op
 from hyperoffload.runtime.step_results import PlanRun, _StepResults
 from hyperoffload.runtime.transfers import SyncTransfers, Transfers, _InFlight, _TransferTracking
 from hyperoffload.runtime.views import _ViewMeta
+from hyperoffload.simulate import side_waits
 
 
 def execute_plan(plan: Plan | PreparedPlan, inputs: MutableSequence[torch.Tensor] | Sequence[torch.Tensor],
@@ -176,6 +177,13 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
         self.remote_tier = frozenset(s for s in set(self.storage_of) if values[s].remote)
         self.deps = program.dependencies()
         self.lanes: dict[int, _LaneFlight] = {}  # op id -> lane op not yet seen finished, in issue order
+        # Collectives on a real process group run while the ops that do not read their results go on (not from an
+        # arena, whose slots the ops write into in place): op id -> the c10d works still to wait for; an op waits
+        # for those it reads from, directly or through views (``simulate.side_waits``).
+        self.collectives: dict[int, list] = {}
+        self.frees_after_collective: dict[int, list[int]] = {}  # op id -> storages to drop once it has finished
+        self.defer_collectives = self.slots is None and any(op.collective is not None for op in program.ops)
+        self.side_waits = side_waits(program) if self.defer_collectives else ()
         self.lane_op = getattr(transfers, "lane_op", None)
 
         self._enter_inputs()
@@ -257,10 +265,15 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
             with torch.no_grad():
                 for i, ins in enumerate(self.plan.instructions):
                     if self.alloc[i]:
+                        if self.frees_after_collective:
+                            self._room_from_collectives(self.alloc[i])
                         self._make_room(self.alloc[i])
                     by_kind[ins.kind](i, ins.target)
                     if self.lanes:
                         self._land_finished()
+                    if self.collectives:
+                        self._await_collectives([d for d, works in self.collectives.items()
+                                                 if all(w.is_completed() for w in works)])
                     self._poll()
                     live.append(self.bytes.total)
                     if self.plan.budget_bytes is not None and self.bytes.total > self.plan.budget_bytes:
@@ -270,6 +283,8 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
                     for freed in self.checked.frees_after[i]:
                         if self.lanes:
                             self._await_producer(freed)
+                        if self.collectives and self._dropped_later(freed):
+                            continue
                         self.drop_storage(freed)
                     if on_instruction is not None:
                         on_instruction(i)
@@ -303,10 +318,13 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
             return
         if self.lanes:
             self._await_lanes(self.deps[op_id])
+        if self.collectives:
+            self._await_collectives(self.side_waits[op_id])
         node = self.nodes[op.name]
         outputs = self._run_into_slot(i, op, node) if self.slots is not None else None
         if outputs is None:
-            outputs = run_op(program, op, node, self.lookup)
+            works = self.collectives.setdefault(op_id, []) if self.defer_collectives and op.collective else None
+            outputs = run_op(program, op, node, self.lookup, works)
             if self.slots is not None:
                 outputs = list(outputs)
                 self._outputs_into_arena(i, op, outputs)
@@ -315,8 +333,44 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
         for w in {self.storage_of[v] for v in op.mutates}:
             self.remote.pop(w, None)  # stale now; check_plan forbids prefetching it
 
+    def _await_collectives(self, ops) -> None:
+        """Wait for the collectives among ``ops`` still running (their results are then written), and drop what was
+        freed while they still read it."""
+        for d in ops:
+            works = self.collectives.pop(d, None)
+            if works is None:
+                continue
+            for work in works:
+                work.wait()
+            for s in self.frees_after_collective.pop(d, ()):
+                self.drop_storage(s)
+
+    def _room_from_collectives(self, nbytes: int) -> None:
+        """Where ``nbytes`` more would not fit the budget, wait for the collectives holding freed storages, oldest
+        first, until they do (a memory stall, as the simulator's)."""
+        budget = self.plan.budget_bytes
+        start = time.perf_counter()
+        for d in list(self.frees_after_collective):
+            if budget is None or self.bytes.total + nbytes <= budget:
+                break
+            self._await_collectives([d])
+        self.memory_wait_s += time.perf_counter() - start
+
+    def _dropped_later(self, s: int) -> bool:
+        """Whether storage ``s``, freed now, is read by a collective still running: it is dropped (and its bytes
+        given back) when that collective has finished, as the simulator gives back a side op's inputs."""
+        reads = op_storages(self.program)[1]
+        for d in self.collectives:
+            if s in reads[d]:
+                self.frees_after_collective.setdefault(d, []).append(s)
+                return True
+        return False
+
     def offload(self, i: int, s: int) -> None:
         """``OFFLOAD s``: start copying the whole storage of ``s`` into its remote copy."""
+        if self.collectives:  # a collective still writing the storage: copy what it wrote
+            writes = op_writes(self.program)
+            self._await_collectives([d for d in list(self.collectives) if s in writes[d]])
         if self.lanes:  # a lane op still writing the storage: copy its result, not what was there before
             for flight in [f for f in self.lanes.values() if s in f.writes]:
                 self._await_lane(flight)

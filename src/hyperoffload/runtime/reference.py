@@ -47,7 +47,7 @@ def graph_object(program: Program, node: torch.fx.Node) -> object:
     return getattr(program.graph, node.target)
 
 
-def run_op(program: Program, op, node: torch.fx.Node, lookup) -> list[torch.Tensor]:
+def run_op(program: Program, op, node: torch.fx.Node, lookup, works: list | None = None) -> list[torch.Tensor]:
     """Run one captured op on real tensors (``lookup`` maps an fx node to its tensor); return the
     tensors it produced, in the order of ``op.outputs``. Shared by every executor of captured graphs.
 
@@ -56,12 +56,17 @@ def run_op(program: Program, op, node: torch.fx.Node, lookup) -> list[torch.Tens
     one the trace had and the kernel leaves out (None) is an empty tensor of the recorded shape and dtype.
 
     A collective (``op.collective``) on a real process group returns the tensor it writes and its ``Work``, and
-    the backend may still be writing it: the op waits for the work, so the ops after it read what it wrote, in
-    every executor alike."""
+    the backend may still be writing it: the op waits for the work, so the ops after it read what it wrote; or,
+    given ``works``, appends the work there for the caller to wait for before the first op that reads the result
+    (the interpreter overlaps a collective with the ops that do not, as FSDP2 does on a device)."""
     args, kwargs = op_arguments(node, lookup)
     result = node.target(*args, **kwargs)
     if op.collective is not None:
-        wait_for_work(result)
+        if works is None:
+            wait_for_work(result)
+        else:
+            works.extend(_unboxed(item) for item in (result if isinstance(result, (tuple, list)) else (result,))
+                         if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None)))
     # Most ops return one tensor: skip matching positions (a few microseconds an op, which the executor pays on
     # every op of every step).
     if isinstance(result, torch.Tensor):
@@ -76,6 +81,14 @@ def run_op(program: Program, op, node: torch.fx.Node, lookup) -> list[torch.Tens
     if len(produced) != len(op.outputs):
         raise RuntimeError(f"{op.name} produced {len(produced)} tensors, the capture recorded {len(op.outputs)}")
     return produced
+
+
+def _unboxed(work):
+    """A c10d ``Work`` as Python's ``torch.distributed`` gives it (``is_completed``, ``wait``): an op called through
+    the dispatcher returns it boxed as a TorchScript object, which has ``wait`` only."""
+    from torch._C._distributed_c10d import Work
+
+    return work if isinstance(work, Work) else Work.unbox(work)
 
 
 def wait_for_work(result) -> None:

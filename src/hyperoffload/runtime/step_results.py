@@ -71,6 +71,7 @@ class _StepResults:
         program = self.program
         for lane in list(self.lanes.values()):  # every lane op has finished when the step returns
             self._await_lane(lane)
+        self._await_collectives(list(self.collectives))  # and every collective
         returned = {self.storage_of[v] for v in program.outputs}
         for s, flight in sorted(self.in_flight.items()):
             if (self.carry and flight.kind in COPIES_OUT and flight.remote is self.remote_home.get(s)
