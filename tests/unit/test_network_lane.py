@@ -97,3 +97,29 @@ def test_the_network_does_not_share_the_copy_lanes():
     lanes = {iv.stream: (iv.start, iv.end) for iv in timeline.intervals if iv.stream in ("d2h", "net")}
     assert lanes["net"] == (pytest.approx(0.0, abs=1e-6), pytest.approx(2.0))
     assert lanes["d2h"][1] - lanes["d2h"][0] == pytest.approx(1.0)
+
+
+def test_a_hoisted_update_waits_one_module_for_its_reduction():
+    """An optimizer op hoisted into the backward pass right after its gradient's reduce-scatter would wait for the
+    reduction on the compute stream; the hoisted order runs it after the next collective instead, while the next
+    module's backward hides the reduction."""
+    from hyperoffload.ir import Collective, CollectiveKind
+    from hyperoffload.policies.reorder import hoist_updates
+
+    def reduce(oid, inputs, outputs):
+        return Op(id=oid, name=f"rs{oid}", target="c10d._reduce_scatter_base_.default", inputs=tuple(inputs),
+                  outputs=tuple(outputs), phase=Phase.BACKWARD, bytes_read=1024, bytes_written=512,
+                  collective=Collective(kind=CollectiveKind.REDUCE_SCATTER, full_bytes=1024, group_size=2))
+
+    values = [value(0, 64), value(1, 1024), value(2, 512), value(3, 1024), value(4, 512), value(5, 64),
+              value(6, 64)]
+    backward = [dataclasses.replace(op(0, [0], [1], flops=GB), phase=Phase.BACKWARD), reduce(1, [1], [2]),
+                dataclasses.replace(op(2, [0], [3], flops=GB), phase=Phase.BACKWARD), reduce(3, [3], [4])]
+    updates = [dataclasses.replace(op(4, [2], [5]), phase=Phase.OPTIMIZER),
+               dataclasses.replace(op(5, [4], [6]), phase=Phase.OPTIMIZER)]
+    prog = program(values, [*backward, *updates], [0], [5, 6])
+    order = hoist_updates(prog)
+    assert order.index(4) > order.index(3)  # after the next module's reduction, not right after its own
+    timeline = simulate(plan_without_offload(prog, order=order), two_ranks())
+    # The first reduction (0.5 us) lands while op2 (1 s) runs: only the last update waits on the network.
+    assert timeline.figures.stall_network_s < 1e-5

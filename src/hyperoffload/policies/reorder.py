@@ -19,6 +19,7 @@ update may run, so the result is always a valid order with bit-identical results
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Sequence
 
@@ -55,6 +56,8 @@ def _early_ones_when_ready(program: Program, early: Sequence[bool]) -> list[int]
     at once in captured order); the other ops keep their order."""
     waiting = [len(d) for d in program.dependencies()]
     dependents = program.dependents()
+    gate = _collective_gates(program, early)
+    held: dict[int, list[int]] = {}  # gate op -> early ops ready once it has run
     ready: list[int] = [op_id for op_id, e in enumerate(early) if e and waiting[op_id] == 0]
     heapq.heapify(ready)
     order: list[int] = []
@@ -63,26 +66,60 @@ def _early_ones_when_ready(program: Program, early: Sequence[bool]) -> list[int]
     def run(op_id: int) -> None:
         order.append(op_id)
         done[op_id] = True
+        for later in held.pop(op_id, ()):
+            heapq.heappush(ready, later)
         for after in dependents[op_id]:
             waiting[after] -= 1
             if early[after] and waiting[after] == 0:
-                heapq.heappush(ready, after)
+                if gate[after] >= 0 and not done[gate[after]]:
+                    held.setdefault(gate[after], []).append(after)
+                else:
+                    heapq.heappush(ready, after)
 
     def drain() -> None:  # every early op whose inputs are ready, in captured order
         while ready:
             run(heapq.heappop(ready))
 
+    def release_held() -> None:  # every op held for a gate, now
+        while held:
+            for later in held.pop(next(iter(held))):
+                heapq.heappush(ready, later)
+            drain()
+
     drain()
     for op_id in range(len(program.ops)):
         if early[op_id]:
             continue  # placed by drain() once its dependencies have run
+        if waiting[op_id] and held:  # it needs an op held for a gate it comes before: the gate gives way
+            release_held()
         # Every dependency of a later-phase op comes before it in the captured order, so by induction
         # each one has run (or has been drained) by now.
         assert waiting[op_id] == 0, f"op {program.ops[op_id].name} reached before its dependencies"
         run(op_id)
         drain()
+    release_held()
     assert all(done), "an early op never became ready"
     return order
+
+
+def _collective_gates(program: Program, early: Sequence[bool]) -> list[int]:
+    """Per op: for an ``early`` op that reads a collective's result (a gradient its reduce-scatter made, directly or
+    through views), the next collective after that one in captured order, which it waits for (-1: none). Hoisted
+    right after the reduction, an update would wait for it on the compute stream; one module later the reduction
+    has landed while that module ran. No collectives, no gates."""
+    collectives = [op.id for op in program.ops if op.collective is not None]
+    gates = [-1] * len(program.ops)
+    if not collectives:
+        return gates
+    from hyperoffload.simulate import side_waits  # the same rule the simulator waits by
+
+    waits = side_waits(program)
+    for op_id, e in enumerate(early):
+        read = [d for d in waits[op_id] if program.ops[d].collective is not None] if e else ()
+        if read:
+            after = bisect.bisect_right(collectives, max(read))
+            gates[op_id] = collectives[after] if after < len(collectives) else -1
+    return gates
 
 
 def early_updates(program: Program, share: float,
