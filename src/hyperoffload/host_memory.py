@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hyperoffload.analysis.link_bound import least_off_device
+from hyperoffload.cost import host_ranks as ranks_per_node
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
 from hyperoffload.plans import Plan, remote_bytes
@@ -49,11 +51,6 @@ class HostMemoryNeed:
         return self.host_memory_bytes == 0 or self.per_node <= self.host_memory_bytes
 
 
-def ranks_per_node(program: Program, hardware: Hardware) -> int:
-    """Ranks of ``program``'s world (``meta["world"]``, 1 when unsharded) on one node of ``hardware``."""
-    return max(1, min(program.meta.get("world", 1), hardware.devices_per_node))
-
-
 def host_bytes_per_rank(program: Program, hardware: Hardware) -> int:
     """One rank's share of a node's host memory (bytes); 0 where the profile states none (no limit)."""
     return hardware.host_memory_bytes // ranks_per_node(program, hardware)
@@ -62,8 +59,6 @@ def host_bytes_per_rank(program: Program, hardware: Hardware) -> int:
 def least_host_bytes(program: Program, budget_bytes: int) -> int:
     """Bytes every plan of ``program`` under ``budget_bytes`` keeps in host memory per rank, at least: what some op
     forces off the device in every order (``analysis.link_bound.least_off_device``)."""
-    from hyperoffload.analysis.link_bound import least_off_device  # the analysis imports the planner's helpers
-
     return least_off_device(program, budget_bytes)[0]
 
 

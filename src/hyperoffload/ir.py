@@ -237,7 +237,7 @@ class Program:
     def has_side_ops(self) -> bool:
         """Whether some ops run beside the compute stream: lane ops on the copy lanes, collectives on the network
         (``Op.stream``)."""
-        return any(op.lane is not None or op.collective is not None for op in self.ops)
+        return any(op.stream != "compute" for op in self.ops)
 
     def _dependencies(self) -> tuple[tuple[int, ...], ...]:
         producer = self.producers()

@@ -527,9 +527,8 @@ def side_waits(program: Program) -> tuple[tuple[int, ...], ...]:
     through_view: list[tuple[int, ...]] = [()] * len(ops)  # a view: the side ops its readers wait for
     waits: list[tuple[int, ...]] = []
     for op in ops:
-        side = op.lane is not None or op.collective is not None
-        found = dict.fromkeys(d for d in deps[op.id] if side or ops[d].lane is not None
-                              or ops[d].collective is not None)
+        side = op.stream != "compute"
+        found = dict.fromkeys(d for d in deps[op.id] if side or ops[d].stream != "compute")
         for d in deps[op.id]:
             found.update(dict.fromkeys(through_view[d]))
         if op.is_view and not side:

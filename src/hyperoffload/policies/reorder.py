@@ -24,6 +24,7 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from hyperoffload.ir import Phase, Program
+from hyperoffload.simulate import side_waits  # the rule the simulator waits by
 
 BIG_STATE_SHARE = 1 / 64
 """Default of ``PlannerConfig.big_state_share`` (a share of the step's input bytes), which documents it."""
@@ -111,8 +112,6 @@ def _collective_gates(program: Program, early: Sequence[bool]) -> list[int]:
     gates = [-1] * len(program.ops)
     if not collectives:
         return gates
-    from hyperoffload.simulate import side_waits  # the same rule the simulator waits by
-
     waits = side_waits(program)
     for op_id, e in enumerate(early):
         read = [d for d in waits[op_id] if program.ops[d].collective is not None] if e else ()

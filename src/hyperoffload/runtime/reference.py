@@ -65,8 +65,7 @@ def run_op(program: Program, op, node: torch.fx.Node, lookup, works: list | None
         if works is None:
             wait_for_work(result)
         else:
-            works.extend(_unboxed(item) for item in (result if isinstance(result, (tuple, list)) else (result,))
-                         if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None)))
+            works.extend(_unboxed(work) for work in _works(result))
     # Most ops return one tensor: skip matching positions (a few microseconds an op, which the executor pays on
     # every op of every step).
     if isinstance(result, torch.Tensor):
@@ -91,12 +90,16 @@ def _unboxed(work):
     return work if isinstance(work, Work) else Work.unbox(work)
 
 
+def _works(result) -> list:
+    """Each ``Work`` (a c10d collective's handle: anything with ``wait`` that is no tensor) in an op's ``result``."""
+    return [item for item in (result if isinstance(result, (tuple, list)) else (result,))
+            if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None))]
+
+
 def wait_for_work(result) -> None:
-    """Wait for each ``Work`` (a c10d collective's handle: anything with ``wait`` that is no tensor) in
-    ``result``."""
-    for item in result if isinstance(result, (tuple, list)) else (result,):
-        if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None)):
-            item.wait()
+    """Wait for each ``Work`` in an op's ``result``."""
+    for work in _works(result):
+        work.wait()
 
 
 def _output_at(op, node: torch.fx.Node, position: int, got, recorded: torch.Tensor, result) -> torch.Tensor:
