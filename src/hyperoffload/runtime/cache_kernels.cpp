@@ -13,7 +13,9 @@
 //            in issue order; the entry holds the buffer's storage, so no other buffer takes that address;
 //   reading  the offload reading each device storage, in issue order, holding the storage until the copy has
 //            completed (its ideal end on the link's clock has passed), which is when the step lets go of it;
-//   moving   every copy whose bytes have not moved yet, holding both its storages (as a NativeTransfer does);
+//   moving   every copy whose bytes have not moved yet, holding both its storages (as a NativeTransfer does), per
+//            direction: the copy thread moves each direction in order but may move a later copy of one before an
+//            earlier one of the other, whose storages must not keep the first's alive;
 //   pool     the remote buffers of offloads, by size, each handed out again once only the pool holds it.
 // A state is used by one thread at a time; states are created and freed by the hyperoffload_native ops below.
 
@@ -118,7 +120,7 @@ struct State {
     bool release_waits;
     bool move_bytes;  // false: each copy is issued and timed as a copy of no bytes (what the operators cost alone)
     Table pending, reading;
-    std::deque<Moving> moving;
+    std::deque<Moving> moving[2];  // by direction: each direction's copies move in order, the two do not
     std::unordered_map<size_t, std::vector<c10::Storage>> pool;
     std::unordered_map<size_t, size_t> pool_next;
     size_t prune_at = 64;
@@ -144,7 +146,8 @@ struct State {
     // Let go of the device storages of completed offloads, oldest first, and of the storages of moved copies.
     void reap() {
         while (!reading.empty() && completed(reading.front())) reading.pop_front();
-        while (!moving.empty() && ho_poll(link, moving.front().dir, moving.front().seq) >= 0) moving.pop_front();
+        for (auto &queue : moving)
+            while (!queue.empty() && ho_poll(link, queue.front().dir, queue.front().seq) >= 0) queue.pop_front();
     }
 
     void started(int dir, int64_t seq, const c10::Storage &src, const c10::Storage &dst) {
@@ -156,7 +159,7 @@ struct State {
             prune_at = std::max<size_t>(64, 2 * (pending.size() + reading.size()));
         }
         pending.put(dst.data(), Copy{dir, seq, dst});
-        moving.push_back(Moving{dir, seq, src, dst});
+        moving[dir].push_back(Moving{dir, seq, src, dst});
     }
 
     c10::Storage take(size_t nbytes) {  // a pool storage only the pool holds, or a new one
@@ -227,8 +230,10 @@ struct State {
     }
 
     void drain() {
-        for (const auto &m : moving) ho_wait(link, m.dir, m.seq, 0, spin_s);
-        moving.clear();
+        for (auto &queue : moving) {
+            for (const auto &m : queue) ho_wait(link, m.dir, m.seq, 0, spin_s);
+            queue.clear();
+        }
     }
 };
 
@@ -330,7 +335,7 @@ std::vector<double> stats(int64_t id) {
     State &s = state(id);
     return {(double)s.waits,          (double)s.overlapped_waits, (double)s.h2d_bytes,       (double)s.d2h_bytes,
             (double)s.release_stalls, s.release_wait_s,           s.wait_s,                  (double)s.pool_bytes(),
-            (double)s.pending.size(), (double)s.reading.size(),   (double)s.moving.size()};
+            (double)s.pending.size(), (double)s.reading.size(),   (double)(s.moving[H2D].size() + s.moving[D2H].size())};
 }
 
 void drain(int64_t id) { state(id).drain(); }
