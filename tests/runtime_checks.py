@@ -109,11 +109,14 @@ SLOW = dict(h2d_bw=200e6, d2h_bw=200e6, h2d_latency_s=20e-6, d2h_latency_s=20e-6
 def planned(captured):
     """The planner's plan at half the peak, for a profile whose link is the SLOW one (fixed numbers, so the
     test does not calibrate this machine)."""
+    return hyperoffload.plan(captured.program, slow_hardware(), "50%")
+
+
+def slow_hardware():
+    """A ``cpu-emulated`` profile of fixed numbers whose link is the SLOW one."""
     calibration = CpuCalibration(key="test", matmul_flops={"float32": 50e9}, memory_bw=10e9, op_overhead_s=10e-6,
                                  memory_bytes=2**34)
-    hardware = cpu_emulated(calibration, h2d_bw=SLOW["h2d_bw"], d2h_bw=SLOW["d2h_bw"],
-                            latency_s=SLOW["h2d_latency_s"])
-    return hyperoffload.plan(captured.program, hardware, "50%")
+    return cpu_emulated(calibration, h2d_bw=SLOW["h2d_bw"], d2h_bw=SLOW["d2h_bw"], latency_s=SLOW["h2d_latency_s"])
 
 
 class Interrupt(BaseException):

@@ -1,8 +1,8 @@
 """The remote tier's capacity: host memory a node has, shared by the ranks on it.
 
-A plan keeps a copy in host memory of every storage it offloads or starts remote (``plans.remote_bytes``). The
-ranks of a node each run the same plan, so a node holds ``remote_bytes x ranks_per_node``; the profile states one
-node's host memory (``host_memory_bytes``, 0: not stated; ``--host-memory`` overrides it). ``host_memory_need``
+A plan keeps its remote copies in host memory, copies of one size that are never live at once in one buffer, and
+the storages that start the step remote (``remote_layout.remote_bytes``). The ranks of a node each run the same
+plan, so a node holds ``remote_bytes x ranks_per_node``; the profile states one node's host memory (``host_memory_bytes``, 0: not stated; ``--host-memory`` overrides it). ``host_memory_need``
 says what a plan needs against it, and ``check_host_memory`` refuses a plan that needs more, naming what would
 fit and the least any plan under the same device budget needs (``least_host_bytes``: the bytes some op forces off
 the device in every order, ``analysis.link_bound.least_off_device``). The hyperoffload planner prefers, of the
@@ -17,7 +17,8 @@ from hyperoffload.analysis.link_bound import least_off_device
 from hyperoffload.cost import host_ranks as ranks_per_node
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import Plan, remote_bytes
+from hyperoffload.plans import Plan
+from hyperoffload.remote_layout import remote_bytes
 from hyperoffload.units import format_bytes
 
 

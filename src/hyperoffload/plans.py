@@ -372,20 +372,6 @@ def plan_digest(plan: Plan) -> str:
     return digest.hexdigest()
 
 
-def remote_bytes(plan: Plan) -> int:
-    """Bytes of remote memory (host DRAM) the plan keeps copies in: every storage it offloads or starts in
-    remote memory, counted once (a remote copy is kept to the end of the step, and its buffer is reused by the
-    next), plus what the step holds in remote memory itself (a remote KV cache, host state, the host copies its
-    lane ops send there); not the temporaries its host ops make, which the host frees as it goes."""
-    program = plan.program
-    values = program.values
-    storages = set(plan.initial_remote) | {i.target for i in plan.instructions if i.kind in COPIES_OUT}
-    host_made = ({o for op in program.ops if op.lane == "host" for o in op.outputs} if program.has_host_ops()
-                 else set())
-    held = sum(v.nbytes for v in values if v.remote and v.owns_storage and v.id not in host_made)
-    return sum(values[s].alloc_bytes for s in storages) + held
-
-
 @per_program
 def compute_instructions(program: Program) -> tuple[Instr, ...]:
     """``Instr(COMPUTE, op)`` for each op id of ``program``, made once per program: instructions are immutable,

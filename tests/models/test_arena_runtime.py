@@ -67,8 +67,8 @@ class DeferredOffloads:
     def device_storage(self, nbytes, like):
         return self.inner.device_storage(nbytes, like)
 
-    def remote_storage(self, key, nbytes, like):
-        return self.inner.remote_storage(key, nbytes, like)
+    def remote_arena(self, nbytes, like):
+        return self.inner.remote_arena(nbytes, like)
 
     def offload(self, label, src, dst):
         self.offloads += 1

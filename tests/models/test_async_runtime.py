@@ -13,6 +13,7 @@ import torch
 from runtime_checks import (END, SLOW, Interrupt, assert_identical, compute_uses, idle_ops, longest_idle_gap,
                             offload_trips, round_trip_plan, storage_named)
 from runtime_checks import planned  # noqa: F401 - a fixture used here
+from runtime_checks import slow_hardware
 
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, PlanError, check_plan, plan_without_offload
@@ -120,6 +121,30 @@ def test_consecutive_steps_on_donated_state_with_overlapping_offloads_match_the_
             assert run.peak_bytes <= planned.budget_bytes
             assert_identical(run.outputs, ref_losses[step])
             state = given = list(run.state)
+        executor.synchronize()
+    assert_identical(state, ref_state)
+
+
+def test_steps_keep_their_remote_copies_in_the_buffer_the_plan_lays_out(captured):
+    """A step's remote copies live in one host buffer, those never live at once on the same bytes, step after step:
+    the host memory the steps keep is what the plan says it keeps (``remote_layout``), less than its copies
+    together."""
+    import hyperoffload
+    from hyperoffload.remote_layout import remote_layout
+
+    planned = hyperoffload.plan(captured.program, slow_hardware(), "20%")
+    layout = remote_layout(planned)
+    assert layout.arena_bytes < sum(c.nbytes for c in layout.copies), "the plan should have copies that share bytes"
+    unplanned = plan_without_offload(captured.program)
+    ref_state = [t.clone() for t in captured.inputs]
+    ref_losses = [run_plan(unplanned, ref_state).outputs for _ in range(2)]
+    state = [t.clone() for t in captured.inputs]
+    with NativeLink(**SLOW) as link, AsyncExecutor(link) as executor:
+        for step in range(2):
+            run = executor.step(planned, state)
+            assert_identical(run.outputs, ref_losses[step])
+            state = list(run.state)
+            assert executor.transfers.remote_nbytes == layout.arena_bytes
         executor.synchronize()
     assert_identical(state, ref_state)
 

@@ -81,14 +81,13 @@ def test_two_executors_on_one_link_in_two_threads_each_get_their_own_steps(captu
 
 
 def test_each_executor_on_a_link_has_its_own_remote_buffers(captured):
-    """An executor reuses its remote buffer of a storage from step to step; another executor on the same link
-    gets a buffer of its own for the same storage id and size."""
-    program = captured.program
+    """An executor reuses its remote buffer from step to step; another executor on the same link gets a buffer of
+    its own of the same size."""
     like = captured.inputs[0].untyped_storage()
     with EmulatedLink(**SLOW) as link, AsyncExecutor(link) as first, AsyncExecutor(link) as second:
-        mine = first.transfers.remote_storage(program.inputs[0], like.nbytes(), like).data_ptr()
-        assert first.transfers.remote_storage(program.inputs[0], like.nbytes(), like).data_ptr() == mine
-        assert second.transfers.remote_storage(program.inputs[0], like.nbytes(), like).data_ptr() != mine
+        mine = first.transfers.remote_arena(like.nbytes(), like).data_ptr()
+        assert first.transfers.remote_arena(like.nbytes(), like).data_ptr() == mine
+        assert second.transfers.remote_arena(like.nbytes(), like).data_ptr() != mine
 
 
 class Forwarding:
@@ -210,7 +209,7 @@ def test_copy_stopped_between_being_recorded_and_queued_is_settled_by_abort():
     with EmulatedLink(h2d_bw=1e9, d2h_bw=1e9) as link:
         client = link.client()
         source = torch.randn(1024).untyped_storage()
-        remote = client.remote_storage(0, source.nbytes(), source)
+        remote = client.remote_arena(source.nbytes(), source)
         queue, link.d2h._queue = link.d2h._queue, _StopsOnce(link.d2h._queue)
         try:
             with pytest.raises(Interrupt):

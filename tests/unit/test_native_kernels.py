@@ -137,17 +137,25 @@ def test_built_says_whether_loading_would_compile(monkeypatch, tmp_path):
 def test_a_release_lets_go_of_its_storage_while_a_copy_the_other_way_is_still_moving():
     """The copy thread moves each direction's copies in order, but not the two directions in issue order: an offload
     issued after a prefetch can move first. Its storage must be let go of at its release all the same (the plan counts
-    it free there), not once the earlier prefetch has moved too."""
-    with NativeLink(h2d_bw=1e10, d2h_bw=1e12, h2d_latency_s=0.2) as link:
-        copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True)
-        with cache_ops.copies_on(copies):
-            first = ops.prefetch(torch.zeros(10))  # the remote-to-device clock now stands 0.2 s ahead
-            remote = ops.offload(torch.zeros(25_000_000))  # 100 MB: the thread is busy moving it for a while
-            back = ops.prefetch(remote)  # ideal start 0.2 s from now: the thread moves x before it, then it
-            x = torch.arange(1000.0)
-            own = torch._C._storage_Use_Count(x.untyped_storage()._cdata)  # x's, and the storage object's
-            ops.wait(ops.offload(x))
-            ops.release(x)  # while the thread moves the 100 MB prefetch
-            assert copies.native.stats().moving >= 1  # that prefetch
-            assert torch._C._storage_Use_Count(x.untyped_storage()._cdata) == own  # the kernels hold none
-            ops.wait(first), ops.wait(back)
+    it free there), not once the earlier prefetch has moved too. The thread is kept busy moving a 100 MB prefetch
+    while the release runs; on a loaded machine it may have finished first, so the scenario is tried a few times."""
+    arose = 0
+    for _ in range(5):
+        with NativeLink(h2d_bw=1e10, d2h_bw=1e12, h2d_latency_s=0.2) as link:
+            copies = cache_ops.AsyncCopies(client=link.client(), release_waits=True)
+            with cache_ops.copies_on(copies):
+                first = ops.prefetch(torch.zeros(10))  # the remote-to-device clock now stands 0.2 s ahead
+                remote = ops.offload(torch.zeros(25_000_000))  # 100 MB: the thread is busy moving it a while
+                back = ops.prefetch(remote)  # ideal start 0.2 s from now: the thread moves x before it, then it
+                x = torch.arange(1000.0)
+                own = torch._C._storage_Use_Count(x.untyped_storage()._cdata)  # x's, and the storage object's
+                ops.wait(ops.offload(x))
+                ops.release(x)
+                if copies.native.stats().moving:  # the 100 MB prefetch is still moving
+                    arose += 1
+                    assert torch._C._storage_Use_Count(x.untyped_storage()._cdata) == own  # the kernels hold none
+                ops.wait(first), ops.wait(back)
+        if arose:
+            return
+    pytest.skip("the copy thread moved the 100 MB prefetch before the release ran, five times: the machine is too "
+                "loaded for this scenario")

@@ -80,7 +80,7 @@ class CudaStreams:
         self.device = cuda_device(device, "the CUDA runtime (CudaStreams)")
         self.h2d = torch.cuda.Stream(self.device)
         self.d2h = torch.cuda.Stream(self.device)
-        self._pinned: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self._pinned: dict[int, torch.UntypedStorage] = {}  # remote buffers by size
         self.pinned_bytes = 0
         """Bytes of pinned remote buffers allocated so far (each once)."""
 
@@ -106,11 +106,10 @@ class CudaStreams:
         prefetches of it then run as asynchronous DMA."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
 
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        buffer = self._pinned.get((key, nbytes))
+    def remote_arena(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        buffer = self._pinned.get(nbytes)
         if buffer is None:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
-            self._pinned[(key, nbytes)] = buffer
+            buffer = self._pinned[nbytes] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
             self.pinned_bytes += nbytes
         return buffer
 

@@ -13,19 +13,23 @@ from hyperoffload.hardware import Hardware
 
 
 class RemoteBuffers:
-    """One remote buffer per storage id and size, reused by later offloads of that storage, in this step and the
-    next: a storage's next offload comes after the wait for its previous prefetch (``check_plan``), and an executor
-    returns copies, never these buffers. Each client of a link has its own, so executors sharing a link never write
-    each other's."""
+    """The remote buffers that steps copy into, one per size asked for (``remote_arena``), reused step after step:
+    an executor returns copies, never these buffers. Each client of a link has its own, so executors sharing a link
+    never write each other's."""
 
     def __init__(self) -> None:
-        self._remote: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self._remote: dict[int, torch.UntypedStorage] = {}
 
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        buffer = self._remote.get((key, nbytes))
+    def remote_arena(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        buffer = self._remote.get(nbytes)
         if buffer is None:
-            buffer = self._remote[(key, nbytes)] = torch.UntypedStorage(nbytes)
+            buffer = self._remote[nbytes] = torch.UntypedStorage(nbytes)
         return buffer
+
+    @property
+    def remote_nbytes(self) -> int:
+        """Bytes of the remote buffers held (what the steps run through this client keep in host memory)."""
+        return sum(buffer.nbytes() for buffer in self._remote.values())
 
 
 class HostLink:
@@ -53,8 +57,8 @@ class HostLink:
     def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes)
 
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        return self._own.remote_storage(key, nbytes, like)
+    def remote_arena(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        return self._own.remote_arena(nbytes, like)
 
     def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Any:
         return self._own.offload(label, src, dst)

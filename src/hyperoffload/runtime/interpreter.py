@@ -139,6 +139,8 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
         self.checked = prepared.checked
         self.storage_of, self.nodes = prepared.storage_of, prepared.nodes
         self.last_read, self.alloc = prepared.last_read, prepared.alloc
+        self.remote_layout = prepared.remote
+        self.remote_arena: torch.UntypedStorage | None = None  # the buffer the remote copies live in, once needed
         self.donate, self.carry = donate, carry
         self.carried = carried if carried is not None else {}
         values = program.values
@@ -377,11 +379,20 @@ class _Step(_TransferTracking, _ArenaStep, _LaneOps, _StepResults):
         source = self.device_storage(s, i)
         target = self.remote_home.get(s)
         if target is None:
-            target = self.transfers.remote_storage(s, source.nbytes(), source)
+            target = self._remote_copy(i, source)
         handle = self.transfers.offload(self.program.values[s].name, source, target)
         self._track(_InFlight(Kind.OFFLOAD, s, handle, source, target))
         self.remote[s] = target
         self.d2h += source.nbytes()
+
+    def _remote_copy(self, i: int, source: torch.UntypedStorage) -> torch.UntypedStorage:
+        """Where the OFFLOAD at instruction ``i`` copies ``source``: its bytes of the step's remote buffer, which
+        no other copy live at the same time shares (``remote_layout``)."""
+        layout = self.remote_layout
+        if self.remote_arena is None:
+            self.remote_arena = self.transfers.remote_arena(layout.arena_bytes, source)
+        offset = layout.offset_of[i]
+        return self.remote_arena[offset:offset + source.nbytes()]
 
     def release(self, i: int, s: int) -> None:
         """``RELEASE s``: drop every value aliasing ``s`` from the device tier, remembering the views read again."""

@@ -15,6 +15,7 @@ import torch.fx
 from hyperoffload.host_optimizer import refuse_host_ops
 from hyperoffload.instructions import alloc_bytes, inputs_end_on_device
 from hyperoffload.plans import Kind, Plan, PlanCheck, check_plan, owned_outputs
+from hyperoffload.remote_layout import RemoteLayout, remote_layout
 from hyperoffload.runtime.arena import ArenaSlots
 
 
@@ -33,6 +34,8 @@ class PreparedPlan:
     """Bytes each instruction allocates in the plan's accounting (what must fit under the budget)."""
     repeatable: str | None
     """Why the plan cannot run step after step on its own state, or None if it can."""
+    remote: RemoteLayout
+    """Where each OFFLOAD's remote copy lives in the step's host buffer (``remote_layout``)."""
     arena: ArenaSlots | None = None
     """The arena layout to run from, when asked for (``with_arena``)."""
 
@@ -54,7 +57,8 @@ def prepare_plan(plan: Plan) -> PreparedPlan:
     alloc = alloc_bytes(program, plan.instructions, op_alloc)
     return PreparedPlan(plan=plan, checked=checked, storage_of=tuple(v.storage for v in values),
                         nodes={n.name: n for n in program.graph.graph.nodes}, last_read=tuple(last_read),
-                        alloc=tuple(alloc), repeatable=_why_not_repeatable(plan))
+                        alloc=tuple(alloc), repeatable=_why_not_repeatable(plan),
+                        remote=remote_layout(plan))
 
 
 def _why_not_repeatable(plan: Plan) -> str | None:

@@ -29,8 +29,11 @@ class Transfers(Protocol):
     def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         """A new device storage of ``nbytes`` (for a prefetch), allocated where ``like``'s tier lives."""
 
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
-        """A remote buffer of ``nbytes`` for storage id ``key`` (the destination of an offload)."""
+    def remote_arena(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+        """A remote buffer of ``nbytes`` that a step's offloads copy into, each at its offset (``remote_layout``):
+        the same buffer for every step asking for that many bytes, so a copy still landing when a step returns
+        stays where the next step looks for it. ``like``: a device storage, for a backend whose remote tier is
+        on the device's side."""
 
     def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> Any:
         """Start copying device ``src`` into remote ``dst`` once the work issued so far has written ``src``."""
@@ -89,7 +92,7 @@ class SyncTransfers:
     def device_storage(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes, device=like.device)
 
-    def remote_storage(self, key: int, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
+    def remote_arena(self, nbytes: int, like: torch.UntypedStorage) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes, device=like.device)
 
     def offload(self, label: str, src: torch.UntypedStorage, dst: torch.UntypedStorage) -> None:

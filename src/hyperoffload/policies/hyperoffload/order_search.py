@@ -12,12 +12,13 @@ import numpy as np
 from hyperoffload.analysis.window_bound import window_bound
 from hyperoffload.hardware import Hardware
 from hyperoffload.ir import Program
-from hyperoffload.plans import Plan, remote_bytes
+from hyperoffload.plans import Plan
 from hyperoffload.policies.hyperoffload.config import PlannerConfig, PositionBudget
 from hyperoffload.policies.hyperoffload.context import PassContext, StepProfile, back_to_back
 from hyperoffload.policies.hyperoffload.minimum import OrderFacts
 from hyperoffload.policies.hyperoffload.orders import execution_orders, made_share
 from hyperoffload.policies.hyperoffload.selection import plan_selection_pass
+from hyperoffload.remote_layout import remote_bytes
 from hyperoffload.simulate import Timeline, simulate
 
 
