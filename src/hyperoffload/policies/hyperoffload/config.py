@@ -66,9 +66,13 @@ class PlannerConfig:
     them (``analysis.link_bound``). Taken instead of the usual start it lost where the state is most of the
     peak, so it is an extra start, refined on its own, and the faster plan is kept. Tried only from
     ``state_first_from`` up."""
-    state_first_tie: float = 0.01
+    state_first_tie: float = 0.1
     """In the state-first start (``state_first``), the share by which a cyclic span's selection score counts more
-    (a ratio): enough to break ties and near-ties in its favour, not to take a span that relieves clearly less."""
+    (a ratio): enough to take state before activations that relieve a little more, not to take a span that
+    relieves clearly less. Sharded steps need more than ties broken: there the forward pass's link is what
+    activations leave on, and state moved in the backward pass beside the prefetches (a tie share of 0.01 kept
+    0.98 GiB of ``llama3-8b``'s state remote on 8 ranks of ``dgx-h100`` at 70% and stepped in 633 ms; 0.1 keeps
+    7.23 GiB there, 556 ms; docs/results.md, "One rank of an FSDP2-sharded step")."""
     state_first_from: float = 0.4
     """The least share of the captured peak that storages the step makes (saved activations) must hold for the
     state-first start (``state_first``) to be tried: below it the start rarely won and still cost a pass at every
