@@ -150,10 +150,14 @@ class AsyncCopies:
                              "native_kernels=True where they can be built")
 
     def drain(self) -> None:
-        """Block until every copy started here has moved its bytes (the client's ``drain``, and the C++ kernels')."""
+        """Block until every copy started here has moved its bytes (the client's ``drain``, and the C++ kernels'), and
+        forget them: what a step that stopped half-way calls, so that the next step finds no record of a copy it
+        never waited for (a failed one would fail the next step's prefetch of the same buffer)."""
         if self.native is not None:
             self.native.drain()
         self.client.drain()
+        self.pending.clear()
+        self.reading.clear()
 
     def _pull_native(self) -> None:
         """Copy the C++ kernels' counters into this object's fields."""

@@ -44,6 +44,7 @@ Copied nodes keep their fx names and ``meta``, so names still map to ``Program.n
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import operator
@@ -161,6 +162,12 @@ class _Lowering:
     """Storages sent back to the caller's tensor on the copy engines (``send_home``), by the instruction after which
     they are (their last write; nothing of the plan transfers them later)."""
     sent_home: set[int] = field(default_factory=set)
+    home_released_after: dict[int, list[int]] = field(default_factory=dict)
+    """The storages of ``home_after`` by the instruction after which their device copy is released: the first
+    release of the plan after their last use (or that use, where none follows). The send home reads the copy until
+    it has landed; without a release the step would let go of it whenever the link happened to finish, so what the
+    step holds would change from run to run. The plan's next release is where its lane model has the offloads
+    issued before it landed (a link moves each direction in order), so the release seldom waits there."""
     emitters: dict[Kind, Callable[[int, int], None]] = field(init=False, repr=False)
     """The method that emits each kind's instructions (``emit``'s dispatch table)."""
 
@@ -182,8 +189,10 @@ class _Lowering:
         owner_node: dict[int, str] = {}
         for name, vid in program.node_values.items():
             owner_node.setdefault(vid, name)
+        home_after = _sent_home_after(plan) if send_home else {}
         self = cls(plan=plan, graph=graph, nodes=nodes, getitems=getitems, owner_node=owner_node,
-                   home_after=_sent_home_after(plan) if send_home else {})
+                   home_after=home_after,
+                   home_released_after=_home_releases(plan, {s for sent in home_after.values() for s in sent}))
         remote_at_start = plan.initial_remote
         for n in source.nodes:
             if n.op not in ("placeholder", "get_attr"):
@@ -274,6 +283,8 @@ class _Lowering:
     # --- one method per instruction kind (``Kind``), named after its value and dispatched by ``emit`` -------
     def emit(self, index: int, instr: Instr) -> None:
         self.emitters[instr.kind](index, instr.target)
+        for s in self.home_released_after.get(index, ()):
+            self._release_home(s)
 
     def _cache_call(self, kind: Kind, s: int, args: tuple, name: str | None = None) -> torch.fx.Node:
         """A call of ``kind``'s cache operator on ``args``, named ``<kind>_<storage>`` unless ``name`` is given."""
@@ -327,6 +338,12 @@ class _Lowering:
         self._call(cache_ops.OFFLOAD_INTO, (self.device_base[s], self.home[s]), f"send_home_{self._name(s)}")
         self.sent_home.add(s)
         self.dirty.discard(s)
+
+    def _release_home(self, s: int) -> None:
+        """Release the device copy of ``s``, sent home (``home_released_after``)."""
+        if s in self.sent_home:
+            self._cache_call(Kind.RELEASE, s, (self.device_base[s],), f"release_home_{self._name(s)}")
+            self.ready[s] = False
 
     def _wait(self, s: int) -> None:
         """Wait for the transfer of ``s`` in flight: a copy out makes its remote buffer readable, a copy in gives
@@ -410,6 +427,24 @@ def _sent_home_after(plan: Plan) -> dict[int, list[int]]:
         value = program.values[s]
         if last_transfer.get(s, -1) < i and value.alloc_bytes % _dtype(value.dtype).itemsize == 0:  # whole elements
             after.setdefault(i, []).append(s)
+    return after
+
+
+def _home_releases(plan: Plan, storages: set[int]) -> dict[int, list[int]]:
+    """``storages`` by the instruction after which a sent-home device copy is released (``home_released_after``)."""
+    touched = op_storages(plan.program)[0]
+    last: dict[int, int] = {}
+    releases: list[int] = []
+    for i, ins in enumerate(plan.instructions):
+        if ins.kind is Kind.COMPUTE:
+            for s in touched[ins.target] & storages:
+                last[s] = i
+        elif ins.kind is Kind.RELEASE:
+            releases.append(i)
+    after: dict[int, list[int]] = {}
+    for s, i in sorted(last.items()):
+        k = bisect.bisect_right(releases, i)
+        after.setdefault(releases[k] if k < len(releases) else i, []).append(s)
     return after
 
 

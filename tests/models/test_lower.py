@@ -311,6 +311,10 @@ def test_state_updated_on_the_device_goes_home_on_the_copy_engines(synthetic):
     assert "copy_back_state_1" not in order and "copy_back_state_1" in [n.name for n in lower_plan(plan).graph.nodes]
     assert order.index("send_home_state_1") == order.index("add_") + 1
     assert order.index("wait_home_state_1") > order.index("add_3")
+    # The device copy the send home reads is released once the step stops using it (right after sum_6, its last
+    # reader: the plan has no release after that): never left for the copy to let go of whenever the link finishes,
+    # which would change what the step holds from run to run.
+    assert order.index("release_home_state_1") == order.index("sum_6") + 1
 
 
 def test_lowered_graph_traces_with_fake_tensors(synthetic):
