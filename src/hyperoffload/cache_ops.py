@@ -151,13 +151,15 @@ class AsyncCopies:
 
     def drain(self) -> None:
         """Block until every copy started here has moved its bytes (the client's ``drain``, and the C++ kernels'), and
-        forget them: what a step that stopped half-way calls, so that the next step finds no record of a copy it
-        never waited for (a failed one would fail the next step's prefetch of the same buffer)."""
+        forget them and the remote buffers kept for reuse: what a step that stopped half-way, or a trial run, calls,
+        so that the next step finds no record of a copy it never waited for (a failed one would fail the next step's
+        prefetch of the same buffer), and host memory keeps no buffers of a plan that will not run again."""
         if self.native is not None:
             self.native.drain()
         self.client.drain()
         self.pending.clear()
         self.reading.clear()
+        self.remote_buffers.clear()
 
     def _pull_native(self) -> None:
         """Copy the C++ kernels' counters into this object's fields."""

@@ -235,6 +235,14 @@ struct State {
             queue.clear();
         }
     }
+
+    // After drain(): forget every copy and the remote buffers only the pool holds (AsyncCopies.drain's reset).
+    void forget() {
+        pending.erase_if([](Copy &) { return true; });
+        reading.erase_if([](Copy &) { return true; });
+        pool.clear();
+        pool_next.clear();
+    }
 };
 
 // The states, by id (1, 2, ...; 0 is "none"), and the one active on each thread.
@@ -338,7 +346,11 @@ std::vector<double> stats(int64_t id) {
             (double)s.pending.size(), (double)s.reading.size(),   (double)(s.moving[H2D].size() + s.moving[D2H].size())};
 }
 
-void drain(int64_t id) { state(id).drain(); }
+void drain(int64_t id) {
+    State &s = state(id);
+    s.drain();
+    s.forget();
+}
 
 void close_state(int64_t id, bool link_open) {
     std::unique_ptr<State> gone;

@@ -128,7 +128,8 @@ class NativeState:
                            pending=ints[8], reading=ints[9], moving=ints[10])
 
     def drain(self) -> None:
-        """Block until every copy issued through this state has moved its bytes."""
+        """Block until every copy issued through this state has moved its bytes, then forget them and the remote
+        buffers only its pool holds (``AsyncCopies.drain``)."""
         if self.link._handle is not None:
             _ops().drain.default(self.id)
 
