@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -42,7 +43,8 @@ aligned (vectorised) access see the same alignment in the arena as from the allo
 class Residency:
     """Storage ``storage`` occupies ``nbytes`` of device memory from instruction ``start`` (allocated
     as it begins; -1: before the step) up to instruction ``end`` (exclusive: the bytes are free for
-    allocations made by instruction ``end`` and later; ``len(plan.instructions)``: held past the step)."""
+    allocations made by instruction ``end`` and later; ``len(plan.instructions)``: held past the step).
+    ``remote_layout`` uses it for a remote copy in host memory, ``start`` being its offload."""
 
     storage: int
     start: int
@@ -105,13 +107,19 @@ def assign_offsets(plan: Plan) -> Layout:
     live_peak = _live_peak(found)
     if not found:
         return Layout(residencies=(), offsets=(), arena_bytes=0, live_peak_bytes=0)
-    start = np.fromiter((r.start for r in found), np.int64, len(found))
-    end = np.fromiter((r.end for r in found), np.int64, len(found))
     # Slots are whole multiples of ALIGNMENT, so every offset is aligned as a device allocation would be.
-    size = np.fromiter((-(-r.nbytes // ALIGNMENT) * ALIGNMENT for r in found), np.int64, len(found))
-    offsets = pack_blocks(start, end, size)
-    return Layout(residencies=tuple(found), offsets=tuple(int(o) for o in offsets),
-                  arena_bytes=int((offsets + size).max()), live_peak_bytes=live_peak)
+    offsets, arena_bytes = pack_aligned([r.start for r in found], [r.end for r in found], [r.nbytes for r in found],
+                                        ALIGNMENT)
+    return Layout(residencies=tuple(found), offsets=offsets, arena_bytes=arena_bytes, live_peak_bytes=live_peak)
+
+
+def pack_aligned(start: Sequence[int], end: Sequence[int], nbytes: Sequence[int],
+                 alignment: int) -> tuple[tuple[int, ...], int]:
+    """``pack_blocks`` of blocks of ``nbytes`` each rounded up to a multiple of ``alignment`` (so every offset is
+    one): the offsets and the arena's bytes (the highest block end)."""
+    size = -(-np.asarray(nbytes, np.int64) // alignment) * alignment
+    offsets = pack_blocks(np.asarray(start, np.int64), np.asarray(end, np.int64), size)
+    return tuple(int(o) for o in offsets), int((offsets + size).max())
 
 
 def pack_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> np.ndarray:

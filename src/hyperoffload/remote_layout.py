@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from hyperoffload.instructions import COPIES_OUT
-from hyperoffload.layout import pack_blocks
+from hyperoffload.layout import Residency, pack_aligned
 from hyperoffload.plans import Kind, Plan
 
 
@@ -30,38 +28,28 @@ HOST_ALIGNMENT = 8
 copies are moved as bytes, so a larger alignment would only make host memory look fuller than it is."""
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteCopy:
-    """The remote copy that the OFFLOAD at instruction ``offload`` makes of ``storage``: ``nbytes`` of host memory
-    needed until instruction ``end`` (exclusive; ``len(plan.instructions)``: past the step)."""
-
-    storage: int
-    offload: int
-    end: int
-    nbytes: int
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RemoteLayout:
-    """Each remote copy's offset (bytes) in one host buffer of ``arena_bytes``: ``offset_of[offload instruction]``."""
+    """Each remote copy's offset (bytes) in one host buffer of ``arena_bytes``: ``offset_of[offload instruction]``.
+    A copy is a ``layout.Residency`` of host memory from its offload (``start``) to ``end``."""
 
-    copies: tuple[RemoteCopy, ...]
+    copies: tuple[Residency, ...]
     offset_of: dict[int, int]
     arena_bytes: int
 
 
-def remote_copies(plan: Plan) -> tuple[RemoteCopy, ...]:
+def remote_copies(plan: Plan) -> tuple[Residency, ...]:
     """Every remote copy ``plan``'s offloads make, in offload order (see the module docstring)."""
     program, instrs = plan.program, plan.instructions
     values = program.values
     n = len(instrs)
     kept = {values[v].storage for v in (*program.inputs, *program.constants, *program.outputs)}
     current: dict[int, list[int]] = {}  # storage -> [offload index, end so far, whether a prefetch is unwaited]
-    found: list[RemoteCopy] = []
+    found: list[Residency] = []
 
     def close(s: int, past_the_step: bool) -> None:
         start, end, unwaited = current.pop(s)
-        found.append(RemoteCopy(s, start, n if past_the_step or unwaited else end, values[s].alloc_bytes))
+        found.append(Residency(s, start, n if past_the_step or unwaited else end, values[s].alloc_bytes))
 
     for i, ins in enumerate(instrs):
         kind, s = ins.kind, ins.target
@@ -79,7 +67,7 @@ def remote_copies(plan: Plan) -> tuple[RemoteCopy, ...]:
                 copy[1], copy[2] = i + 1, 0
     for s in list(current):
         close(s, past_the_step=s in kept)
-    found.sort(key=lambda c: c.offload)
+    found.sort(key=lambda c: c.start)
     return tuple(found)
 
 
@@ -90,12 +78,11 @@ def remote_layout(plan: Plan) -> RemoteLayout:
     copies = remote_copies(plan)
     if not copies:
         return RemoteLayout(copies=(), offset_of={}, arena_bytes=0)
-    start = np.fromiter((-1 if c.end == n else c.offload for c in copies), np.int64, len(copies))
-    end = np.fromiter((c.end for c in copies), np.int64, len(copies))
-    size = np.fromiter((-(-c.nbytes // HOST_ALIGNMENT) * HOST_ALIGNMENT for c in copies), np.int64, len(copies))
-    offsets = pack_blocks(start, end, size)
-    return RemoteLayout(copies=copies, offset_of={c.offload: int(o) for c, o in zip(copies, offsets)},
-                        arena_bytes=int((offsets + size).max()))
+    # A copy needed past the step is held over the whole of it: the next step's copies are made before it is read.
+    offsets, arena_bytes = pack_aligned([-1 if c.end == n else c.start for c in copies], [c.end for c in copies],
+                                        [c.nbytes for c in copies], HOST_ALIGNMENT)
+    return RemoteLayout(copies=copies, offset_of={c.start: o for c, o in zip(copies, offsets)},
+                        arena_bytes=arena_bytes)
 
 
 def remote_bytes(plan: Plan) -> int:
@@ -111,4 +98,4 @@ def remote_bytes(plan: Plan) -> int:
     return remote_layout(plan).arena_bytes + sum(values[s].alloc_bytes for s in plan.initial_remote) + held
 
 
-__all__ = ["HOST_ALIGNMENT", "RemoteCopy", "RemoteLayout", "remote_bytes", "remote_copies", "remote_layout"]
+__all__ = ["HOST_ALIGNMENT", "RemoteLayout", "remote_bytes", "remote_copies", "remote_layout"]

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 
 from hyperoffload.ir import ValueKind
 from hyperoffload.plans import Instr, Kind, Plan, check_plan
-from hyperoffload.remote_layout import RemoteCopy, remote_bytes, remote_copies, remote_layout
+from hyperoffload.layout import Residency  # a remote copy is a residency of host memory
+from hyperoffload.remote_layout import remote_bytes, remote_copies, remote_layout
 from programs import op, program, random_training_programs, simple_hardware, value
 
 C, O, P, W, R = Kind.COMPUTE, Kind.OFFLOAD, Kind.PREFETCH, Kind.WAIT, Kind.RELEASE
@@ -30,7 +31,7 @@ def _plan(steps) -> Plan:
 def test_copies_never_live_at_once_share_their_bytes():
     plan = _plan([(C, 0), (O, 1), (W, 1), (R, 1), (P, 1), (W, 1),  # a's copy: instructions 1 to 5
                   (C, 1), (O, 2), (W, 2), (R, 2), (C, 2), (P, 2), (W, 2), (C, 3)])  # b's: 7 to 12
-    assert remote_copies(plan) == (RemoteCopy(1, 1, 6, 100), RemoteCopy(2, 7, 13, 100))
+    assert remote_copies(plan) == (Residency(1, 1, 6, 100), Residency(2, 7, 13, 100))
     layout = remote_layout(plan)
     assert layout.offset_of == {1: 0, 7: 0} and layout.arena_bytes == 104  # 100 bytes, 8-byte aligned
     assert remote_bytes(plan) == 104
@@ -40,7 +41,7 @@ def test_a_copy_made_while_another_is_still_read_takes_bytes_of_its_own():
     plan = _plan([(C, 0), (O, 1), (W, 1), (R, 1), (P, 1), (W, 1), (C, 1), (R, 1),
                   (P, 1), (O, 2), (W, 1),  # b's copy is made while a's is read a second time
                   (W, 2), (R, 2), (C, 2), (P, 2), (W, 2), (C, 3)])
-    assert remote_copies(plan) == (RemoteCopy(1, 1, 11, 100), RemoteCopy(2, 9, 16, 100))
+    assert remote_copies(plan) == (Residency(1, 1, 11, 100), Residency(2, 9, 16, 100))
     layout = remote_layout(plan)
     assert sorted(layout.offset_of.values()) == [0, 104] and remote_bytes(plan) == 208
 
@@ -48,7 +49,7 @@ def test_a_copy_made_while_another_is_still_read_takes_bytes_of_its_own():
 def test_the_newest_copy_of_a_storage_the_caller_keeps_outlives_the_step():
     plan = _plan([(C, 0), (C, 1), (C, 2), (C, 3), (O, 4), (W, 4), (R, 4)])  # the output ends the step remote
     n = len(plan.instructions)
-    assert remote_copies(plan) == (RemoteCopy(4, 4, n, 40),)
+    assert remote_copies(plan) == (Residency(4, 4, n, 40),)
     assert remote_bytes(plan) == 40
 
 
@@ -74,10 +75,10 @@ def test_no_two_copies_live_at_once_share_a_byte_and_the_buffer_holds_them_all(s
     n = len(plan.instructions)
     spans = []
     for copy in layout.copies:
-        assert copy.offload < copy.end <= n
-        offset = layout.offset_of[copy.offload]
+        assert copy.start < copy.end <= n
+        offset = layout.offset_of[copy.start]
         assert offset % 8 == 0 and offset + copy.nbytes <= layout.arena_bytes
-        spans.append((-1 if copy.end == n else copy.offload, copy.end, offset, offset + copy.nbytes))
+        spans.append((-1 if copy.end == n else copy.start, copy.end, offset, offset + copy.nbytes))
     for k, (start, end, lo, hi) in enumerate(spans):
         for start2, end2, lo2, hi2 in spans[k + 1:]:
             assert not (start < end2 and start2 < end and lo < hi2 and lo2 < hi), "two live copies share bytes"

@@ -91,6 +91,10 @@ class Table {
         index_.erase(rows_.begin()->second.first);
         rows_.erase(rows_.begin());
     }
+    void clear() {
+        rows_.clear();
+        index_.clear();
+    }
     template <class Pred> void erase_if(Pred pred) {
         for (auto row = rows_.begin(); row != rows_.end();) {
             if (pred(row->second.second)) {
@@ -238,8 +242,8 @@ struct State {
 
     // After drain(): forget every copy and the remote buffers only the pool holds (AsyncCopies.drain's reset).
     void forget() {
-        pending.erase_if([](Copy &) { return true; });
-        reading.erase_if([](Copy &) { return true; });
+        pending.clear();
+        reading.clear();
         pool.clear();
         pool_next.clear();
     }
