@@ -6,7 +6,9 @@ each it captures rank 0's step (``capture_workload(..., world=N)``, on a fake pr
 hyperoffload policy at each budget of ``--budgets`` (shares of the sharded step's no-offload peak, ``smallest`` for
 the least the planner meets, ``device`` for the profile's device memory) and prints per budget: the planned peak,
 the simulated step against ``link_bound_s`` (no plan in any order steps faster: the compute stream, the copies and
-the network's collectives each bound it, ``analysis.link_bound``), the host memory a node needs, the planning time,
+the network's collectives each bound it, ``analysis.link_bound``) and against the best bound of the plan's own op
+order (``order_bound_s``: the largest of the link, traffic and flow bounds, ``analysis.flow_bound`` with
+``--flow-bins`` bins; no plan in that order steps faster), the host memory a node needs, the planning time,
 and each sharded baseline (``--baselines``, those registered: FSDP2's ``CPUOffloadPolicy`` as ``fsdp-cpu-offload``,
 DeepSpeed ZeRO-3 with offload as ``zero-infinity``) at the same budget: its step, and whether it meets the budget.
 
@@ -25,7 +27,7 @@ import os
 import sys
 import time
 
-from hyperoffload.analysis import memory_profile
+from hyperoffload.analysis import flow_bound, memory_profile
 from hyperoffload.compare import run_policy
 from hyperoffload.hardware import get_hardware
 from hyperoffload.host_memory import HostMemoryExceeded, host_memory_need
@@ -72,7 +74,15 @@ def baseline_row(program, hardware, budget: int, name: str) -> dict:
             "meets_budget": result.feasible, "note": result.note}
 
 
-def case_rows(workload: str, world: int, hardware_name: str, budgets: list[str], baselines: list[str]) -> dict:
+def order_bound_s(report, hardware, budget: int, bins: int) -> float:
+    """The best bound of the plan's own op order (seconds): the largest of the link bound (every order), the traffic
+    bound and the flow bound with ``bins`` bins of that order."""
+    flow = flow_bound(report.plan.program, hardware, budget, report.plan.compute_order(), bins=bins).seconds
+    return max(report.link_bound_s, report.traffic_bound_s or 0.0, flow)
+
+
+def case_rows(workload: str, world: int, hardware_name: str, budgets: list[str], baselines: list[str],
+              flow_bins: int = 50) -> dict:
     hardware = get_hardware(hardware_name)
     progress(f"capturing rank 0 of {world} of {workload} (train, FSDP2, fake process group)")
     start = time.perf_counter()
@@ -93,9 +103,12 @@ def case_rows(workload: str, world: int, hardware_name: str, budgets: list[str],
             progress(f"  refused: {error}")
             continue
         f = report.figures
+        progress(f"  bounding the plan's order (flow bound, {flow_bins} bins)")
+        in_order = order_bound_s(report, hardware, budget, flow_bins)
         row = {"budget": text, "budget_bytes": budget, "peak_bytes": f.peak_bytes, "compute_s": f.compute_s,
                "network_s": f.network_s, "step_s": f.step_s, "link_bound_s": report.link_bound_s,
-               "step / link_bound": f.step_s / report.link_bound_s, "h2d_bytes": f.h2d_bytes,
+               "step / link_bound": f.step_s / report.link_bound_s, "order_bound_s": in_order,
+               "step / order_bound": f.step_s / in_order, "h2d_bytes": f.h2d_bytes,
                "d2h_bytes": f.d2h_bytes, "host_bytes_per_node": host_memory_need(report.plan, hardware).per_node,
                "plan_s": report.plan_s, "fits_device": budget <= hardware.memory_bytes, "baselines": []}
         for name in baselines:
@@ -117,8 +130,8 @@ def print_case(case: dict) -> None:
           f"{format_bytes(case['unplanned_peak_bytes'])} per rank, smallest budget "
           f"{format_bytes(case['smallest_budget_bytes'])} ({format_bytes(case['device_memory_bytes'])} on the "
           f"device); captured in {case['capture_s']:.0f} s")
-    head = (f"  {'budget':>8} {'peak':>11} {'step':>9} {'step/link':>9} {'network':>9} {'host/node':>10} "
-            f"{'plan_s':>6}")
+    head = (f"  {'budget':>8} {'peak':>11} {'step':>9} {'step/link':>9} {'step/order':>10} {'network':>9} "
+            f"{'host/node':>10} {'plan_s':>6}")
     print(head + "".join(f"  {name:>24}" for name in names))
     for r in case["rows"]:
         if "error" in r:
@@ -126,7 +139,7 @@ def print_case(case: dict) -> None:
                   f"(any plan at least {format_bytes(r['least_host_bytes_per_node'])}), more than the node has")
             continue
         line = (f"  {r['budget']:>8} {format_bytes(r['peak_bytes']):>11} {format_seconds(r['step_s']):>9} "
-                f"{r['step / link_bound']:>9.3f} {format_seconds(r['network_s']):>9} "
+                f"{r['step / link_bound']:>9.3f} {r['step / order_bound']:>10.3f} {format_seconds(r['network_s']):>9} "
                 f"{format_bytes(r['host_bytes_per_node']):>10} {r['plan_s']:>6.1f}")
         for b in r["baselines"]:
             if "step_s" not in b:
@@ -145,13 +158,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated budgets: shares of the peak, 'smallest', 'device'")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help="comma-separated policies to run at each budget (those registered; '' for none)")
+    parser.add_argument("--flow-bins", type=int, default=50,
+                        help="bins of the flow bound of each plan's order (more: tighter and slower; default 50)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = parser.parse_args(argv)
     baselines = [b for b in args.baselines.split(",") if b and b in POLICIES]
     missing = [b for b in args.baselines.split(",") if b and b not in POLICIES]
     if missing:
         progress(f"not registered, left out: {', '.join(missing)}")
-    cases = [case_rows(*parse_case(c), args.budgets.split(","), baselines) for c in args.cases.split(",")]
+    if args.flow_bins < 1:
+        raise SystemExit(f"--flow-bins must be at least 1, got {args.flow_bins}")
+    cases = [case_rows(*parse_case(c), args.budgets.split(","), baselines, args.flow_bins)
+             for c in args.cases.split(",")]
     result = {"cases": cases, "load_avg": os.getloadavg()}
     if args.json:
         print(json.dumps(result))

@@ -141,6 +141,8 @@ def test_the_sharded_bench_plans_each_budget_within_it():
     for row in case["rows"]:
         assert row["peak_bytes"] <= row["budget_bytes"] < case["unplanned_peak_bytes"]
         assert row["step / link_bound"] >= 1 - 1e-9 and row["step_s"] >= row["compute_s"] * (1 - 1e-9) > 0
+        # The best bound of the plan's own order is at least the link bound, and the plan does not beat it.
+        assert row["order_bound_s"] >= row["link_bound_s"] and row["step / order_bound"] >= 1 - 1e-9
         assert row["step_s"] >= row["network_s"] > 0
         for base in row["baselines"]:  # every registered sharded baseline, at the same budget
             assert base["step_s"] > 0 and base["hyperoffload / baseline"] == row["step_s"] / base["step_s"]

@@ -4,7 +4,8 @@ import pytest
 from helpers import assert_no_plan_beats, assert_no_plan_beats_order_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from programs import op, program, random_programs, simple_hardware, two_peaks, value
+from programs import (op, program, random_programs, random_training_programs, simple_hardware, two_peaks,
+                      two_rank_hardware, value)
 
 from hyperoffload.analysis import flow_bound, memory_profile, window_bound
 from hyperoffload.plans import plan_without_offload
@@ -110,3 +111,14 @@ def test_the_bound_is_the_compute_time_at_the_peak(prog):
     assert bound.status == "fits"
     assert bound.seconds == pytest.approx(simulate(plan_without_offload(prog), hardware).figures.compute_s,
                                           rel=1e-9, abs=1e-15)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_training_programs(sharded=True), st.sampled_from([0.9, 0.6, 0.3]), st.sampled_from([1e3, 1e6]),
+       st.sampled_from([1e3, 1e5]), st.sampled_from([1, 3, 128]))
+def test_no_plan_beats_the_bound_of_its_order_on_a_sharded_step(prog, share, bandwidth, network_bw, bins):
+    """Steps with collectives on the network lane (one rank of a sharded step): a collective takes no compute-stream
+    time, so the bound counts it as nothing, and no policy's plan in an order beats that order's bound, also timed
+    in steady state."""
+    hardware = two_rank_hardware(bw=bandwidth, network_bw=network_bw)
+    _check_policies(prog, hardware, int(memory_profile(prog).peak_bytes * share), bins=bins)

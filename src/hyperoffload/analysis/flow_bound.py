@@ -8,14 +8,14 @@ step maps onto a feasible point of the LP whose objective is at most the plan's 
 minimum is at most every plan's step time.
 
 **Time.** The op order is cut into ``K`` bins of consecutive ops, each starting with a compute-stream op
-(lane ops run on the copy lanes and take no compute time). In each bin one *instant* is chosen: the start
-of its compute op of most unplanned live bytes, ``p*``. The instant splits the bin into two *slots*: from
-the bin's first op to ``p*`` and from ``p*`` to the next bin. In a plan's simulated step, a slot's duration
-is the time from the start of its first op to the start of the next slot's first op (the first slot from
-the step's start, or, for a plan timed in steady state, from the end of the previous step's compute; the
-last slot to the end of the step's compute), so durations add up to at most ``step_s``, and each is at
-least the compute time of the slot's ops (ops run one at a time on the compute stream; stalls and
-per-instruction issue time only add). The LP's duration variables ``d_j >= c_j`` are these.
+(lane ops run on the copy lanes and collectives on the network lane: neither takes compute time). In each bin
+one *instant* is chosen: the start of its compute op of most unplanned live bytes, ``p*``. The instant splits
+the bin into two *slots*: from the bin's first op to ``p*`` and from ``p*`` to the next bin. In a plan's
+simulated step, a slot's duration is the time from the start of its first op to the start of the next slot's
+first op (the first slot from the step's start, or, for a plan timed in steady state, from the end of the
+previous step's compute; the last slot to the end of the step's compute), so durations add up to at most
+``step_s``, and each is at least the compute time of the slot's ops (ops run one at a time on the compute
+stream; stalls and per-instruction issue time only add). The LP's duration variables ``d_j >= c_j`` are these.
 
 **Memory at an instant.** While op ``p*`` starts, the device holds every storage the unplanned step holds
 there (``check_plan(plan_without_offload(...)).live_bytes``), except those that are *off*: released (their

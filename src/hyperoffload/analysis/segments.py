@@ -27,7 +27,8 @@ class OrderProfile:
     times: np.ndarray
     """Seconds each op takes on the profile."""
     computing: np.ndarray
-    """Whether the op runs on the compute stream (not a lane op)."""
+    """Whether the op runs on the compute stream: not a lane op, nor a collective (which runs on the network lane,
+    where its start may lag the compute ops after it in the order)."""
     live: np.ndarray
     """Device bytes live at each position with no offload (``check_plan``'s accounting)."""
 
@@ -36,7 +37,7 @@ def order_profile(program: Program, hardware: Hardware, order: Sequence[int] | N
     """``OrderProfile`` of ``program`` run in ``order`` (default: as captured)."""
     order = list(range(len(program.ops))) if order is None else list(order)
     times = np.asarray(op_times(program, hardware), dtype=np.float64)[order] if order else np.zeros(0)
-    computing = np.array([program.ops[o].lane is None for o in order], dtype=bool)
+    computing = np.array([program.ops[o].stream == "compute" for o in order], dtype=bool)
     live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
     return OrderProfile(order, times, computing, live)
 

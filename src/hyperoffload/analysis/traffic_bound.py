@@ -132,7 +132,7 @@ def _build_program(program: Program, found: list[Segment], copies: _Copies, need
 
 def _need(profile: OrderProfile, budget_bytes: int) -> np.ndarray:
     """Per position: bytes that must be off while its op starts (``live - budget`` at a compute op, at least 0;
-    0 at a lane op)."""
+    0 at a lane op or a collective)."""
     if not profile.order:
         return np.zeros(0, dtype=np.int64)
     return np.where(profile.computing, np.maximum(profile.live - budget_bytes, 0), 0)
