@@ -273,3 +273,51 @@ def test_no_state_first_start_where_the_state_is_most_of_the_peak(tiny_train):
     hardware = H100.replace(h2d_bw=5e8, d2h_bw=5e8, duplex_share=0.8)
     plans = [plan_hyperoffload(program, hardware, budget, PlannerConfig(state_first=on)) for on in (True, False)]
     assert plans[0].instructions == plans[1].instructions
+
+
+def _kept_away_across_the_turn(plan, storage: int) -> bool:
+    """Whether ``plan`` drops ``storage`` after its last read in the forward pass with no offload of its own and
+    prefetches it for its next read after the forward pass."""
+    program, instructions = plan.program, plan.instructions
+    reads = [k for k, instr in enumerate(instructions) if instr.kind is Kind.COMPUTE
+             and storage in {program.values[v].storage for v in program.ops[instr.target].inputs}]
+    forward = [k for k in reads if program.ops[instructions[k].target].phase.value == "forward"]
+    later = [k for k in reads if forward and k > forward[-1]]
+    if not later:
+        return False
+    between = [i.kind for i in instructions[forward[-1] + 1:later[0]]
+               if i.kind is not Kind.COMPUTE and i.target == storage]
+    return Kind.OFFLOAD not in between and Kind.RELEASE in between and Kind.PREFETCH in between
+
+
+def test_the_state_first_start_at_the_turn_keeps_parameter_shards_away_with_no_offload(monkeypatch):
+    """tiny-llama sharded over 2 ranks: each parameter shard is read by an all-gather in the forward pass and again
+    in the backward pass, and written by its update after. The state-first start at the turn
+    (``PlannerConfig.state_first_turn``) keeps such shards in remote memory between steps and away from their
+    forward read to their backward read with no offload of their own (the copy from the last step is current);
+    its plans are valid and within the budget. Without the setting no such start is planned."""
+    from hyperoffload.policies.hyperoffload import order_search
+
+    prog = capture_workload(TINY, "train", world=2).program
+    assert made_share(prog) >= DEFAULTS.state_first_from
+    hardware = get_hardware("dgx-h100")
+    budget = memory_profile(prog).peak_bytes // 2
+    tried = []
+    real = order_search._attempt
+
+    def recording(*args, **kwargs):
+        tried.append(real(*args, **kwargs))
+        return tried[-1]
+
+    monkeypatch.setattr(order_search, "_attempt", recording)
+    plan_hyperoffload(prog, hardware, budget, PlannerConfig(state_first_turn=False))
+    assert tried and not any(t.turn for t in tried)
+    tried.clear()
+    plan_hyperoffload(prog, hardware, budget)
+    turned = [t for t in tried if t.turn]
+    assert turned and all(t.state_first for t in turned)
+    shards = {s for s in (prog.values[v].storage for v in prog.inputs) if prog.values[s].kind is ValueKind.PARAMETER}
+    for t in turned:
+        assert check_plan(t.plan).peak_bytes <= budget
+        away = [s for s in t.plan.initial_remote & shards if _kept_away_across_the_turn(t.plan, s)]
+        assert len(away) >= len(shards) // 2, (len(away), len(shards))

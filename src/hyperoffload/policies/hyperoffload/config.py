@@ -73,6 +73,14 @@ class PlannerConfig:
     activations leave on, and state moved in the backward pass beside the prefetches (a tie share of 0.01 kept
     0.98 GiB of ``llama3-8b``'s state remote on 8 ranks of ``dgx-h100`` at 70% and stepped in 633 ms; 0.1 keeps
     7.23 GiB there, 556 ms; docs/results.md, "One rank of an FSDP2-sharded step")."""
+    state_first_turn: bool = True
+    """Where the state-first start is tried, try it a second time that first keeps in remote memory each storage of
+    the step's state that the forward pass reads and a later op reads again before the step writes it (FSDP's
+    parameter shards), away from its forward use to its next, with no offload (its copy from the last step is
+    current): off the device at the turn from forward to backward for the price of its prefetches, where each
+    saved activation off there costs the forward pass's D2H lane an offload. The faster of the two state-first
+    plans is refined and kept if it beats the others (docs/results.md, "One rank of an FSDP2-sharded step", has
+    what it changed)."""
     state_first_from: float = 0.4
     """The least share of the captured peak that storages the step makes (saved activations) must hold for the
     state-first start (``state_first``) to be tried: below it the start rarely won and still cost a pass at every

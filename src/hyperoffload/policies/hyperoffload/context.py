@@ -78,6 +78,9 @@ class PassContext:
     config: PlannerConfig
     state_first: bool = False
     """Whether cyclic spans win near-ties in the selection (``PlannerConfig.state_first``)."""
+    turn: bool = False
+    """Whether the selection first keeps state read on both sides of the turn from forward to backward away across
+    it (``PlannerConfig.state_first_turn``; with ``state_first``)."""
 
     @property
     def positions(self) -> int:

@@ -17,7 +17,7 @@ from hyperoffload.policies.hyperoffload.config import PlannerConfig, PositionBud
 from hyperoffload.policies.hyperoffload.context import PassContext, StepProfile, back_to_back
 from hyperoffload.policies.hyperoffload.minimum import OrderFacts
 from hyperoffload.policies.hyperoffload.orders import execution_orders, made_share
-from hyperoffload.policies.hyperoffload.selection import plan_selection_pass
+from hyperoffload.policies.hyperoffload.selection import plan_selection_pass, spans_across_the_turn
 from hyperoffload.remote_layout import remote_bytes
 from hyperoffload.simulate import Timeline, simulate
 
@@ -68,6 +68,9 @@ class Tried:
     margin: float
     stretched: bool = False
     state_first: bool = False
+    turn: bool = False
+    """With ``state_first``: whether state read on both sides of the turn from forward to backward was kept away
+    across it first (``PlannerConfig.state_first_turn``)."""
     over_host_bytes: int = 0
     """What the plan keeps in host memory beyond a rank's share of its node (bytes; ``SearchContext.host_bytes``)."""
 
@@ -82,8 +85,8 @@ class Tried:
         return self.over_host_bytes, self.timeline.step_s
 
     @property
-    def start(self) -> tuple[float, bool, bool]:
-        return self.margin, self.stretched, self.state_first
+    def start(self) -> tuple[float, bool, bool, bool]:
+        return self.margin, self.stretched, self.state_first, self.turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +107,11 @@ class _Start:
     stretched: bool
     state_first: bool
     step: StepProfile
+    turn: bool = False
 
     @property
-    def key(self) -> tuple[float, bool, bool]:
-        return self.margin, self.stretched, self.state_first
+    def key(self) -> tuple[float, bool, bool, bool]:
+        return self.margin, self.stretched, self.state_first, self.turn
 
 
 def plan_in_order(search: SearchContext, facts: OrderFacts, seeds: Sequence[Tried] = ()) -> OrderOutcome:
@@ -115,33 +119,39 @@ def plan_in_order(search: SearchContext, facts: OrderFacts, seeds: Sequence[Trie
     (one per margin, one against op times stretched to the window bound, one state first); ``seeds``, plans made
     in that order (unrefined), stand for their starts instead of planning them again."""
     starts = _starts(search, facts, search.times_by_op[facts.order], done={t.start for t in seeds})
-    tried = [*seeds, *(_attempt(search, facts, s.step, s.margin, s.stretched, s.state_first) for s in starts)]
-    # The state-first start is refined on its own: refining only the best start of all made plans slower where the
-    # state-first start had been the best before.
+    tried = [*seeds, *(_attempt(search, facts, s.step, s.margin, s.stretched, s.state_first, s.turn)
+                       for s in starts)]
+    # The state-first starts are refined on their own (the faster of the two): refining only the best start of all
+    # made plans slower where a state-first start had been the best before.
     refined = [_refined(search, facts, [t for t in tried if t.state_first is family]) for family in (False, True)
                if any(t.state_first is family for t in tried)]
     return OrderOutcome(min(refined, key=lambda t: t.rank), tuple(tried), facts)
 
 
 def _attempt(search: SearchContext, facts: OrderFacts, step: StepProfile, margin: float, stretched: bool,
-             state_first: bool) -> Tried:
+             state_first: bool, turn: bool = False) -> Tried:
     """The plan of one selection pass in ``facts.order`` against ``step``'s op times, simulated."""
     plan = plan_selection_pass(PassContext(
         program=search.program, hardware=search.hardware, budget=search.budget, step=step, spans=facts.spans,
-        writes=facts.uses.writes, order=facts.order, margin=margin, config=search.config, state_first=state_first))
+        writes=facts.uses.writes, order=facts.order, margin=margin, config=search.config, state_first=state_first,
+        turn=turn))
     over = max(0, remote_bytes(plan) - search.host_bytes) if search.host_bytes else 0
-    return Tried(plan, search.simulations.timeline(plan), margin, stretched, state_first, over)
+    return Tried(plan, search.simulations.timeline(plan), margin, stretched, state_first, turn, over)
 
 
 def _starts(search: SearchContext, facts: OrderFacts, times: np.ndarray,
-            done: set[tuple[float, bool, bool]]) -> list[_Start]:
+            done: set[tuple[float, bool, bool, bool]]) -> list[_Start]:
     """The starts not ``done`` yet: one per margin, then state first where the step makes enough of its peak
-    (``PlannerConfig.state_first_from``), then stretched to the window bound where that start is tried."""
+    (``PlannerConfig.state_first_from``), and again keeping state away across the turn from forward to backward
+    where the step has such state (``PlannerConfig.state_first_turn``), then stretched to the window bound where
+    that start is tried."""
     config = search.config
     step = back_to_back(times, facts.live)
     starts = [_Start(margin, False, False, step) for margin in config.bandwidth_margins]
     if config.state_first and made_share(search.program) >= config.state_first_from:
         starts.append(_Start(config.bandwidth_margins[0], False, True, step))
+        if config.state_first_turn and spans_across_the_turn(search.program, facts.order, facts.spans):
+            starts.append(_Start(config.bandwidth_margins[0], False, True, step, turn=True))
     stretched = _stretched_start(search, facts, times, done)
     return [s for s in starts + ([stretched] if stretched else []) if s.key not in done]
 
@@ -157,7 +167,7 @@ def _stretched_start(search: SearchContext, facts: OrderFacts, times: np.ndarray
         search.budget.most >= config.stretched_partly_from * live.max())
     margin = config.bandwidth_margins[0]
     if not (config.stretch_to_window_bound and times.size and (anchored or hoisting_small)) or (
-            (margin, True, False) in done):
+            (margin, True, False, False) in done):
         return None
     bound = window_bound(search.program, search.hardware, search.budget.most, facts.order).seconds
     if bound <= times.sum() * (1 + 1e-9):
@@ -177,7 +187,7 @@ def _refined(search: SearchContext, facts: OrderFacts, family: list[Tried]) -> T
         observed = _observed_step(best.timeline, facts.live, position)
         if observed is None:
             break
-        refined = _attempt(search, facts, observed, best.margin, best.stretched, best.state_first)
+        refined = _attempt(search, facts, observed, best.margin, best.stretched, best.state_first, best.turn)
         if refined.rank >= best.rank:
             break
         best = refined

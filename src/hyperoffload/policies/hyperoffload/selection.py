@@ -10,16 +10,18 @@ storage whose remote copy is still current is released without a second offload.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from hyperoffload.ir import Phase, Program
 from hyperoffload.plans import Plan
 from hyperoffload.policies.hyperoffload.context import Choice, PassContext
 from hyperoffload.policies.hyperoffload.passes import (current_copy, full_window, plan_from_choices, prefetch_early,
                                                        reuse_remote_copies, widened)
 from hyperoffload.policies.lanes import Lane
-from hyperoffload.policies.spans import positions_arrays
+from hyperoffload.policies.spans import Span, positions_arrays
 
 
 def plan_selection_pass(ctx: PassContext) -> Plan:
@@ -29,6 +31,16 @@ def plan_selection_pass(ctx: PassContext) -> Plan:
     if ctx.config.early_prefetch:
         choices = prefetch_early(ctx, choices, excess)
     return plan_from_choices(ctx, choices)
+
+
+def spans_across_the_turn(program: Program, order: Sequence[int], spans: Sequence[Span]) -> dict[int, int]:
+    """Storage -> index of its span from a use in the forward pass to one after it, for the storages of the step's
+    state (those with a cyclic span) that have one: what ``PlannerConfig.state_first_turn`` keeps away."""
+    ops = program.ops
+    forward = [ops[op_id].phase is Phase.FORWARD for op_id in order]
+    state = {span.storage for span in spans if span.cyclic}
+    return {span.storage: i for i, span in enumerate(spans)
+            if not span.cyclic and span.storage in state and forward[span.first] and not forward[span.last]}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +114,8 @@ class _Selection:
 
     def run(self) -> tuple[dict[int, Choice], np.ndarray]:
         """The chosen spans (index -> choice, in the order chosen) and the bytes over budget at each position."""
+        if self.ctx.turn:
+            self._state_away_at_the_turn()
         while True:
             p = int(self.excess.argmax())
             need = self.excess[p]
@@ -116,6 +130,32 @@ class _Selection:
                 self._widen(p)
             else:
                 self._take(*best)
+
+    def _state_away_at_the_turn(self) -> None:
+        """The first choices of the state-first start at the turn (``PlannerConfig.state_first_turn``): each storage of
+        the step's state
+        that the forward pass reads and a later op reads again before the step writes it (an FSDP parameter shard, which
+        every layer's all-gather reads in the forward and again in the backward pass) is kept in remote memory between
+        steps (its cyclic span) and leaves after its forward use with no offload, its remote copy still current, to
+        come back for its use after the forward pass. At the turn from forward to backward, where the step peaks, it
+        is then off the device at the cost of prefetches alone, and the forward pass's D2H lane, which carries the
+        saved activations, moves less (``analysis.link_bound``'s phases). Where the cyclic span cannot be placed the
+        storage is left to the greedy; where only the span into the backward pass cannot, the storage stays kept
+        remote between steps, as the state-first start prefers anyway."""
+        spans = self.ctx.spans
+        turning = spans_across_the_turn(self.ctx.program, self.ctx.order, spans)
+        for i, span in enumerate(spans):
+            if not span.cyclic or span.storage not in turning:
+                continue
+            home = self._cyclic_window(i, 0) or self._cyclic_window(i, max(span.last - 1, 0))
+            if home is None:
+                continue
+            self._take(i, home)
+            j = turning[span.storage]
+            away = self._window(j, (spans[j].first + spans[j].last) // 2)
+            if away is not None and away.offload < 0:
+                self._take(j, away)
+        self.over = None
 
     def _hidden(self, p: int, need: float) -> tuple[int, Choice] | None:
         """The best-scoring lane-aware placement among the best-ranked spans that could free ``p``."""
