@@ -18,6 +18,7 @@ from hyperoffload.policies.hyperoffload.context import PassContext, StepProfile,
 from hyperoffload.policies.hyperoffload.minimum import OrderFacts
 from hyperoffload.policies.hyperoffload.orders import execution_orders, made_share
 from hyperoffload.policies.hyperoffload.selection import plan_selection_pass, spans_across_the_turn
+from hyperoffload.policies.spans import Span, idle_spans
 from hyperoffload.remote_layout import remote_bytes
 from hyperoffload.simulate import Timeline, simulate
 
@@ -131,12 +132,27 @@ def plan_in_order(search: SearchContext, facts: OrderFacts, seeds: Sequence[Trie
 def _attempt(search: SearchContext, facts: OrderFacts, step: StepProfile, margin: float, stretched: bool,
              state_first: bool, turn: bool = False) -> Tried:
     """The plan of one selection pass in ``facts.order`` against ``step``'s op times, simulated."""
+    spans = _with_small_state_at_the_turn(search, facts) if turn else facts.spans
     plan = plan_selection_pass(PassContext(
-        program=search.program, hardware=search.hardware, budget=search.budget, step=step, spans=facts.spans,
+        program=search.program, hardware=search.hardware, budget=search.budget, step=step, spans=spans,
         writes=facts.uses.writes, order=facts.order, margin=margin, config=search.config, state_first=state_first,
         turn=turn))
     over = max(0, remote_bytes(plan) - search.host_bytes) if search.host_bytes else 0
     return Tried(plan, search.simulations.timeline(plan), margin, stretched, state_first, turn, over)
+
+
+def _with_small_state_at_the_turn(search: SearchContext, facts: OrderFacts) -> list[Span]:
+    """``facts.spans`` and, for the state-first start at the turn (``PlannerConfig.state_first_turn``), every span of
+    the storages of the step's state it keeps away across the turn that are smaller than ``facts`` takes but at least
+    ``PlannerConfig.small_storage_bytes``: FSDP's parameter shards are many and small (an attention projection's is
+    4 MiB on ``llama3-8b`` x 8, below a 10,000th of the 41.8 GiB peak), and each is state like the larger ones."""
+    least = search.config.small_storage_bytes
+    if least >= facts.min_span_bytes:
+        return list(facts.spans)
+    smaller = [span for span in idle_spans(search.program, facts.uses, min_bytes=least)
+               if span.nbytes < facts.min_span_bytes]
+    turning = spans_across_the_turn(search.program, facts.order, smaller)
+    return [*facts.spans, *(span for span in smaller if span.storage in turning)]
 
 
 def _starts(search: SearchContext, facts: OrderFacts, times: np.ndarray,
