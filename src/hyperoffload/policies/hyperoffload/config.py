@@ -78,9 +78,9 @@ class PlannerConfig:
     the step's state that the forward pass reads and a later op reads again before the step writes it (FSDP's
     parameter shards), away from its forward use to its next, with no offload (its copy from the last step is
     current): off the device at the turn from forward to backward for the price of its prefetches, where each
-    saved activation off there costs the forward pass's D2H lane an offload. Such state counts from
-    ``small_storage_bytes`` up, below the candidates' share of the peak (``min_span_parts``): a sharded model's
-    parameter shards are many and small. The faster of the two state-first plans is refined and kept if it beats
+    saved activation off there costs the forward pass's D2H lane an offload. In one rank of a sharded step such
+    state counts from ``small_storage_bytes`` up, below the candidates' share of the peak (``min_span_parts``): a
+    sharded model's parameter shards are many and small. The faster of the two state-first plans is refined and kept if it beats
     the others (docs/results.md, "One rank of an FSDP2-sharded step", has what it changed)."""
     state_first_from: float = 0.4
     """The least share of the captured peak that storages the step makes (saved activations) must hold for the

@@ -144,10 +144,12 @@ def _attempt(search: SearchContext, facts: OrderFacts, step: StepProfile, margin
 def _with_small_state_at_the_turn(search: SearchContext, facts: OrderFacts) -> list[Span]:
     """``facts.spans`` and, for the state-first start at the turn (``PlannerConfig.state_first_turn``), every span of
     the storages of the step's state it keeps away across the turn that are smaller than ``facts`` takes but at least
-    ``PlannerConfig.small_storage_bytes``: FSDP's parameter shards are many and small (an attention projection's is
-    4 MiB on ``llama3-8b`` x 8, below a 10,000th of the 41.8 GiB peak), and each is state like the larger ones."""
+    ``PlannerConfig.small_storage_bytes``, in one rank of a sharded step: FSDP's parameter shards are many and small
+    (an attention projection's is 4 MiB on ``llama3-8b`` x 8, below a 10,000th of the 41.8 GiB peak), and each is
+    state like the larger ones. A step of one device keeps its usual candidates: there the smaller state made the
+    start slower (``deepseek-v2-lite``'s experts, from 4 MiB up to a 10,000th of its 1.35 TiB peak)."""
     least = search.config.small_storage_bytes
-    if least >= facts.min_span_bytes:
+    if least >= facts.min_span_bytes or search.program.meta.get("world", 1) == 1:
         return list(facts.spans)
     smaller = [span for span in idle_spans(search.program, facts.uses, min_bytes=least)
                if span.nbytes < facts.min_span_bytes]
