@@ -80,8 +80,8 @@ class PlannerConfig:
     current): off the device at the turn from forward to backward for the price of its prefetches, where each
     saved activation off there costs the forward pass's D2H lane an offload. In one rank of a sharded step such
     state counts from ``small_storage_bytes`` up, below the candidates' share of the peak (``min_span_parts``): a
-    sharded model's parameter shards are many and small. The faster of the two state-first plans is refined and kept if it beats
-    the others (docs/results.md, "One rank of an FSDP2-sharded step", has what it changed)."""
+    sharded model's parameter shards are many and small. The faster of the two state-first plans is refined and
+    kept if it beats the others (docs/results.md, "One rank of an FSDP2-sharded step", has what it changed)."""
     state_first_from: float = 0.4
     """The least share of the captured peak that storages the step makes (saved activations) must hold for the
     state-first start (``state_first``) to be tried: below it the start rarely won and still cost a pass at every

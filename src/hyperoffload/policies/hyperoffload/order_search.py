@@ -168,7 +168,8 @@ def _starts(search: SearchContext, facts: OrderFacts, times: np.ndarray,
     starts = [_Start(margin, False, False, step) for margin in config.bandwidth_margins]
     if config.state_first and made_share(search.program) >= config.state_first_from:
         starts.append(_Start(config.bandwidth_margins[0], False, True, step))
-        if config.state_first_turn and spans_across_the_turn(search.program, facts.order, facts.spans):
+        if config.state_first_turn and spans_across_the_turn(search.program, facts.order,
+                                                             _with_small_state_at_the_turn(search, facts)):
             starts.append(_Start(config.bandwidth_margins[0], False, True, step, turn=True))
     stretched = _stretched_start(search, facts, times, done)
     return [s for s in starts + ([stretched] if stretched else []) if s.key not in done]
