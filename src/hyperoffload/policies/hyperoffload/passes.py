@@ -16,6 +16,7 @@ import numpy as np
 from hyperoffload.plans import Instr, Kind, Plan, compute_instructions
 from hyperoffload.policies.hyperoffload.config import POLICY, InfeasibleBudget
 from hyperoffload.policies.hyperoffload.context import Choice, PassContext
+from hyperoffload.policies.hyperoffload.in_flight import held_by_collectives
 from hyperoffload.policies.spans import Span
 
 _Copies = Mapping[int, list[tuple[int, float]]]
@@ -107,8 +108,10 @@ def _reused_copies(ctx: PassContext, w: list[int], chosen: list[int],
 def prefetch_early(ctx: PassContext, choices: Mapping[int, Choice], excess: np.ndarray) -> dict[int, Choice]:
     """Move each prefetch earlier while the budget allows (``excess``, bytes over the budget at each position
     with ``choices``, stays <= 0), keeping prefetches in the order of their deadlines so the H2D lane serves them
-    first-due first."""
-    excess = excess.copy()
+    first-due first. Bytes a collective still holds after its position count as live there
+    (``in_flight.held_by_collectives``): a prefetch into room a reduce-scatter has not freed yet would make the ops
+    after it wait for memory."""
+    excess = excess + held_by_collectives(ctx.program, ctx.hardware, ctx.order, ctx.step.start)
     moved = dict(choices)
     floor = 0
     for i in sorted(choices, key=lambda i: (ctx.spans[i].last, i)):
