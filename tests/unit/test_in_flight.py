@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from programs import op, program, simple_hardware, value
 
 from hyperoffload.cost import op_times
 from hyperoffload.ir import Collective, CollectiveKind, Op, Phase
@@ -16,7 +17,6 @@ from hyperoffload.policies.hyperoffload import plan_hyperoffload
 from hyperoffload.policies.hyperoffload.context import back_to_back
 from hyperoffload.policies.hyperoffload.in_flight import held_by_collectives
 from hyperoffload.simulate import simulate
-from programs import op, program, simple_hardware, value
 
 SECOND = 10**9
 """FLOPs of a one-second op on ``simple_hardware``."""
