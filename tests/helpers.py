@@ -98,3 +98,17 @@ def load_bench_script(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def results_of(monkeypatch, module, name: str) -> list:
+    """What every call of ``module.name`` returns while the test runs, in call order: the function is wrapped (with
+    ``monkeypatch``, so it is restored after the test) and still does its work."""
+    results = []
+    real = getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(module, name, recorded)
+    return results

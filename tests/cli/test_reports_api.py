@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+from helpers import results_of
 from rich.console import Console
 
 from hyperoffload.analysis import memory_profile
@@ -183,14 +184,7 @@ def test_compare_plans_every_policy_for_the_resolved_budget(captured):
 def test_run_text_is_the_run_summary(capsys, monkeypatch):
     from hyperoffload.report import run_report as module
 
-    reports = []
-    measure = module.run_report
-
-    def kept(*args, **kwargs):
-        reports.append(measure(*args, **kwargs))
-        return reports[-1]
-
-    monkeypatch.setattr(module, "run_report", kept)
+    reports = results_of(monkeypatch, module, "run_report")
     assert main(["run", *STEP, "--budget", "50%", "--steps", "1", "--warmup", "0", "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     (report,) = reports

@@ -16,6 +16,7 @@ from hyperoffload.policies.hyperoffload import made_share
 from hyperoffload.runtime import run_plan, run_reference
 from hyperoffload.verify import verify
 from hyperoffload.workloads import capture_workload, get_workload
+from helpers import results_of
 from programs import op, program, random_programs, simple_hardware, value
 
 TINY = get_workload("tiny-llama")
@@ -302,14 +303,7 @@ def test_the_state_first_start_at_the_turn_keeps_parameter_shards_away_with_no_o
     assert made_share(prog) >= DEFAULTS.state_first_from
     hardware = get_hardware("dgx-h100")
     budget = memory_profile(prog).peak_bytes // 2
-    tried = []
-    real = order_search._attempt
-
-    def recording(*args, **kwargs):
-        tried.append(real(*args, **kwargs))
-        return tried[-1]
-
-    monkeypatch.setattr(order_search, "_attempt", recording)
+    tried = results_of(monkeypatch, order_search, "_attempt")
     plan_hyperoffload(prog, hardware, budget, PlannerConfig(state_first_turn=False))
     assert tried and not any(t.turn for t in tried)
     tried.clear()

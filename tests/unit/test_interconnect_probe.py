@@ -23,7 +23,9 @@ def test_the_figures_name_the_sizes_that_were_gathered():
     link = Interconnect(ranks=2, bw=1e9, latency_s=1e-5, small_s=2e-5, large_s=5e-4, probe=probe)
     figures = link.as_dict()
     assert (figures["all_gather_small_bytes"], figures["all_gather_large_bytes"]) == (1024, 1 << 20)
-    assert InterconnectProbe() == Interconnect(ranks=2, bw=1.0, latency_s=0.0, small_s=0.0, large_s=0.0).probe
+    # By default a 4 KiB gather sets the latency and an 8 MiB one the bandwidth, five timed repeats of each.
+    default = Interconnect(ranks=2, bw=1.0, latency_s=0.0, small_s=0.0, large_s=0.0).probe
+    assert (default.small_bytes, default.large_bytes, default.repeats) == (4096, 8 << 20, 5)
 
 
 def test_one_rank_has_no_interconnect_to_measure(tmp_path):

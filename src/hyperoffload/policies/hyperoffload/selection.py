@@ -133,15 +133,14 @@ class _Selection:
 
     def _state_away_at_the_turn(self) -> None:
         """The first choices of the state-first start at the turn (``PlannerConfig.state_first_turn``): each storage of
-        the step's state
-        that the forward pass reads and a later op reads again before the step writes it (an FSDP parameter shard, which
-        every layer's all-gather reads in the forward and again in the backward pass) is kept in remote memory between
-        steps (its cyclic span) and leaves after its forward use with no offload, its remote copy still current, to
-        come back for its use after the forward pass. At the turn from forward to backward, where the step peaks, it
-        is then off the device at the cost of prefetches alone, and the forward pass's D2H lane, which carries the
-        saved activations, moves less (``analysis.link_bound``'s phases). Where the cyclic span cannot be placed the
-        storage is left to the greedy; where only the span into the backward pass cannot, the storage stays kept
-        remote between steps, as the state-first start prefers anyway."""
+        the step's state that the forward pass reads and a later op reads again before the step writes it (an FSDP
+        parameter shard, which every layer's all-gather reads in the forward and again in the backward pass) is kept in
+        remote memory between steps (its cyclic span) and leaves after its forward use with no offload, its remote copy
+        still current, to come back for its use after the forward pass. At the turn from forward to backward, where the
+        step peaks, it is then off the device at the cost of prefetches alone, and the forward pass's D2H lane, which
+        carries the saved activations, moves less (``analysis.link_bound``'s phases). Where the cyclic span cannot be
+        placed the storage is left to the greedy; where only the span into the backward pass cannot, the storage stays
+        kept remote between steps, as the state-first start prefers anyway."""
         spans = self.ctx.spans
         turning = spans_across_the_turn(self.ctx.program, self.ctx.order, spans)
         for i, span in enumerate(spans):
