@@ -132,7 +132,7 @@ def test_steps_keep_their_remote_copies_in_the_buffer_the_plan_lays_out(captured
     import hyperoffload
     from hyperoffload.remote_layout import remote_layout
 
-    planned = hyperoffload.plan(captured.program, slow_hardware(), "20%")
+    planned = hyperoffload.plan(captured.program, slow_hardware(), "10%")  # a budget whose copies share bytes
     layout = remote_layout(planned)
     assert layout.arena_bytes < sum(c.nbytes for c in layout.copies), "the plan should have copies that share bytes"
     unplanned = plan_without_offload(captured.program)

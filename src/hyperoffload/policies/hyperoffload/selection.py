@@ -1,17 +1,18 @@
 """Greedy selection of idle spans and their schedule on the two copy lanes, for one order, margin and start.
 
 Where the profile is furthest over budget, the selection takes the span whose offload and prefetch hide in the
-compute between its uses and that relieves the most over-budget time per byte moved (a span that cannot be hidden
-is taken only when nothing hideable covers the position). Each offload goes right after the use before its span,
-each release where the lane model says the offload has finished, each prefetch as late as its deadline needs; a
-storage whose remote copy is still current is released without a second offload.
+compute between its uses and that relieves the most over-budget time per byte moved. Where nothing hideable covers
+the position, it first stretches a span it has already chosen over it, with the copies that span has booked (the
+compute stream waits for them instead), and only then takes a new span that cannot be hidden. Each offload goes right
+after the use before its span, each release where the lane model says the offload has finished, each prefetch as late
+as its deadline needs; a storage whose remote copy is still current is released without a second offload.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -57,6 +58,8 @@ class _SpanTimes:
     prefetch_s: np.ndarray
     start_at: np.ndarray
     """Each position's start; position n: after the step's last op."""
+    latest: np.ndarray
+    """The last position a prefetch may start at and still land before the use after the span, the lanes aside."""
     lo1: np.ndarray
     """With hi1 and hi2, the windows if each span had the lanes to itself (an upper bound used to rank candidates):
     freed positions [lo1, hi1) and, for cyclic spans, also [0, hi2) at the start of the step."""
@@ -88,7 +91,7 @@ def _span_times(ctx: PassContext) -> _SpanTimes:
     favour = 1.0 + ctx.config.state_first_tie * cyclic if ctx.state_first else None
     return _SpanTimes(
         first=first, last=last, size=size, cyclic=cyclic, offload_s=offload_s, prefetch_s=prefetch_s,
-        start_at=start_at, lo1=lo1, hi1=np.where(cyclic, n, np.minimum(latest, last)),
+        start_at=start_at, latest=latest, lo1=lo1, hi1=np.where(cyclic, n, np.minimum(latest, last)),
         hi2=np.where(cyclic, np.maximum(latest, 0), 0), favour=favour,
         latency_bytes=hardware.h2d_latency_s * hardware.h2d_bw, starts=step.start.tolist(),
         starts_at=start_at.tolist(), offload_l=offload_s.tolist(), prefetch_l=prefetch_s.tolist(),
@@ -107,6 +110,8 @@ class _Selection:
         self.h2d = Lane(float(t.prefetch_s.min(initial=np.inf)))
         self.choices: dict[int, Choice] = {}
         self.free = np.ones(len(ctx.spans), dtype=bool)  # spans not chosen yet
+        self.window = np.full((2, len(ctx.spans)), -1, dtype=np.int64)
+        """Release and prefetch position of each chosen span that is not cyclic (-1: not chosen, or cyclic)."""
         self.out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed)
         self.excess = (ctx.step.live - ctx.budget.at).astype(np.float64)
         self.over: np.ndarray | None = None
@@ -124,7 +129,11 @@ class _Selection:
             if self.over is None:
                 self.over = np.concatenate([[0.0], np.cumsum(np.where(self.excess > 0, self.ctx.step.times, 0.0))])
             best = self._hidden(p, need)
-            if best is None:  # nothing hides here: take the span that idles longest around p, unhidden
+            if best is None:  # nothing hides here: stretch a chosen span over p, else take one unhidden
+                stretched = self._stretched(p, need)
+                if stretched is not None:
+                    self._replace(*stretched)
+                    continue
                 best = self._unhidden(p, need)
             if best is None:  # every span that could free p is taken: stretch one to its whole idle time
                 self._widen(p)
@@ -225,6 +234,51 @@ class _Selection:
             return None
         return Choice(offload, release, prefetch, resumes, begin)
 
+    def _stretched(self, p: int, need: float) -> tuple[int, Choice] | None:
+        """A chosen span (not cyclic) whose idle time covers ``p`` but whose window does not, stretched over ``p``
+        with the copies it has booked: released earlier, where its offload lands after ``p`` (an offload booked after
+        ``p`` goes right after the use before the span instead), or prefetched later, as late as its use allows.
+        Where the lanes are too busy for anything to hide (a forward pass whose saved activations leave slower than it
+        computes), this moves no more bytes, where a new unhidden span adds a round trip on those lanes; the compute
+        stream waits for the booked copy instead. Of the stretches, the one with the least such wait at ``p``
+        (seconds, in the lane-free time the pass plans against), and of equal waits the one that relieves most; None
+        where no chosen span can be stretched over ``p``. The stretch covers the whole over-budget stretch of
+        positions around ``p`` that its idle time covers, not ``p`` alone. The lanes' reservations stay where they
+        were booked."""
+        t = self.t
+        release, prefetch = self.window
+        chosen = release >= 0
+        late_release = chosen & (release > p) & (prefetch > p) & (t.first < p)
+        early_prefetch = chosen & (release <= p) & (prefetch <= p) & (p < t.last)
+        candidates = np.flatnonzero(late_release | early_prefetch)
+        if candidates.size == 0:
+            return None
+        later = np.minimum(np.maximum(t.latest[candidates], p + 1), t.last[candidates])
+        wait = np.where(late_release[candidates], t.start_at[release[candidates]] - t.starts[p],
+                        t.start_at[later] + t.prefetch_s[candidates] - t.start_at[t.last[candidates]])
+        relieved = np.minimum(t.size[candidates], need)
+        k = int(np.lexsort((-relieved, np.maximum(wait, 0.0)))[0])
+        i, choice = int(candidates[k]), self.choices[int(candidates[k])]
+        below = np.flatnonzero(self.excess[:p] <= 0)  # the over-budget stretch around p: [lo, hi)
+        above = np.flatnonzero(self.excess[p:] <= 0)
+        lo, hi = (int(below[-1]) + 1 if below.size else 0), (p + int(above[0]) if above.size else self.n)
+        if late_release[i]:
+            if choice.offload >= p:
+                choice = replace(choice, offload=int(t.first[i]) + 1, offload_begin=-1.0)
+            return i, replace(choice, release=max(lo, int(t.first[i]) + 1, choice.offload))
+        return i, replace(choice, prefetch=int(min(max(later[k], hi), t.last[i])))
+
+    def _replace(self, i: int, choice: Choice) -> None:
+        """Give chosen span i ``choice`` in place of its own (its lane reservations stay)."""
+        self._free(i, self.choices[i], -1)
+        self.choices[i] = choice
+        self._free(i, choice, 1)
+        self._note_window(i, choice)
+
+    def _note_window(self, i: int, choice: Choice) -> None:
+        if not self.ctx.spans[i].cyclic:
+            self.window[:, i] = choice.release, choice.prefetch
+
     def _unhidden(self, p: int, need: float) -> tuple[int, Choice] | None:
         """The span whose whole idle time around ``p`` relieves the most over-budget time, placed without
         regard to the lanes: out right after its use, back right before its next (the compute stream may
@@ -244,26 +298,23 @@ class _Selection:
 
     def _widen(self, p: int) -> None:
         """Stretch a chosen span to its whole idle time to free ``p`` (``passes.widened``)."""
-        i, choice = widened(self.ctx, p, self.choices, self.out_until)
-        self.over = None
-        self._free(i, self.choices[i], -1)
-        self.choices[i] = choice
-        self._free(i, choice, 1)
+        self._replace(*widened(self.ctx, p, self.choices, self.out_until))
 
     def _free(self, i: int, choice: Choice, sign: int) -> None:
         """Take span i's bytes off (``sign`` 1) or back onto (-1) the excess where ``choice`` frees them."""
-        size = self.t.size[i]
+        size = self.t.size[i] * sign
         for lo, hi in choice.freed(self.n):
-            if sign > 0:
-                self.excess[lo:hi] -= size
-            else:
-                self.excess[lo:hi] += size
+            was_over = self.excess[lo:hi] > 0
+            self.excess[lo:hi] -= size
+            if self.over is not None and (was_over != (self.excess[lo:hi] > 0)).any():
+                self.over = None
 
     def _take(self, i: int, choice: Choice) -> None:
         """Choose span i as placed by ``choice``: book its copies on the lanes and take its bytes off the excess."""
         t, span = self.t, self.ctx.spans[i]
         self.choices[i] = choice
         self.free[i] = False
+        self._note_window(i, choice)
         landed = 0.0
         if choice.offload >= 0:
             begin = choice.offload_begin if choice.offload_begin >= 0 else t.start_at[choice.offload]
@@ -277,8 +328,4 @@ class _Selection:
             self.out_until.setdefault(span.storage, []).append((-1, max(0.0, landed - t.end_s)))
         begin = self.ctx.step.start[choice.prefetch]
         self.h2d.reserve(begin, begin + t.prefetch_s[i])
-        for lo, hi in choice.freed(self.n):
-            was_over = self.excess[lo:hi] > 0
-            self.excess[lo:hi] -= t.size[i]
-            if self.over is not None and (was_over != (self.excess[lo:hi] > 0)).any():
-                self.over = None
+        self._free(i, choice, 1)
