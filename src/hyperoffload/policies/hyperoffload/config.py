@@ -41,6 +41,11 @@ class PlannerConfig:
     """Shares of the link bandwidth the schedule assumes; one plan per margin is simulated."""
     candidates_per_step: int = 16
     """How many of the best-ranked spans get an exact, lane-aware placement at each selection step."""
+    stretch_chosen: bool = True
+    """Where no span's copies hide at a position, first stretch a span already chosen over it with the copies it has
+    booked (the compute stream waits for them) before taking a new span whose copies cannot hide
+    (``selection._Selection._stretched``): where the lanes are the bottleneck, a new span adds a round trip on them
+    (docs/results.md, "One rank of an FSDP2-sharded step", has what it changed)."""
     early_prefetch: bool = True
     """After selection, move each prefetch as early as the budget allows (in deadline order)."""
     refinements: int = 2

@@ -130,7 +130,7 @@ class _Selection:
                 self.over = np.concatenate([[0.0], np.cumsum(np.where(self.excess > 0, self.ctx.step.times, 0.0))])
             best = self._hidden(p, need)
             if best is None:  # nothing hides here: stretch a chosen span over p, else take one unhidden
-                stretched = self._stretched(p, need)
+                stretched = self._stretched(p, need) if self.ctx.config.stretch_chosen else None
                 if stretched is not None:
                     self._replace(*stretched)
                     continue
