@@ -375,7 +375,19 @@ def test_a_step_failing_late_is_rolled_back_with_rollback_and_said_to_be_partial
     assert moved == 0 and "last completed step" in note
 
 
-def test_ctrl_c_during_a_step_takes_effect_once_the_step_has_completed():
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test's duration, the one ``deferred_interrupts`` defers (a program with a
+    handler of its own keeps it): an earlier test in the same pytest worker can leave SIGINT ignored (``SIG_IGN``,
+    seen in a full ``-n 2`` run), and the step then has nothing to defer."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield previous
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_a_step_takes_effect_once_the_step_has_completed(default_sigint):
     """SIGINT arriving mid-step (sent from a copy engine's thread while the step's copies run) is raised as
     ``KeyboardInterrupt`` after the call, whose update is complete: the state equals an uninterrupted step's."""
     import os
