@@ -271,11 +271,12 @@ class _Selection:
     def _replace(self, i: int, choice: Choice) -> None:
         """Give chosen span i ``choice`` in place of its own (its lane reservations stay)."""
         self._free(i, self.choices[i], -1)
-        self.choices[i] = choice
+        self._choose(i, choice)
         self._free(i, choice, 1)
-        self._note_window(i, choice)
 
-    def _note_window(self, i: int, choice: Choice) -> None:
+    def _choose(self, i: int, choice: Choice) -> None:
+        """Record ``choice`` as span i's, in ``choices`` and, for a span that is not cyclic, in ``window``."""
+        self.choices[i] = choice
         if not self.ctx.spans[i].cyclic:
             self.window[:, i] = choice.release, choice.prefetch
 
@@ -312,9 +313,8 @@ class _Selection:
     def _take(self, i: int, choice: Choice) -> None:
         """Choose span i as placed by ``choice``: book its copies on the lanes and take its bytes off the excess."""
         t, span = self.t, self.ctx.spans[i]
-        self.choices[i] = choice
+        self._choose(i, choice)
         self.free[i] = False
-        self._note_window(i, choice)
         landed = 0.0
         if choice.offload >= 0:
             begin = choice.offload_begin if choice.offload_begin >= 0 else t.start_at[choice.offload]
