@@ -75,6 +75,29 @@ def test_nothing_to_stretch_where_no_chosen_span_idles_over_the_position():
     assert sel._stretched(2, 500.0) is None
 
 
+def test_a_span_kept_remote_between_steps_is_released_where_the_budget_needs_it():
+    # Storage 1 is read last at 4 and first at 1 (of the next step): its cyclic span. Its offload was booked after
+    # the step, so it left only at the step's end, and position 5 is over the budget by 500. The offload goes right
+    # after its last use instead, and it is released there.
+    sel = _pass([1000, 1000, 1000, 1000, 1000, 2500], 2000, [Span(1, 4, 1, 1000)])
+    sel._take(0, Choice(6, 6, 1, 0, offload_begin=6.0))
+    assert sel._stretched(5, 500.0) == (0, Choice(5, 5, 1, 0))
+
+
+def test_a_span_kept_remote_between_steps_and_back_early_is_stretched_last():
+    # Position 2 is over the budget. Storage 1 (cyclic: read last at 4, first at 3) was booked back at 2; storage 2
+    # leaves after its use at 1 and was released at 3. Either stretch waits 1 s; the cyclic one would relieve more,
+    # but a kept-remote storage's prefetch is stretched only where nothing else can be.
+    spans = [Span(1, 4, 3, 1000), Span(2, 1, 5, 500)]
+    sel = _pass([1000, 2000, 3500, 2000, 1000, 1000], 2000, spans)
+    sel._take(0, Choice(-1, 5, 2, 0))
+    sel._take(1, Choice(2, 3, 5))
+    assert sel._stretched(2, 1500.0) == (1, Choice(2, 2, 5))
+    alone = _pass([1000, 2000, 3500, 2000, 1000, 1000], 2000, spans[:1])
+    alone._take(0, Choice(-1, 5, 2, 0))
+    assert alone._stretched(2, 1500.0) == (0, Choice(-1, 5, 3, 0))
+
+
 def test_stretching_chosen_spans_makes_a_sharded_step_at_its_smallest_budget_faster():
     """tiny-llama on 2 ranks of dgx-h100 at the smallest budget: the forward pass's saved activations leave slower
     than it computes, and without the stretch the selection sends short-lived gathered parameters on a round trip

@@ -41,15 +41,20 @@ def hoist_updates(program: Program, *, anchored: bool = True, share: float | Non
     where its gradient is final (``_sink``); without, ops that need no gradient run at the
     start of the step. With ``share``, only the updates ``early_updates`` picks with ``big_state_share`` move (see
     there). Equal to the captured order when the step has no optimizer phase."""
-    early = [op.phase is Phase.OPTIMIZER for op in program.ops] if share is None else early_updates(
+    hoisted = [op.phase is Phase.OPTIMIZER for op in program.ops] if share is None else early_updates(
         program, share, big_state_share)
+    dependents = program.dependents()
+    # An op that no op depends on and that writes nothing in place (the loss detached to be returned) keeps its
+    # place at the step's end. Hoisted, it would be the last use of the storage it reads, which, returned, would
+    # then stay on the device from there to the end; left at the end, it can leave between its two uses.
+    early = [h and bool(dependents[i] or program.ops[i].mutates) for i, h in enumerate(hoisted)]
     order = _early_ones_when_ready(program, early)
     # Run as soon as its inputs are ready, an optimizer op that needs no gradient (AdamW's
     # ``exp_avg_sq.mul_(beta2)``, the bias corrections) would run at the very start of the step, and the state
     # it touches would then be needed on the device there as well as at its update: every second moment would
     # cross the link twice per step. Sunk to its first dependent, it runs with the rest of its update, which
     # the gradient anchors in the backward pass.
-    return _sink(order, early, program.dependents()) if anchored else tuple(order)
+    return _sink(order, early, dependents) if anchored else tuple(order)
 
 
 def _early_ones_when_ready(program: Program, early: Sequence[bool]) -> list[int]:

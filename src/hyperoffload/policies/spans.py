@@ -41,8 +41,9 @@ class Span:
         return self.first >= self.last
 
 
-def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
-    """Every span of at least one position between two uses of a storage of ``min_bytes`` or more."""
+def idle_spans(program: Program, uses: Uses, *, min_bytes: int, scalars: bool = False) -> list[Span]:
+    """Every span of at least one position between two uses of a storage of ``min_bytes`` or more; with ``scalars``,
+    of each 0-dim storage too, however small."""
     values = program.values
     # Only step inputs can start the step in remote memory (``Plan.initial_remote``): the caller hands them
     # over each step. Graph constants (tensor attributes of a model that are neither parameters nor buffers)
@@ -51,7 +52,7 @@ def idle_spans(program: Program, uses: Uses, *, min_bytes: int) -> list[Span]:
     spans = []
     for s, positions in uses.positions.items():
         size = values[s].alloc_bytes
-        if size < min_bytes or size == 0:  # an empty storage frees nothing by leaving
+        if (size < min_bytes and not (scalars and values[s].shape == ())) or size == 0:  # an empty one frees nothing
             continue
         # A step input's idle time before its first use is covered by its cyclic span (it arrives from
         # remote memory), which also frees it after its last use: no separate span from the start.

@@ -27,8 +27,9 @@ class PlannerConfig:
     storages that small would not change the plan."""
     small_storage_bytes: int = 4 * 2**20
     """Where a budget is below ``small_storages_below`` times the smallest the planner meets with the usual
-    candidates (``min_span_parts``), it also plans each order with the storages from this size up (bytes; with
-    ``min_span_bytes`` unset), and the quick passes rank both sets. A share of the peak grows with the model
+    candidates (``min_span_parts``), it also plans each order with the storages from this size up and the scalars
+    (0-dim storages, ``minimum._with_scalars``) (bytes; with ``min_span_bytes`` unset), and the quick passes rank both
+    sets. A share of the peak grows with the model
     while its activations grow with the hidden size only: on a large model's step the share leaves every
     activation (sequence x hidden) on the device, and those then make most of the smallest budget the usual
     candidates meet; with them as candidates it is far smaller, and near it the plans are faster."""

@@ -1,7 +1,8 @@
 """The smallest budget the planner can meet: what each position holds whatever it offloads, and which op sets it.
 
 Every op's own inputs and outputs stay on the device, and a storage can leave only across a span of at least one op
-between two of its uses, and only if it is a candidate (``PlannerConfig.min_span_bytes``).
+between two of its uses, and only if it is a candidate (``PlannerConfig.min_span_bytes``; near the smallest budget
+also ``PlannerConfig.small_storage_bytes`` and the scalars).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class OrderFacts:
     uses: Uses
     spans: list[Span]
     min_span_bytes: int
+    scalars: bool = False
+    """Whether the 0-dim storages are candidates too, however small (``idle_spans``): with the smaller storages
+    (``with_smaller_storages``)."""
 
 
 def _min_span_bytes(config: PlannerConfig, live: np.ndarray, *, small: bool) -> int:
@@ -42,23 +46,36 @@ def _min_span_bytes(config: PlannerConfig, live: np.ndarray, *, small: bool) -> 
     return min(share, config.small_storage_bytes) if small else share
 
 
+def _with_scalars(config: PlannerConfig) -> bool:
+    """Whether the smaller storages' candidates take the 0-dim storages too: unless ``PlannerConfig.min_span_bytes``
+    is set. A scalar moves for one copy's latency. An optimizer's step-dependent factors (AdamW's bias corrections)
+    are scalars computed once and read by every update: in an order that hoists updates into the backward pass they
+    stay on the device across all of it, and without them as candidates that order needs their bytes more than the
+    captured order at the smallest budget, so that only the captured one could plan there."""
+    return config.min_span_bytes is None
+
+
 def order_facts(program: Program, order: Sequence[int], config: PlannerConfig, *, small: bool = True) -> OrderFacts:
     """What planning in ``order`` starts from. With ``small``, the candidates are the most this planner takes
-    (``PlannerConfig.small_storage_bytes``)."""
+    (``PlannerConfig.small_storage_bytes``, and the scalars)."""
     order = list(order)
     live = np.asarray(check_plan(plan_without_offload(program, order)).live_bytes, dtype=np.int64)
     min_span_bytes = _min_span_bytes(config, live, small=small)
+    scalars = small and _with_scalars(config)
     uses = storage_uses(program, order)
-    return OrderFacts(order, live, uses, idle_spans(program, uses, min_bytes=min_span_bytes), min_span_bytes)
+    return OrderFacts(order, live, uses, idle_spans(program, uses, min_bytes=min_span_bytes, scalars=scalars),
+                      min_span_bytes, scalars)
 
 
 def with_smaller_storages(program: Program, facts: OrderFacts, config: PlannerConfig) -> OrderFacts | None:
-    """``facts`` with storages from ``PlannerConfig.small_storage_bytes`` up as candidates; None where that takes
-    no more."""
+    """``facts`` with storages from ``PlannerConfig.small_storage_bytes`` up and the scalars as candidates; None
+    where that takes no more."""
     least = _min_span_bytes(config, facts.live, small=True)
-    if least >= facts.min_span_bytes:
+    scalars = _with_scalars(config)
+    if least >= facts.min_span_bytes and scalars <= facts.scalars:
         return None
-    return replace(facts, spans=idle_spans(program, facts.uses, min_bytes=least), min_span_bytes=least)
+    return replace(facts, spans=idle_spans(program, facts.uses, min_bytes=least, scalars=scalars),
+                   min_span_bytes=least, scalars=scalars)
 
 
 def minimum_budget(program: Program, config: PlannerConfig = PlannerConfig(),

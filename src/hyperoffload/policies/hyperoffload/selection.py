@@ -3,7 +3,8 @@
 Where the profile is furthest over budget, the selection takes the span whose offload and prefetch hide in the
 compute between its uses and that relieves the most over-budget time per byte moved. Where nothing hideable covers
 the position, it first stretches a span it has already chosen over it, with the copies that span has booked (the
-compute stream waits for them instead), and only then takes a new span that cannot be hidden. Each offload goes right
+compute stream waits for them instead; spans kept in remote memory between steps included), and only then takes a new
+span that cannot be hidden. Each offload goes right
 after the use before its span, each release where the lane model says the offload has finished, each prefetch as late
 as its deadline needs; a storage whose remote copy is still current is released without a second offload.
 """
@@ -110,8 +111,8 @@ class _Selection:
         self.h2d = Lane(float(t.prefetch_s.min(initial=np.inf)))
         self.choices: dict[int, Choice] = {}
         self.free = np.ones(len(ctx.spans), dtype=bool)  # spans not chosen yet
-        self.window = np.full((2, len(ctx.spans)), -1, dtype=np.int64)
-        """Release and prefetch position of each chosen span that is not cyclic (-1: not chosen, or cyclic)."""
+        self.window = np.full((3, len(ctx.spans)), -1, dtype=np.int64)
+        """Release, prefetch and resume position (``Choice.resumes``) of each chosen span (-1: not chosen)."""
         self.out_until: dict[int, list[tuple[int, float]]] = {}  # storage -> (span first, offload landed)
         self.excess = (ctx.step.live - ctx.budget.at).astype(np.float64)
         self.over: np.ndarray | None = None
@@ -235,21 +236,27 @@ class _Selection:
         return Choice(offload, release, prefetch, resumes, begin)
 
     def _stretched(self, p: int, need: float) -> tuple[int, Choice] | None:
-        """A chosen span (not cyclic) whose idle time covers ``p`` but whose window does not, stretched over ``p``
-        with the copies it has booked: released earlier, where its offload lands after ``p`` (an offload booked after
-        ``p`` goes right after the use before the span instead), or prefetched later, as late as its use allows.
+        """A chosen span whose idle time covers ``p`` but whose window does not, stretched over ``p`` with the copies
+        it has booked: released earlier, where its offload lands after ``p`` (an offload booked after ``p``, or after
+        the step for a span kept in remote memory between steps, goes right after the use before the span instead), or
+        prefetched later, as late as its use allows.
         Where the lanes are too busy for anything to hide (a forward pass whose saved activations leave slower than it
         computes), this moves no more bytes, where a new unhidden span adds a round trip on those lanes; the compute
         stream waits for the booked copy instead. Of the stretches, the one with the least such wait at ``p``
-        (seconds, in the lane-free time the pass plans against), and of equal waits the one that relieves most; None
+        (seconds, in the lane-free time the pass plans against), and of equal waits the one that relieves most, but
+        a span kept in remote memory between steps is prefetched later only where no other stretch is left (its
+        prefetch is the state's one crossing of the step; ranked with the rest, it made ``llama3-70b`` x 4 of
+        ``gh200-nvl`` at its smallest budget slower, docs/results.md); None
         where no chosen span can be stretched over ``p``. The stretch covers the whole over-budget stretch of
         positions around ``p`` that its idle time covers, not ``p`` alone. The lanes' reservations stay where they
         were booked."""
         t = self.t
-        release, prefetch = self.window
+        release, prefetch, resumes = self.window
         chosen = release >= 0
-        late_release = chosen & (release > p) & (prefetch > p) & (t.first < p)
-        early_prefetch = chosen & (release <= p) & (prefetch <= p) & (p < t.last)
+        # On the device at p between the use before its span and the release (a cyclic span: after its last use in
+        # the step), or between the prefetch and the use after it (a cyclic span: before its first use).
+        late_release = chosen & (t.first < p) & (p < release) & (t.cyclic | (prefetch > p))
+        early_prefetch = chosen & (prefetch <= p) & (p < t.last) & np.where(t.cyclic, resumes <= p, release <= p)
         candidates = np.flatnonzero(late_release | early_prefetch)
         if candidates.size == 0:
             return None
@@ -257,7 +264,8 @@ class _Selection:
         wait = np.where(late_release[candidates], t.start_at[release[candidates]] - t.starts[p],
                         t.start_at[later] + t.prefetch_s[candidates] - t.start_at[t.last[candidates]])
         relieved = np.minimum(t.size[candidates], need)
-        k = int(np.lexsort((-relieved, np.maximum(wait, 0.0)))[0])
+        last_resort = (t.cyclic & early_prefetch)[candidates]
+        k = int(np.lexsort((-relieved, np.maximum(wait, 0.0), last_resort))[0])
         i, choice = int(candidates[k]), self.choices[int(candidates[k])]
         below = np.flatnonzero(self.excess[:p] <= 0)  # the over-budget stretch around p: [lo, hi)
         above = np.flatnonzero(self.excess[p:] <= 0)
@@ -265,7 +273,7 @@ class _Selection:
         if late_release[i]:
             if choice.offload >= p:
                 choice = replace(choice, offload=int(t.first[i]) + 1, offload_begin=-1.0)
-            return i, replace(choice, release=max(lo, int(t.first[i]) + 1, choice.offload))
+            return i, replace(choice, release=max(lo, int(t.first[i]) + 1, choice.offload), resumes=0)
         return i, replace(choice, prefetch=int(min(max(later[k], hi), t.last[i])))
 
     def _replace(self, i: int, choice: Choice) -> None:
@@ -275,10 +283,9 @@ class _Selection:
         self._free(i, choice, 1)
 
     def _choose(self, i: int, choice: Choice) -> None:
-        """Record ``choice`` as span i's, in ``choices`` and, for a span that is not cyclic, in ``window``."""
+        """Record ``choice`` as span i's, in ``choices`` and in ``window``."""
         self.choices[i] = choice
-        if not self.ctx.spans[i].cyclic:
-            self.window[:, i] = choice.release, choice.prefetch
+        self.window[:, i] = choice.release, choice.prefetch, choice.resumes
 
     def _unhidden(self, p: int, need: float) -> tuple[int, Choice] | None:
         """The span whose whole idle time around ``p`` relieves the most over-budget time, placed without
