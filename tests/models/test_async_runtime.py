@@ -132,9 +132,12 @@ def test_steps_keep_their_remote_copies_in_the_buffer_the_plan_lays_out(captured
     import hyperoffload
     from hyperoffload.remote_layout import remote_layout
 
-    planned = hyperoffload.plan(captured.program, slow_hardware(), "10%")  # a budget whose copies share bytes
-    layout = remote_layout(planned)
-    assert layout.arena_bytes < sum(c.nbytes for c in layout.copies), "the plan should have copies that share bytes"
+    # A budget whose copies share bytes: which ones do depends on the planner's choices, so the first of a few.
+    plans = (hyperoffload.plan(captured.program, slow_hardware(), budget) for budget in ("5%", "10%", "15%", "20%"))
+    laid_out = ((planned, remote_layout(planned)) for planned in plans)
+    planned, layout = next(((planned, layout) for planned, layout in laid_out
+                            if layout.arena_bytes < sum(c.nbytes for c in layout.copies)), (None, None))
+    assert planned is not None, "some plan should have copies that share bytes"
     unplanned = plan_without_offload(captured.program)
     ref_state = [t.clone() for t in captured.inputs]
     ref_losses = [run_plan(unplanned, ref_state).outputs for _ in range(2)]
