@@ -5,7 +5,8 @@ inherits no process group, no threads and no CUDA state from the caller). Each o
 gloo process group through a ``FileStore`` in a temporary folder of its own (no port to find), calls
 ``work(rank, payload, say)`` and hands its result to rank 0 (``gather_object``), which passes the list to the
 caller; the gather is itself a collective, so the results arrive only once every rank has finished. ``say(text)``
-sends a progress line to the caller, which hears it as ``on_line(rank, text)``.
+sends a progress line to the caller, which hears it as ``on_line(rank, text)``. A rank that has finished leaves the
+group and exits without the interpreter's teardown (see ``_rank_main``).
 
 A rank that raises sends its exception (type, message, where) to the caller and exits. The other ranks would wait
 in their next collective until the group's timeout (``RankSetup.timeout_s``); the caller does not let them:
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -184,6 +186,12 @@ def _rank_main(rank: int, work: Callable, payload: Any, setup: RankSetup, store:
             writer.close()
         finally:
             os._exit(1)  # now: an orderly exit could wait on the group's threads, which wait on the other ranks
+    # Done: exit at once, as on an error. The interpreter's teardown would run the C++ destructors of threads that
+    # torch and gloo started, and one still joinable there aborts the process ("terminate called without an active
+    # exception"), which the caller would take for a rank that failed after sending its results.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _described(error: BaseException) -> tuple[str, str, str, str]:
