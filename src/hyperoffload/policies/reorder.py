@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from hyperoffload.ir import Phase, Program
 from hyperoffload.simulate import side_waits  # the rule the simulator waits by
 
-BIG_STATE_SHARE = 1 / 64
-"""Default of ``PlannerConfig.big_state_share`` (a share of the step's input bytes), which documents it."""
+BIG_STATE_SHARE = 0.5
+"""Default of ``PlannerConfig.big_state_share`` (a share of the step's largest input), which documents it."""
 
 LOOKAHEAD_OPS = 256
 """Default of ``PlannerConfig.lane_lookahead_ops`` (ops), which documents it."""
@@ -131,7 +131,7 @@ def early_updates(program: Program, share: float,
     """Which optimizer ops a partly hoisted order moves into the backward pass: the updates whose gradients
     are final within the first ``share`` of the backward pass's ops, and the shared scalars they need (the
     step count, bias corrections), but not an update whose state includes a tensor of more than
-    ``big_state_share`` of the step's input bytes (``PlannerConfig.big_state_share``).
+    ``big_state_share`` of the step's largest input (``PlannerConfig.big_state_share``).
 
     Why only some: hoisted, an update needs its parameter's moments on the device where its gradient is
     final. For the layers whose gradients come first, that is the start of the backward pass, right after
@@ -149,7 +149,7 @@ def early_updates(program: Program, share: float,
     cutoff = share * len(backward)
     values = program.values
     inputs = set(program.inputs)
-    big = sum(values[v].alloc_bytes for v in inputs) * big_state_share
+    big = max((values[v].alloc_bytes for v in inputs), default=0) * big_state_share
     deps = program.dependencies()
     ready: dict[int, float] = {}  # optimizer op -> position in the backward pass where its gradient is final
     large: dict[int, bool] = {}  # optimizer op -> whether its update touches a large state tensor

@@ -121,9 +121,12 @@ class PlannerConfig:
     worse: no share is best everywhere, so both ends are planned and the simulator keeps the faster."""
     big_state_share: float = BIG_STATE_SHARE
     """In a partly hoisted order (``partly_hoisted``), an update whose state tensors include one of more than this
-    share of the step's input bytes stays in the optimizer phase (a ratio; ``reorder.early_updates``): those
+    share of the step's largest input stays in the optimizer phase (a ratio; ``reorder.early_updates``): those
     (an output projection's moments, an embedding's) are what makes the peak, and hoisted, their update would need
-    them on the device right after it, where the link is busiest."""
+    them on the device right after it, where the link is busiest. A share of the largest input, not of all the
+    inputs together: the model's other tensors grow with its size as well, and on ``llama3-70b`` 1/64 of all its
+    inputs left even the output projection's 4 GiB moments below it, so the partly hoisted orders hoisted them into
+    the start of the backward pass, where every saved activation is still live (docs/results.md)."""
     quick_tolerance: float = 0.05
     """Each order gets a quick pass; the full search runs in the fastest and in every order whose quick
     plan is within this share of it."""
