@@ -52,7 +52,9 @@ def idle_spans(program: Program, uses: Uses, *, min_bytes: int, scalars: bool = 
     spans = []
     for s, positions in uses.positions.items():
         size = values[s].alloc_bytes
-        if (size < min_bytes and not (scalars and values[s].shape == ())) or size == 0:  # an empty one frees nothing
+        if size == 0:  # an empty storage frees nothing by leaving
+            continue
+        if size < min_bytes and not (scalars and values[s].shape == ()):
             continue
         # A step input's idle time before its first use is covered by its cyclic span (it arrives from
         # remote memory), which also frees it after its last use: no separate span from the start.

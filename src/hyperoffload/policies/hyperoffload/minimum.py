@@ -72,7 +72,7 @@ def with_smaller_storages(program: Program, facts: OrderFacts, config: PlannerCo
     where that takes no more."""
     least = _min_span_bytes(config, facts.live, small=True)
     scalars = _with_scalars(config)
-    if least >= facts.min_span_bytes and scalars <= facts.scalars:
+    if least >= facts.min_span_bytes and (facts.scalars or not scalars):
         return None
     return replace(facts, spans=idle_spans(program, facts.uses, min_bytes=least, scalars=scalars),
                    min_span_bytes=least, scalars=scalars)

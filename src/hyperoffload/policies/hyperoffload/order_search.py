@@ -189,9 +189,10 @@ def _stretched_start(search: SearchContext, facts: OrderFacts, times: np.ndarray
             (margin, True, False, False) in done):
         return None
     bound = window_bound(search.program, search.hardware, search.budget.most, facts.order).seconds
-    if times.sum() <= 0 or bound <= times.sum() * (1 + 1e-9):  # no compute time to stretch, or nothing to gain
+    compute = times.sum()
+    if compute <= 0 or bound <= compute * (1 + 1e-9):  # no compute time to stretch, or nothing to gain
         return None
-    return _Start(margin, True, False, back_to_back(times * (bound / times.sum()), live))
+    return _Start(margin, True, False, back_to_back(times * (bound / compute), live))
 
 
 def _refined(search: SearchContext, facts: OrderFacts, family: list[Tried]) -> Tried:
